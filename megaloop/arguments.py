@@ -1,0 +1,102 @@
+"""Command line derived from the config dataclasses.
+
+Every concern (model, loop, parallelism, training, data, logging) is one dataclass whose fields
+carry a docstring (a string literal right under the field, as megatron-core writes its configs).
+This module turns those dataclasses into argparse flags, so the flag set, defaults and help text
+are written exactly once. Flag names are the field names with ``-`` for ``_``; that gives
+Megatron-LM's names where the field is named after Megatron-LM's flag.
+
+Per-field ``metadata`` may refine the flag: ``choices``, ``nargs`` (lists), ``flag`` (an explicit
+name when the field name cannot be the flag, e.g. ``bf16``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from typing import Any, Literal
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass, read from its source (including base classes)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per field of ``cls`` to ``parser``, in a group named after the class."""
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().split("\n")[0])
+    for f in dataclasses.fields(cls):
+        if not f.init or f.metadata.get("cli") is False:
+            continue
+        tp = _unwrap_optional(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default,
+                                  "help": docs.get(f.name, "") + f" (default: {default})"}
+        if tp is bool:
+            # A bare flag switches the default on, as Megatron-LM's store_true flags do;
+            # `--flag false` is accepted so a script can pass an explicit value.
+            kwargs.update(nargs="?", const=True, type=_parse_bool)
+        elif typing.get_origin(tp) is Literal:
+            kwargs.update(choices=list(typing.get_args(tp)), type=type(typing.get_args(tp)[0]))
+        elif typing.get_origin(tp) in (list, tuple):
+            (inner, *_) = typing.get_args(tp) or (str,)
+            kwargs.update(nargs=f.metadata.get("nargs", "+"), type=_unwrap_optional(inner))
+        else:
+            kwargs.update(type=tp)
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        group.add_argument(flag_name(f), **kwargs)
+
+
+def dataclass_from_args(cls: type, namespace: argparse.Namespace):
+    """Build ``cls`` from the parsed namespace (fields not on the CLI keep their defaults)."""
+    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)
+              if f.init and f.metadata.get("cli") is not False and hasattr(namespace, f.name)}
+    return cls(**values)

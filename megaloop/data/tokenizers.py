@@ -1,0 +1,199 @@
+"""Tokenizers shared by preprocessing (tools/preprocess_data.py) and training.
+
+Every tokenizer exposes the same small surface: ``vocab_size``, ``eod``, ``pad``, ``bos``,
+``tokenize(text)``, ``tokenize_batch(texts)``, ``detokenize(ids)`` and ``unique_identifiers``
+(megatron-core's datasets put it in their cache description and read ``eod``/``pad``).
+
+Why not megatron-core's ``MegatronTokenizer`` wrappers for sentencepiece and Hugging Face: they
+encode one text at a time through Python-side special-token handling; preprocessing wants the
+libraries' native batch encoders (C++ / Rust loops), which is where its throughput comes from.
+The null tokenizer has no such cost, so megatron-core's own class is reused for it.
+
+``pad`` is never equal to ``eod``: a tokenizer without a pad piece reports -1, megatron-core's
+"no pad" id, which never occurs in data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from typing import Iterable, Optional, Sequence
+
+from megaloop.data.config import TokenizerConfig
+
+NO_PAD = -1  # megatron.core.datasets.megatron_dataset._PAD_TOKEN_ID: an id that is never data
+
+
+class Tokenizer:
+    """Common surface; subclasses set the ids and implement the encoders."""
+
+    vocab_size: int
+    eod: int
+    pad: int = NO_PAD
+    bos: Optional[int] = None
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    @property
+    def eos(self) -> int:
+        # megatron-core's pad-collision check looks for eos or eod; they are the same token here.
+        return self.eod
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(cls=type(self).__name__, vocab_size=self.vocab_size, eod=self.eod,
+                           pad=self.pad)
+
+
+class NullTokenizer(Tokenizer):
+    """Text is whitespace-separated integer ids; ``eod = vocab_size - 1``.
+
+    Delegates to megatron-core's NullTokenizer, whose ``--vocab-size N`` means N ordinary ids
+    followed by EOD = N, so the reported vocab_size is N + 1.
+    """
+
+    def __init__(self, vocab_size: int):
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import (
+            NullTokenizer as _McoreNull)
+        self._impl = _McoreNull(vocab_size)
+        self.vocab_size = self._impl.vocab_size
+        self.eod = self._impl.eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._impl.text_to_ids(text) if text.strip() else []
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._impl.ids_to_text([int(i) for i in ids])
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A local sentencepiece ``.model``; EOD is its eos piece, as in Megatron-LM."""
+
+    def __init__(self, model_file: str):
+        import sentencepiece
+
+        self.model_file = os.path.abspath(model_file)
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self._sp.get_piece_size()
+        self.eod = self._sp.eos_id()
+        if self.eod < 0:
+            raise ValueError(f"--tokenizer-model {model_file} has no eos piece, so there is no "
+                             "EOD: retrain it with tools/train_tokenizer.py")
+        self.pad = self._sp.pad_id()  # -1 when the model has none, which is NO_PAD
+        self.bos = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def tokenize_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        # One thread: preprocessing parallelises with processes, one tokenizer per core.
+        return self._sp.encode(list(texts), num_threads=num_threads)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        ids = super().unique_identifiers
+        ids["model_file"] = self.model_file
+        return ids
+
+
+def _special_token(config: dict, key: str) -> Optional[str]:
+    value = config.get(key)
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A local ``tokenizer.json`` read with the ``tokenizers`` library (no hub access).
+
+    Special tokens come from ``tokenizer_config.json`` next to it when present, else from the
+    usual names. Documents are encoded without added special tokens (no BOS): EOD is appended by
+    preprocessing (--append-eod), as for the other tokenizers.
+    """
+
+    EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+    PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
+    BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        json_file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        self.model_file = os.path.abspath(json_file)
+        self._tok = _HFTokenizer.from_file(json_file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        config_file = os.path.join(os.path.dirname(json_file), "tokenizer_config.json")
+        config = json.load(open(config_file)) if os.path.isfile(config_file) else {}
+
+        def lookup(key: str, names: tuple[str, ...]) -> Optional[int]:
+            for name in ([_special_token(config, key)] if _special_token(config, key) else names):
+                if (tid := self._tok.token_to_id(name)) is not None:
+                    return tid
+            return None
+
+        eod = lookup("eos_token", self.EOS_NAMES)
+        if eod is None:
+            raise ValueError(f"--tokenizer-model {json_file}: no end-of-text token found (set "
+                             "eos_token in a tokenizer_config.json next to it)")
+        self.eod = eod
+        pad = lookup("pad_token", self.PAD_NAMES)
+        self.pad = NO_PAD if pad is None or pad == eod else pad
+        self.bos = lookup("bos_token", self.BOS_NAMES)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        ids = super().unique_identifiers
+        ids["model_file"] = self.model_file
+        return ids
+
+
+def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    """Build the tokenizer ``cfg`` names (validating it first)."""
+    cfg.validate()
+    if cfg.tokenizer_type == "NullTokenizer":
+        return NullTokenizer(cfg.vocab_size)
+    if cfg.tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(cfg.tokenizer_model)
+    return HuggingFaceTokenizer(cfg.tokenizer_model)
+
+
+# Special ids of tokenizers trained here: explicit, so that pad never equals EOD (= eos).
+SPM_UNK_ID, SPM_BOS_ID, SPM_EOS_ID, SPM_PAD_ID = 0, 1, 2, 3
+
+
+def train_sentencepiece(texts: Iterable[str], model_prefix: str, vocab_size: int,
+                        model_type: str = "bpe", character_coverage: float = 1.0,
+                        input_sentence_size: int = 0, num_threads: int = 1) -> str:
+    """Train a sentencepiece model on ``texts`` (one sentence per item); returns the .model path.
+
+    ``byte_fallback`` makes every string encodable with a tiny vocabulary (unknown characters
+    become byte pieces instead of <unk>), which keeps the round trip exact.
+    """
+    import sentencepiece
+
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_prefix=model_prefix, vocab_size=vocab_size,
+        model_type=model_type, character_coverage=character_coverage, byte_fallback=True,
+        unk_id=SPM_UNK_ID, bos_id=SPM_BOS_ID, eos_id=SPM_EOS_ID, pad_id=SPM_PAD_ID,
+        input_sentence_size=input_sentence_size, shuffle_input_sentence=input_sentence_size > 0,
+        num_threads=num_threads, split_digits=True, minloglevel=2)
+    return model_prefix + ".model"

@@ -1,0 +1,244 @@
+"""Model and loop configuration.
+
+``ModelConfig`` holds what Megatron-LM calls the network size and architecture flags (same names,
+same meanings). ``LoopConfig`` holds the few flags that are new in a looped model. Together they
+produce the megatron-core ``TransformerConfig`` that every block of the model is built from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Network size and architecture (Megatron-LM's flags)."""
+
+    num_layers: int = 2
+    """Number of distinct (physical) transformer layers: prelude + core + coda."""
+
+    hidden_size: int = 64
+    """Transformer hidden size."""
+
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden size. Default: 4 * hidden-size (Megatron-LM's default)."""
+
+    num_attention_heads: int = 4
+    """Number of attention heads."""
+
+    num_query_groups: Optional[int] = None
+    """Number of key/value groups for grouped-query attention (default: one per head, no GQA)."""
+
+    kv_channels: Optional[int] = None
+    """Per-head projection size. Default: hidden-size / num-attention-heads."""
+
+    max_position_embeddings: int = 64
+    """Longest sequence the position embedding supports."""
+
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    """Position embedding: rotary (RoPE), learned absolute, or none."""
+
+    rotary_base: int = 10000
+    """RoPE base (theta)."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates."""
+
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Normalization used by every norm of the model."""
+
+    norm_epsilon: float = 1e-5
+    """Epsilon of every norm (Ouro uses 1e-6)."""
+
+    swiglu: bool = True
+    """Gated SiLU MLP (SwiGLU). Pass `--swiglu false` for a GELU MLP."""
+
+    disable_bias_linear: bool = True
+    """No biases in the linear layers (as the Megatron-LM flag; `false` adds them)."""
+
+    qk_layernorm: bool = False
+    """Normalize queries and keys per head before attention (Qwen3)."""
+
+    untie_embeddings_and_output_weights: bool = False
+    """Give the LM head its own weight instead of sharing the input embedding's."""
+
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+
+    hidden_dropout: float = 0.0
+    """Dropout on the residual branches."""
+
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size (Megatron-LM rule)."""
+
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer backend: megatron-core's local modules, Transformer Engine, or auto (TE iff TE
+    imports and a GPU is present)."""
+
+    norm_scheme: Literal["ouro", "pre"] = "ouro"
+    """Norm placement in every layer: `ouro` normalizes the input and the output of each
+    sub-layer (the normalized output joins the residual); `pre` is the standard pre-norm."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag and the fix; called before any process group starts."""
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}; choose a hidden size that is a multiple of the head count")
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise ValueError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                f"--num-query-groups {groups}; use a divisor of the head count")
+        if self.num_layers < 1:
+            raise ValueError(f"--num-layers {self.num_layers} must be at least 1")
+        if self.position_embedding_type == "rope" and self.rotary_base <= 0:
+            raise ValueError(f"--rotary-base {self.rotary_base} must be positive")
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} {p} must be in [0, 1)")
+
+
+@dataclass
+class LoopConfig:
+    """The recurrence: layout P + K x T + C and the exit objective."""
+
+    num_loops: int = 1
+    """T: how many times the core runs (1 = an ordinary dense model)."""
+
+    num_prelude_layers: int = 0
+    """P: layers before the loop, with their own weights (taken from --num-layers)."""
+
+    num_coda_layers: int = 0
+    """C: layers after each loop step, before the exit gate and LM head (taken from --num-layers)."""
+
+    step_norm_placement: Literal["recurrent", "readout"] = "recurrent"
+    """`recurrent` (Ouro): the step norm output is the next step's input; `readout`: the step norm
+    only feeds the gate and head, the un-normalized state continues the loop."""
+
+    exit_loss: Literal["expected", "smoothed", "last"] = "expected"
+    """`expected`: sum_t p_t L_t + beta KL(p || uniform); `smoothed`: the expectation mixed with the
+    plain mean of step losses (000 Eq. 2); `last`: final step's loss only, no gate."""
+
+    exit_kl_beta: float = 0.15
+    """beta, the weight of KL(p || uniform) on the exit distribution (the 000 recipe's 0.15)."""
+
+    exit_loss_smoothing: float = 0.05
+    """epsilon of the smoothed exit loss (000 section 4.2 uses 0.05); KL uses the unsmoothed p."""
+
+    def num_core_layers(self, num_layers: int) -> int:
+        return num_layers - self.num_prelude_layers - self.num_coda_layers
+
+    def effective_depth(self, num_layers: int) -> int:
+        """P + K*T + C: layers a token passes through once (the issue's definition)."""
+        return self.num_prelude_layers + self.num_core_layers(num_layers) * self.num_loops + \
+            self.num_coda_layers
+
+    @property
+    def gated(self) -> bool:
+        """Whether an exit gate exists: more than one step and an objective that uses it."""
+        return self.num_loops > 1 and self.exit_loss != "last"
+
+    def validate(self, num_layers: int) -> None:
+        if self.num_loops < 1:
+            raise ValueError(f"--num-loops {self.num_loops} must be at least 1 (1 = dense model)")
+        if self.num_prelude_layers < 0 or self.num_coda_layers < 0:
+            raise ValueError("--num-prelude-layers and --num-coda-layers must be >= 0")
+        if self.num_core_layers(num_layers) < 1:
+            raise ValueError(
+                f"--num-layers {num_layers} leaves no core layer after --num-prelude-layers "
+                f"{self.num_prelude_layers} and --num-coda-layers {self.num_coda_layers}; "
+                f"raise --num-layers or lower the prelude/coda sizes")
+        if self.exit_kl_beta < 0:
+            raise ValueError(f"--exit-kl-beta {self.exit_kl_beta} must be >= 0")
+        if not 0.0 <= self.exit_loss_smoothing <= 1.0:
+            raise ValueError(f"--exit-loss-smoothing {self.exit_loss_smoothing} must be in [0, 1]")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron-LM's rule: pad so every tensor-parallel shard of the vocabulary is equal."""
+    multiple = divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def use_transformer_engine(model: ModelConfig) -> bool:
+    """Resolve `--transformer-impl auto`: TE only where it imports and a GPU exists."""
+    import torch
+
+    if model.transformer_impl == "local":
+        return False
+    if model.transformer_impl == "transformer_engine":
+        if not torch.cuda.is_available():
+            raise ValueError("--transformer-impl transformer_engine needs a GPU; use local on CPU")
+        return True
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
+                       sequence_parallel: bool = False, bf16: bool = False,
+                       recompute: Optional[dict] = None):
+    """The megatron-core TransformerConfig of one block of `num_layers` layers."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    on_cpu = not torch.cuda.is_available()
+    cfg = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.swiglu,
+        activation_func=_activation(model.swiglu),
+        add_bias_linear=not model.disable_bias_linear,
+        qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        tensor_model_parallel_size=tp_size,
+        sequence_parallel=sequence_parallel,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # Every rank builds the full master weight from the seed and keeps its slice: the same
+        # seed gives identical weights at any TP degree (DESIGN.md). Needed on CPU anyway.
+        use_cpu_initialization=on_cpu,
+        # Fusions either fail on CPU or trigger a slow torch.compile (DESIGN.md).
+        bias_activation_fusion=False if on_cpu else model.swiglu,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        calculate_per_token_loss=True,
+        **(recompute or {}),
+    )
+    return cfg
+
+
+def _activation(swiglu: bool):
+    import torch.nn.functional as F
+
+    return F.silu if swiglu else F.gelu
+
+
+def with_layers(config, num_layers: int):
+    """A copy of a TransformerConfig for a block of another size (prelude, core, coda)."""
+    return dataclasses.replace(config, num_layers=num_layers)

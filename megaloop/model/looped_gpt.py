@@ -1,0 +1,184 @@
+"""LoopedGPTModel: embedding -> prelude -> T x core -> (step norm, coda, gate, head) per step.
+
+Built only from megatron-core parts: a vocab-parallel ``LanguageModelEmbedding``, RoPE, three
+``TransformerBlock``s (prelude, core, coda) built from one layer spec, a vocab-parallel
+``ColumnParallelLinear`` head and megatron-core's vocab-parallel cross-entropy (per-step logits
+are never gathered over the vocabulary). Looping calls the *same* core block T times, so every
+tensor-parallel shard and communicator is reused and autograd sums the T gradient contributions.
+
+The recurrence lives in one place, ``forward``; a step is ``_core_step`` followed by
+``_readout``, which is the unit a pipeline-parallel virtual chunk will run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+
+from megaloop.model.config import LoopConfig, ModelConfig, with_layers
+from megaloop.model.objective import ExitObjective
+from megaloop.model.specs import build_norm, layer_spec
+
+
+@dataclass
+class LoopOutput:
+    """What a training forward returns: the per-token objective and detached per-step stats."""
+
+    objective: torch.Tensor
+    """[b, s] per-token objective (not yet masked)."""
+    step_losses: torch.Tensor
+    """[T, b, s] per-step LM loss, NaN where a step was not read out (`last` mode)."""
+    exit_probs: Optional[torch.Tensor]
+    """[T, b, s] exit distribution p_t, None without a gate."""
+
+
+class ExitGate(MegatronModule):
+    """Per-token halting logit g_t = w . y_t + b, replicated over tensor-parallel ranks."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.linear = torch.nn.Linear(config.hidden_size, 1, dtype=config.params_dtype)
+        with torch.no_grad():
+            # Drawn from the CPU generator, which is seeded identically on every rank, so the
+            # replicated gate starts equal on all tensor-parallel ranks.
+            weight = torch.empty(1, config.hidden_size, dtype=torch.float32)
+            config.init_method(weight)
+            self.linear.weight.copy_(weight)
+            self.linear.bias.zero_()
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        logit = self.linear(y).squeeze(-1).float()  # [s, b]
+        if self.config.sequence_parallel:
+            # y holds this rank's slice of tokens; the loss is replicated over TP ranks, so the
+            # backward of the gather must split, not sum.
+            logit = tensor_parallel.gather_from_sequence_parallel_region(
+                logit, tensor_parallel_output_grad=False)
+        return logit.transpose(0, 1)  # [b, s], the layout of the per-token losses
+
+
+class LoopedGPTModel(LanguageModule):
+    """A looped decoder-only LM with layout P + K x T + C and a per-token exit gate."""
+
+    def __init__(self, config, model_cfg: ModelConfig, loop: LoopConfig, vocab_size: int,
+                 use_te: bool = False, pre_process: bool = True, post_process: bool = True):
+        super().__init__(config=config)
+        self.model_cfg, self.loop = model_cfg, loop
+        self.vocab_size = vocab_size
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = not model_cfg.untie_embeddings_and_output_weights
+        self.model_type = ModelType.encoder_or_decoder
+        self.position_embedding_type = model_cfg.position_embedding_type
+        self.input_tensor = None
+
+        num_core = loop.num_core_layers(model_cfg.num_layers)
+        spec = layer_spec(config, model_cfg.norm_scheme, use_te)
+
+        def block(n: int, final_norm: bool) -> TransformerBlock:
+            # pre_process=True: we always hand the block its input explicitly.
+            return TransformerBlock(config=with_layers(config, n), spec=spec,
+                                    post_layer_norm=final_norm, pre_process=True,
+                                    post_process=True)
+
+        self.embedding = LanguageModelEmbedding(
+            config=config, vocab_size=vocab_size,
+            max_sequence_length=model_cfg.max_position_embeddings,
+            position_embedding_type=model_cfg.position_embedding_type)
+        if model_cfg.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels, rotary_percent=model_cfg.rotary_percent,
+                rotary_interleaved=config.rotary_interleaved, rotary_base=model_cfg.rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization)
+        self.prelude = block(loop.num_prelude_layers, False) if loop.num_prelude_layers else None
+        self.core = block(num_core, False)
+        self.step_norm = build_norm(config, use_te)
+        # The coda's final norm is the readout norm before gate and head.
+        self.coda = block(loop.num_coda_layers, True) if loop.num_coda_layers else None
+        self.exit_gate = ExitGate(config) if loop.gated else None
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, vocab_size, config=config, init_method=config.init_method,
+            bias=False, skip_bias_add=False, gather_output=False,
+            skip_weight_param_allocation=self.share_embeddings_and_output_weights)
+        self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline hook (megatron schedules call it); with one stage there is nothing to take."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    # --- one loop step -------------------------------------------------------------------
+    def _core_step(self, h, attention_mask, rotary_pos_emb):
+        """h_t = core(h_{t-1}); returns (state for the next step, normalized state y_t)."""
+        h = self.core(hidden_states=h, attention_mask=attention_mask,
+                      rotary_pos_emb=rotary_pos_emb)
+        y = self.step_norm(h)
+        return (y if self.loop.step_norm_placement == "recurrent" else h), y
+
+    def _readout(self, y, attention_mask, rotary_pos_emb, gate: bool):
+        """Coda, head and gate on y_t: (vocab-parallel logits [s, b, v/tp], gate logit or None)."""
+        r = y
+        if self.coda is not None:
+            r = self.coda(hidden_states=y, attention_mask=attention_mask,
+                          rotary_pos_emb=rotary_pos_emb)
+        weight = self.shared_embedding_or_output_weight() if \
+            self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(r, weight=weight)
+        return logits, (self.exit_gate(r) if gate else None)
+
+    # --- the recurrence ------------------------------------------------------------------
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
+                num_loops: Optional[int] = None):
+        """With labels: a LoopOutput. Without: the last step's logits [b, s, v/tp]."""
+        T = num_loops or self.loop.num_loops
+        mode = self.loop.exit_loss if T > 1 else "expected"
+        rope = None
+        if self.position_embedding_type == "rope":
+            rope = self.rotary_pos_emb(input_ids.size(1))
+        h = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        if self.prelude is not None:
+            h = self.prelude(hidden_states=h, attention_mask=attention_mask, rotary_pos_emb=rope)
+
+        objective = ExitObjective(T, mode, self.loop.exit_kl_beta, self.loop.exit_loss_smoothing)
+        logits = None
+        for t in range(1, T + 1):
+            h, y = self._core_step(h, attention_mask, rope)
+            if labels is None or mode == "last":
+                if t < T:  # only the final step is read out
+                    if labels is not None:
+                        objective.add_step(None, None)
+                    continue
+            gate = self.exit_gate is not None and t < T
+            logits, gate_logit = self._readout(y, attention_mask, rope, gate)
+            if labels is not None:
+                objective.add_step(self.compute_language_model_loss(labels, logits), gate_logit)
+
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        nan = torch.full_like(labels, float("nan"), dtype=torch.float32)
+        step_losses = torch.stack([nan if l is None else l for l in objective.step_losses])
+        probs = torch.stack(objective.exit_probs) if objective.exit_probs else None
+        return LoopOutput(objective.per_token(), step_losses, probs)
+
+
+def build_model(model_cfg: ModelConfig, loop: LoopConfig, vocab_size: int, *, tp_size: int = 1,
+                sequence_parallel: bool = False, bf16: bool = False,
+                recompute: Optional[dict] = None) -> LoopedGPTModel:
+    """Build the model for the current rank (parallel state must be initialised)."""
+    from megaloop.model.config import padded_vocab_size, transformer_config, use_transformer_engine
+
+    config = transformer_config(model_cfg, model_cfg.num_layers, tp_size=tp_size,
+                                sequence_parallel=sequence_parallel, bf16=bf16,
+                                recompute=recompute)
+    padded = padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by, tp_size)
+    return LoopedGPTModel(config, model_cfg, loop, padded, use_te=use_transformer_engine(model_cfg))

@@ -1,0 +1,94 @@
+"""The exit objective, accumulated one loop step at a time.
+
+Per token, with halting probabilities lambda_t = sigmoid(g_t) from the exit gate:
+
+    p_t = lambda_t * prod_{s<t} (1 - lambda_s)      (t < T)
+    p_T = prod_{s<T} (1 - lambda_s)                   (the last step takes the rest)
+    expected:  sum_t p_t L_t + beta * KL(p || U_T)
+    smoothed:  (1 - eps) sum_t p_t L_t + eps/T sum_t L_t + beta * KL(p || U_T)
+    last:      L_T
+
+The objective is written as a fold over steps (running log-survival, weighted loss, sum of
+p log p) because a pipeline-parallel run sees one step per virtual chunk: these per-token
+accumulators are exactly what must travel with the activations. Everything stays in log space
+so p log p is finite when the gate saturates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ExitObjective:
+    """Streaming exit objective over T steps; tensors are per token, shape [b, s]."""
+
+    num_loops: int
+    mode: str = "expected"
+    beta: float = 0.0
+    smoothing: float = 0.0
+    log_survival: Optional[torch.Tensor] = None
+    weighted: Optional[torch.Tensor] = None
+    uniform: Optional[torch.Tensor] = None
+    p_log_p: Optional[torch.Tensor] = None
+    last: Optional[torch.Tensor] = None
+    step: int = 0
+    step_losses: list = field(default_factory=list)
+    """Per-step per-token losses (detached), for logging; None where a step was not read out."""
+    exit_probs: list = field(default_factory=list)
+    """Per-step per-token p_t (detached), for logging."""
+
+    def add_step(self, loss: Optional[torch.Tensor], gate_logit: Optional[torch.Tensor]) -> None:
+        """Fold in step t = self.step + 1: its per-token LM loss and (for t < T) its gate logit."""
+        self.step += 1
+        t, T = self.step, self.num_loops
+        if t > T:
+            raise RuntimeError(f"step {t} added to an objective over {T} steps")
+        self.step_losses.append(None if loss is None else loss.detach())
+        if self.mode == "last":
+            if t == T:
+                self.last = loss
+            return
+        if loss is None:
+            raise ValueError(f"exit loss {self.mode!r} needs the loss of every step")
+        if self.log_survival is None:
+            self.log_survival = torch.zeros_like(loss)
+            self.weighted = torch.zeros_like(loss)
+            self.uniform = torch.zeros_like(loss)
+            self.p_log_p = torch.zeros_like(loss)
+        if t < T:
+            log_p = self.log_survival + F.logsigmoid(gate_logit)
+            self.log_survival = self.log_survival + F.logsigmoid(-gate_logit)
+        else:
+            log_p = self.log_survival
+        p = log_p.exp()
+        self.exit_probs.append(p.detach())
+        self.weighted = self.weighted + p * loss
+        self.uniform = self.uniform + loss
+        self.p_log_p = self.p_log_p + p * log_p
+
+    def per_token(self) -> torch.Tensor:
+        """The per-token objective after all T steps."""
+        if self.step != self.num_loops:
+            raise RuntimeError(f"objective read after {self.step} of {self.num_loops} steps")
+        if self.mode == "last":
+            return self.last
+        kl = self.p_log_p + math.log(self.num_loops)  # sum_t p_t log(p_t / (1/T))
+        if self.mode == "expected":
+            lm = self.weighted
+        elif self.mode == "smoothed":
+            lm = (1 - self.smoothing) * self.weighted + self.smoothing / self.num_loops * self.uniform
+        else:
+            raise ValueError(f"unknown --exit-loss {self.mode!r}")
+        return lm + self.beta * kl
+
+    def kl(self) -> Optional[torch.Tensor]:
+        """Per-token KL(p || uniform), detached (None in `last` mode)."""
+        if self.mode == "last":
+            return None
+        return (self.p_log_p + math.log(self.num_loops)).detach()

@@ -1,0 +1,47 @@
+"""Process groups and RNG: torch.distributed, megatron-core's parallel state, seeded streams."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+from megatron.core import parallel_state, tensor_parallel
+
+from megaloop.parallel.config import ParallelConfig
+
+
+def backend_for(parallel: ParallelConfig) -> str:
+    if parallel.distributed_backend != "auto":
+        return parallel.distributed_backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(parallel: ParallelConfig, seed: int) -> None:
+    """Start torch.distributed (env:// from torchrun/SLURM), megatron-core's groups, the RNGs."""
+    if not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(backend=backend_for(parallel),
+                                             timeout=timedelta(minutes=10))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Same seed on every rank; megatron-core derives distinct per-TP-rank streams for dropout
+    inside tensor-parallel regions from it."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,20 @@
+"""One pytest process imports megatron-core once; distributed tests fork ranks from it."""
+
+import os
+import sys
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+import torch  # noqa: E402
+
+from megaloop import cpu_shim  # noqa: E402
+
+cpu_shim.enable()
+torch.set_num_threads(1)
+
+import megatron.core  # noqa: E402,F401  (import once, before any fork)
