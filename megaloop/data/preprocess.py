@@ -14,7 +14,6 @@ Outputs go to temporary names and are renamed only when the whole input succeede
 from __future__ import annotations
 
 import collections
-import gzip
 import json
 import multiprocessing
 import os
@@ -27,14 +26,11 @@ import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megaloop.data.config import TokenizerConfig
+from megaloop.data.jsonl import BadInputError, read_chunks
 from megaloop.data.sft import assemble, sft_segments
 from megaloop.data.tokenizers import Tokenizer, build_tokenizer
 
 SFT_KEYS = ("text", "lossmask")
-
-
-class BadInputError(ValueError):
-    """A line that is not JSON or lacks a key; the message starts with ``file:line:``."""
 
 
 @dataclass
@@ -57,24 +53,6 @@ class PreprocessStats:
         lines.append(f"time: {self.seconds:.2f} s   {self.documents_read / secs:,.0f} docs/s   "
                      f"{total / secs:,.0f} tokens/s")
         return "\n".join(lines)
-
-
-def open_lines(path: str):
-    """Binary line reader; ``.gz`` is decompressed. Bytes, so bad UTF-8 is a per-line error."""
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
-def read_chunks(path: str, chunk_size: int) -> Iterator[tuple[int, list[bytes]]]:
-    """(1-based number of the chunk's first line, raw lines)."""
-    with open_lines(path) as f:
-        first, lines = 1, []
-        for line in f:
-            lines.append(line)
-            if len(lines) == chunk_size:
-                yield first, lines
-                first, lines = first + chunk_size, []
-        if lines:
-            yield first, lines
 
 
 # -- worker side -------------------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""Train/valid/test datasets and the per-rank sample stream the trainer consumes.
+
+Datasets come from megatron-core's ``BlendedMegatronDatasetBuilder`` (GPTDataset, MockGPTDataset,
+or megaloop's SFTDataset), with three guards megatron-core lacks:
+
+- the index cache folder is keyed on the data files' content, so re-preprocessing in place never
+  reuses sample indices built for the old files (megatron-core keys them on paths and config);
+- a split that would get 0 documents is a ValueError up front (GPTDataset loops forever on it);
+- a split asked for 0 samples is not built at all (returned as None).
+
+Every rank builds every dataset (``is_built_on_rank`` is always true): the sample order is a pure
+function of the seed, so ranks agree without communication, and rank 0 writes the cache first.
+
+The stream follows Megatron-LM's pretraining sampler: global sample ``consumed_samples`` comes
+next; each chunk of ``micro_batch_size * data_parallel_size`` consecutive samples is cut so
+that DP rank r takes samples ``[r * mbs, (r + 1) * mbs)`` of it. Resuming therefore needs only
+``consumed_samples``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterator, Optional
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix, parse_and_normalize_split)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megaloop.data.config import DataConfig
+from megaloop.data.sft import SFTDataset, lossmask_prefix
+
+SPLIT_NAMES = ("train", "valid", "test")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+
+
+def content_key(prefixes: list[str]) -> str:
+    """Hash of the datasets' content: every .idx in full, plus size and mtime of every .bin.
+
+    The .idx holds every document length, so any re-tokenisation that changes the sample layout
+    changes the key; the .bin stat catches rewrites that keep the lengths.
+    """
+    h = hashlib.sha1()
+    for prefix in prefixes:
+        h.update(os.path.abspath(prefix).encode() + b"\0")
+        with open(prefix + ".idx", "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        st = os.stat(prefix + ".bin")
+        h.update(f"{st.st_size}:{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def _document_counts(data_cfg: DataConfig, num_samples: tuple[int, int, int]) -> list[dict]:
+    """Per split, documents each prefix contributes (only for splits asked for samples)."""
+    counts: list[dict] = [{} for _ in SPLIT_NAMES]
+    if data_cfg.data_path:
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(data_cfg.split))
+        (prefixes, _), = data_cfg.blends()
+        for prefix in prefixes:
+            n = len(IndexedDataset(prefix))
+            for i, bookends in enumerate(matrix):
+                if num_samples[i] > 0:
+                    # The very rounding BlendedMegatronDatasetBuilder applies to the bookends.
+                    beg, end = (int(round(b * float(n))) for b in bookends) if bookends else (0, 0)
+                    counts[i][prefix] = end - beg
+    else:
+        for i, blend in enumerate(data_cfg.blends()):
+            if blend and num_samples[i] > 0:
+                counts[i] = {prefix: len(IndexedDataset(prefix)) for prefix in blend[0]}
+    return counts
+
+
+def _check_documents_per_split(data_cfg: DataConfig, num_samples: tuple[int, int, int]) -> None:
+    for name, n_samples, per_prefix in zip(SPLIT_NAMES, num_samples,
+                                           _document_counts(data_cfg, num_samples)):
+        for prefix, n_docs in per_prefix.items():
+            if n_docs == 0:
+                fix = (f"raise the {name} share of --split {data_cfg.split!r} or add documents"
+                       if data_cfg.data_path else "add documents")
+                raise ValueError(f"the {name} split of {prefix} has 0 documents but "
+                                 f"{n_samples} {name} samples were requested: {fix}")
+
+
+def _builds_blended_dataset(data_cfg: DataConfig) -> bool:
+    """Whether megatron-core will build a BlendedDataset (it does for a weighted --data-path
+    even with one prefix, and for any blend of several prefixes)."""
+    blends = [b for b in data_cfg.blends() if b]
+    return any(len(p) > 1 for p, _ in blends) or bool(data_cfg.data_path and blends[0][1])
+
+
+def build_train_valid_test_datasets(data_cfg: DataConfig, tokenizer, seq_length: int, seed: int,
+                                    num_samples: tuple[int, int, int]):
+    """(train, valid, test) datasets of ``seq_length``-token samples.
+
+    A split comes back as None when it is asked for 0 samples or has no data path (per-split
+    mode). ``tokenizer`` is a megaloop.data.tokenizers tokenizer (eod, pad, vocab_size).
+    """
+    data_cfg.validate()
+    num_samples = tuple(int(n) for n in num_samples)
+    path_to_cache: Optional[str] = None
+    if not data_cfg.mock_data:
+        _check_documents_per_split(data_cfg, num_samples)
+        prefixes = data_cfg.prefixes()
+        if data_cfg.data_format == "sft":
+            prefixes = prefixes + [lossmask_prefix(p) for p in prefixes]
+        base = data_cfg.data_cache_path or os.path.join(
+            os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+        path_to_cache = os.path.join(base, f"megaloop-{content_key(prefixes)}")
+        if _builds_blended_dataset(data_cfg) and not torch.distributed.is_initialized():
+            raise RuntimeError("a blend of several datasets needs torch.distributed initialised "
+                               "(megatron-core's BlendedDataset calls get_rank; a size-1 gloo "
+                               "group is enough)")
+
+    blends = None if data_cfg.mock_data else data_cfg.blends()
+    blend_per_split = None
+    if blends is not None and not data_cfg.data_path:
+        # A split nobody samples from is not built (building it may need data that is absent).
+        blend_per_split = [b if n > 0 else None for b, n in zip(blends, num_samples)]
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length,
+        blend=blends[0] if data_cfg.data_path else None, blend_per_split=blend_per_split,
+        split=data_cfg.split if data_cfg.data_path else None, path_to_cache=path_to_cache,
+        tokenizer=tokenizer, reset_position_ids=data_cfg.reset_position_ids,
+        reset_attention_mask=data_cfg.reset_attention_mask,
+        eod_mask_loss=data_cfg.eod_mask_loss,
+        # A plain causal mask is implied by the model; only a reset mask carries information.
+        create_attention_mask=data_cfg.reset_attention_mask)
+    if config.split_matrix is not None:
+        for i, n in enumerate(num_samples):
+            if n == 0:
+                config.split_matrix[i] = None  # not built: GPTDataset would still make an epoch
+    cls = (MockGPTDataset if data_cfg.mock_data
+           else SFTDataset if data_cfg.data_format == "sft" else GPTDataset)
+    builder = BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: True, config)
+    train, valid, test = builder.build()
+    return train, valid, test
+
+
+class PretrainingBatchSampler:
+    """Index lists of one DP rank, in Megatron-LM's pretraining order (see module docstring)."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, cyclic: bool = False):
+        if total_samples <= 0:
+            raise ValueError("the dataset has no samples")
+        if not 0 <= data_parallel_rank < data_parallel_size or micro_batch_size < 1:
+            raise ValueError(f"bad data-parallel layout: rank {data_parallel_rank} of "
+                             f"{data_parallel_size}, micro batch {micro_batch_size}")
+        self.total = total_samples
+        self.consumed = consumed_samples
+        self.mbs = micro_batch_size
+        self.rank = data_parallel_rank
+        self.global_chunk = micro_batch_size * data_parallel_size
+        self.cyclic = cyclic
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self.consumed
+        # Non-cyclic: a last incomplete chunk is dropped, as Megatron-LM's sampler does.
+        while self.cyclic or start + self.global_chunk <= self.total:
+            first = start + self.rank * self.mbs
+            yield [(first + j) % self.total for j in range(self.mbs)]
+            start += self.global_chunk
+
+
+def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int,
+                        data_parallel_rank: int, data_parallel_size: int, num_workers: int = 0,
+                        cyclic: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """Micro-batches of this DP rank: dicts of [micro_batch_size, seq] tensors ``tokens``,
+    ``labels`` (int64), ``loss_mask`` (float32), ``position_ids`` (int64), and
+    ``attention_mask`` ([mbs, 1, seq, seq] bool, True = masked) only with --reset-attention-mask.
+
+    ``cyclic`` wraps around the dataset forever (validation); otherwise the stream ends after the
+    last complete global batch.
+    """
+    sampler = PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size,
+                                      data_parallel_rank, data_parallel_size, cyclic)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         collate_fn=_collate, persistent_workers=num_workers > 0)
+    return iter(loader)
+
+
+def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    # BlendedDataset adds "dataset_id"; the trainer's batch holds model inputs only.
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples])
+             for k in BATCH_KEYS if k in samples[0]}
+    for k in ("tokens", "labels", "position_ids"):
+        batch[k] = batch[k].long()
+    batch["loss_mask"] = batch["loss_mask"].float()
+    return batch

@@ -1,0 +1,152 @@
+"""Training, optimizer and logging configuration (Megatron-LM's flag names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+@dataclass
+class TrainingConfig:
+    """Batch shape, schedule length, precision and evaluation cadence."""
+
+    seq_length: int = 64
+    """Tokens per sample."""
+
+    micro_batch_size: int = 2
+    """Samples per forward/backward on one data-parallel rank."""
+
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all data-parallel ranks (default: micro x DP, no
+    accumulation). Gradient accumulation = global / (micro x DP)."""
+
+    train_iters: int = 20
+    """Optimizer steps to train for."""
+
+    seed: int = 1234
+    """Seed of weights, data order and dropout (the same on every rank)."""
+
+    bf16: bool = False
+    """bf16 parameters and compute with fp32 main weights (GPU)."""
+
+    eval_interval: int = 1000
+    """Run validation every this many iterations (and at the end)."""
+
+    eval_iters: int = 10
+    """Validation micro-batch rounds per evaluation (each round is one global batch)."""
+
+    def num_microbatches(self, dp_size: int) -> int:
+        return self.resolved_global_batch(dp_size) // (self.micro_batch_size * dp_size)
+
+    def resolved_global_batch(self, dp_size: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * dp_size
+
+    def validate(self, dp_size: int, max_position_embeddings: int) -> None:
+        if self.micro_batch_size < 1 or self.train_iters < 0 or self.seq_length < 1:
+            raise ValueError("--micro-batch-size and --seq-length must be >= 1, --train-iters >= 0")
+        gbs = self.resolved_global_batch(dp_size)
+        if gbs % (self.micro_batch_size * dp_size):
+            raise ValueError(
+                f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+                f"{self.micro_batch_size} x data-parallel size {dp_size}; use a multiple of "
+                f"{self.micro_batch_size * dp_size}")
+        if self.seq_length > max_position_embeddings:
+            raise ValueError(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                f"{max_position_embeddings}; raise --max-position-embeddings")
+        if self.eval_interval < 1 or self.eval_iters < 0:
+            raise ValueError("--eval-interval must be >= 1 and --eval-iters >= 0")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    optimizer: Literal["adam"] = "adam"
+    """Optimizer (megatron-core's AdamW with decoupled weight decay)."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+
+    lr_warmup_iters: int = 0
+    """Linear warmup from 0 to --lr over this many iterations."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "cosine"
+    """Shape of the decay after warmup."""
+
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which the LR decays (default: --train-iters)."""
+
+    lr_wsd_decay_iters: Optional[int] = None
+    """WSD only: length of the final decay phase."""
+
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    """WSD only: shape of the final decay phase."""
+
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to norms and biases)."""
+
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+
+    def validate(self, train_iters: int) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
+        decay = self.lr_decay_iters or train_iters
+        if self.lr_warmup_iters < 0 or (self.lr_decay_style != "constant"
+                                        and self.lr_warmup_iters > max(decay, 0)):
+            raise ValueError(f"--lr-warmup-iters {self.lr_warmup_iters} must be between 0 and "
+                             f"--lr-decay-iters ({decay})")
+        if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+
+
+@dataclass
+class LoggingConfig:
+    """What is logged where."""
+
+    log_interval: int = 10
+    """Print (and record) one line every this many iterations."""
+
+    log_jsonl: Optional[str] = None
+    """Append one JSON object per logged iteration (and per evaluation) to this file."""
+
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard scalars here (requires `pip install megaloop[log]`)."""
+
+    wandb_project: Optional[str] = None
+    """Log to this Weights & Biases project (offline works: WANDB_MODE=offline)."""
+
+    wandb_exp_name: Optional[str] = None
+    """W&B run name."""
+
+    wandb_save_dir: Optional[str] = None
+    """Local directory for W&B files."""
+
+    def validate(self) -> None:
+        if self.log_interval < 1:
+            raise ValueError("--log-interval must be >= 1")
+        if self.tensorboard_dir:
+            try:
+                import torch.utils.tensorboard  # noqa: F401
+            except Exception as exc:
+                raise ValueError(f"--tensorboard-dir needs tensorboard ({exc}); "
+                                 "pip install -e '.[log]'") from exc
+        if self.wandb_project:
+            try:
+                import wandb  # noqa: F401
+            except Exception as exc:
+                raise ValueError(f"--wandb-project needs wandb ({exc}); pip install -e '.[log]'") \
+                    from exc

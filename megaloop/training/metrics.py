@@ -1,0 +1,131 @@
+"""Throughput accounting on effective depth, and the one logging path (stdout, JSONL, TB, W&B).
+
+FLOPs are counted per *application* of a layer: a looped model runs its core T times, and the
+coda, head and gate once per read-out step. Counting parameters instead would under-report a
+looped model by about T times.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+import torch
+
+from megaloop.model.config import LoopConfig, ModelConfig
+from megaloop.training.config import LoggingConfig
+
+
+def readouts_per_forward(loop: LoopConfig) -> int:
+    """How many steps run coda + head: every step, except in `last` mode (and dense T=1)."""
+    return 1 if loop.exit_loss == "last" or loop.num_loops == 1 else loop.num_loops
+
+
+def flops_per_iteration(model: ModelConfig, loop: LoopConfig, vocab_size: int,
+                        seq_length: int, global_batch: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3 x forward matmul FLOPs)."""
+    h = model.hidden_size
+    heads = model.num_attention_heads
+    head_dim = model.kv_channels or h // heads
+    kv = (model.num_query_groups or heads) * head_dim
+    ffn = model.ffn_hidden_size or 4 * h
+    per_layer = (2 * h * (heads * head_dim + 2 * kv)      # QKV projection
+                 + 2 * heads * head_dim * h                # output projection
+                 + 2 * 2 * seq_length * heads * head_dim   # scores and weighted sum (full square)
+                 + 2 * (3 if model.swiglu else 2) * h * ffn)
+    r = readouts_per_forward(loop)
+    core = loop.num_core_layers(model.num_layers)
+    layer_apps = loop.num_prelude_layers + core * loop.num_loops + loop.num_coda_layers * r
+    head = r * (2 * h * vocab_size + (2 * h if loop.gated else 0))
+    return 3.0 * global_batch * seq_length * (layer_apps * per_layer + head)
+
+
+def peak_memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _clean(value):
+    """JSON-safe: NaN (a step that was not read out) becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+class MetricsLogger:
+    """Writes each record to stdout (rank 0), JSONL, TensorBoard and W&B as configured."""
+
+    def __init__(self, cfg: LoggingConfig, run_config: dict, is_writer: bool):
+        self.cfg, self.is_writer = cfg, is_writer
+        self.jsonl = self.tb = self.wandb = None
+        if not is_writer:
+            return
+        if cfg.log_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.log_jsonl)), exist_ok=True)
+            self.jsonl = open(cfg.log_jsonl, "a", buffering=1)
+        if cfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(cfg.tensorboard_dir)
+        if cfg.wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name,
+                                    dir=cfg.wandb_save_dir, config=run_config)
+
+    def print(self, text: str) -> None:
+        if self.is_writer:
+            print(text, flush=True)
+
+    def log(self, record: dict, line: Optional[str] = None) -> None:
+        if not self.is_writer:
+            return
+        record = {k: _clean(v) for k, v in record.items()}
+        if line:
+            print(line, flush=True)
+        if self.jsonl:
+            self.jsonl.write(json.dumps(record) + "\n")
+        step = record["iteration"]
+        prefix = record.get("split", "train") + "/"
+        scalars = {}
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key != "iteration":
+                scalars[prefix + key] = value
+            elif isinstance(value, list):
+                for t, v in enumerate(value, 1):
+                    if isinstance(v, (int, float)):
+                        scalars[f"{prefix}{key}/step{t}"] = v
+        if self.tb:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def format_train_line(r: dict) -> str:
+    steps = " ".join("-" if v is None or not math.isfinite(v) else f"{v:.4f}"
+                     for v in r["step_losses"])
+    probs = " ".join(f"{v:.3f}" for v in r["exit_probs"]) if r["exit_probs"] else "-"
+    return (f" iteration {r['iteration']:6d}/{r['train_iters']:6d} | consumed samples "
+            f"{r['consumed_samples']:9d} | {r['ms_per_iter']:8.1f} ms/iter | "
+            f"{r['tokens_per_sec']:9.0f} tok/s | {r['tflops_per_gpu']:7.3f} TFLOP/s/GPU | "
+            f"lr {r['lr']:.3e} | loss {r['loss']:.5f} | step losses [{steps}] | "
+            f"exit p [{probs}] | p0 {'-' if r['p0'] is None else format(r['p0'], '.3f')} | "
+            f"grad norm {r['grad_norm']:.4f} | skipped {r['skipped_iters']} | "
+            f"mem {r['mem_gib']:.2f} GiB")

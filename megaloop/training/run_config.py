@@ -1,0 +1,72 @@
+"""The whole run's configuration: one dataclass per concern, parsed from one command line.
+
+``parse_args`` builds every config from its dataclass (megaloop.arguments derives the flags) and
+``RunConfig.validate`` checks them all *before* any process group starts, so a bad flag is a
+one-line error that names the flag and the fix instead of a hang or a stack trace on N ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from megaloop.arguments import add_dataclass_args, dataclass_from_args
+from megaloop.data.config import DataConfig, TokenizerConfig
+from megaloop.model.config import LoopConfig, ModelConfig
+from megaloop.parallel.config import ParallelConfig
+from megaloop.training.config import LoggingConfig, OptimConfig, TrainingConfig
+
+SECTIONS = {
+    "model": ModelConfig,
+    "loop": LoopConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+    "optim": OptimConfig,
+    "logging": LoggingConfig,
+    "data": DataConfig,
+    "tokenizer": TokenizerConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Every check that needs no process group; raises ValueError with the flag to change."""
+        self.model.validate()
+        self.loop.validate(self.model.num_layers)
+        self.parallel.validate(self.model.num_attention_heads, self.model.num_query_groups,
+                               world_size)
+        dp = self.parallel.data_parallel_size(world_size)
+        self.training.validate(dp, self.model.max_position_embeddings)
+        self.optim.validate(self.training.train_iters)
+        self.logging.validate()
+        self.tokenizer.validate()
+        self.data.validate()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train a looped language model (layout P + K x T + C) on megatron-core.",
+        allow_abbrev=False)
+    for cls in SECTIONS.values():
+        add_dataclass_args(parser, cls)
+    return parser
+
+
+def parse_args(argv=None) -> RunConfig:
+    namespace = build_parser().parse_args(argv)
+    return RunConfig(**{name: dataclass_from_args(cls, namespace)
+                        for name, cls in SECTIONS.items()})

@@ -1,0 +1,238 @@
+"""The training loop: megatron-core DDP, optimizer, LR schedule and forward-backward schedule.
+
+megatron-core 0.16 ships no training loop, so this is megaloop's: it wires
+``DistributedDataParallel`` + ``get_megatron_optimizer`` + ``OptimizerParamScheduler`` +
+``get_forward_backward_func`` around the LoopedGPTModel, reads data through megatron-core's
+dataset builder, and logs one line per interval with the per-step losses and exit distribution.
+
+The loss is a per-token mean over the global batch (``calculate_per_token_loss``): each
+micro-batch returns the *sum* of its per-token objective and its token count, and
+``finalize_model_grads`` divides the gradients by the token count summed over all micro-batches
+and data-parallel ranks. Masked tokens (SFT prompts) therefore weigh exactly nothing, whatever
+micro-batch they land in.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megaloop.data.datasets import build_data_iterator, build_train_valid_test_datasets
+from megaloop.data.tokenizers import build_tokenizer
+from megaloop.model.looped_gpt import LoopOutput, build_model
+from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_train_line,
+                                       peak_memory_gib)
+from megaloop.training.run_config import RunConfig
+
+
+# --- one micro-batch ---------------------------------------------------------------------------
+def loss_func(loss_mask: torch.Tensor, num_loops: int, out: LoopOutput):
+    """(sum of the masked per-token objective, token count, stats summed over tokens)."""
+    mask = loss_mask.float()
+    tokens = mask.sum()
+    objective = (out.objective * mask).sum()
+    step_losses = (out.step_losses * mask).sum((1, 2))  # NaN stays NaN: step not read out
+    probs = (out.exit_probs * mask).sum((1, 2)) if out.exit_probs is not None else \
+        torch.full((num_loops,), float("nan"))
+    stats = torch.cat([objective.detach().view(1).float(), tokens.view(1),
+                       step_losses.float(), probs.float()])
+    return objective, tokens.detach().to(torch.int), {"stats": stats}
+
+
+def forward_step(data_iterator, model, num_loops: int):
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                labels=batch["labels"])
+    return out, partial(loss_func, batch["loss_mask"], num_loops)
+
+
+def reduce_stats(reports: list, num_loops: int) -> dict:
+    """Sum the micro-batch stats, all-reduce over data-parallel ranks, turn sums into means."""
+    stats = torch.stack([r["stats"] for r in reports]).sum(0)
+    torch.distributed.all_reduce(stats, group=parallel_state.get_data_parallel_group())
+    tokens = max(stats[1].item(), 1.0)
+    step_losses = (stats[2:2 + num_loops] / tokens).tolist()
+    probs = (stats[2 + num_loops:] / tokens).tolist()
+    has_gate = all(p == p for p in probs)  # NaN when the model has no gate
+    return {"loss": stats[0].item() / tokens, "tokens": int(stats[1].item()),
+            "step_losses": step_losses, "exit_probs": probs if has_gate else None}
+
+
+# --- building the pieces -----------------------------------------------------------------------
+def build_optimizer(cfg: RunConfig, model):
+    opt = cfg.optim
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer=opt.optimizer, lr=opt.lr, min_lr=opt.min_lr,
+                        weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
+                        adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+                        clip_grad=opt.clip_grad, bf16=cfg.training.bf16,
+                        params_dtype=torch.bfloat16 if cfg.training.bf16 else torch.float32,
+                        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer),
+        [model])
+    # The schedule counts optimizer steps (iterations); Megatron-LM counts samples, which is the
+    # same schedule scaled by the global batch size.
+    decay = opt.lr_decay_iters or cfg.training.train_iters
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr,
+        lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=max(decay, 1),
+        lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
+        wd_incr_steps=max(cfg.training.train_iters, 1), wd_incr_style="constant",
+        wsd_decay_steps=opt.lr_wsd_decay_iters, lr_wsd_decay_style=opt.lr_wsd_decay_style)
+    return optimizer, scheduler
+
+
+def build_training_model(cfg: RunConfig, vocab_size: int):
+    """The LoopedGPTModel wrapped for bf16 and megatron-core DDP, on this rank."""
+    model = build_model(cfg.model, cfg.loop, vocab_size,
+                        tp_size=cfg.parallel.tensor_model_parallel_size,
+                        sequence_parallel=cfg.parallel.sequence_parallel, bf16=cfg.training.bf16)
+    config = model.config
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if cfg.training.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    if cfg.parallel.overlap_grad_reduce:
+        config.no_sync_func = model.no_sync
+        config.grad_sync_func = model.start_grad_sync
+    return model, config
+
+
+def count_parameters(model) -> int:
+    """Parameters of the whole model (summed over tensor-parallel shards, shared counted once)."""
+    local = sum(p.numel() for p in model.parameters()
+                if getattr(p, "tensor_model_parallel", False)
+                or parallel_state.get_tensor_model_parallel_rank() == 0)
+    total = torch.tensor([local], dtype=torch.float64)
+    torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
+    return int(total.item())
+
+
+# --- the loop ----------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        tr = cfg.training
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.gbs = tr.resolved_global_batch(self.dp_size)
+        self.num_microbatches = tr.num_microbatches(self.dp_size)
+        self.tokenizer = build_tokenizer(cfg.tokenizer)
+        self.model, self.config = build_training_model(cfg, self.tokenizer.vocab_size)
+        self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
+        self.iteration, self.consumed_samples, self.skipped = 0, 0, 0
+        self.logger = MetricsLogger(cfg.logging, cfg.to_dict(),
+                                    is_writer=torch.distributed.get_rank() == 0)
+        self.forward_backward = get_forward_backward_func()
+        self._build_data()
+
+    def _build_data(self):
+        tr = self.cfg.training
+        evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters * self.gbs
+        train, valid, _ = build_train_valid_test_datasets(
+            self.cfg.data, self.tokenizer, tr.seq_length, tr.seed,
+            (tr.train_iters * self.gbs, evals, 0))
+        self.train_iter = build_data_iterator(
+            train, self.consumed_samples, tr.micro_batch_size, self.dp_rank, self.dp_size,
+            num_workers=self.cfg.data.num_workers)
+        self.valid_iter = None
+        if valid is not None and tr.eval_iters > 0:
+            self.valid_iter = build_data_iterator(
+                valid, 0, tr.micro_batch_size, self.dp_rank, self.dp_size,
+                num_workers=self.cfg.data.num_workers, cyclic=True)
+
+    def describe(self) -> None:
+        m, loop = self.cfg.model, self.cfg.loop
+        params = count_parameters(self.model)
+        self.logger.print(
+            f"> LoopedGPT layout {loop.num_prelude_layers} + {loop.num_core_layers(m.num_layers)} "
+            f"x {loop.num_loops} + {loop.num_coda_layers} | physical depth {m.num_layers} | "
+            f"effective depth {loop.effective_depth(m.num_layers)} | parameters {params:,} | "
+            f"exit loss {loop.exit_loss} | TP {self.cfg.parallel.tensor_model_parallel_size} "
+            f"DP {self.dp_size} | micro-batches per step {self.num_microbatches}")
+
+    def _run(self, data_iterator, forward_only: bool):
+        tr = self.cfg.training
+        return self.forward_backward(
+            forward_step_func=partial(forward_step, num_loops=self.cfg.loop.num_loops),
+            data_iterator=data_iterator, model=[self.model],
+            num_microbatches=self.num_microbatches, seq_length=tr.seq_length,
+            micro_batch_size=tr.micro_batch_size, forward_only=forward_only)
+
+    def train_step(self) -> tuple[dict, float, bool]:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self._run(self.train_iter, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        else:
+            self.skipped += 1
+        return reduce_stats(reports, self.cfg.loop.num_loops), grad_norm, ok
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        reports = []
+        for _ in range(self.cfg.training.eval_iters):
+            reports.extend(self._run(self.valid_iter, forward_only=True))
+        self.model.train()
+        return reduce_stats(reports, self.cfg.loop.num_loops)
+
+    def log_eval(self) -> None:
+        if self.valid_iter is None:
+            return
+        r = self.evaluate()
+        steps = " ".join(f"{v:.4f}" for v in r["step_losses"])
+        self.logger.log({"iteration": self.iteration, "split": "valid", "loss": r["loss"],
+                         "step_losses": r["step_losses"], "exit_probs": r["exit_probs"]},
+                        line=f" validation at iteration {self.iteration} | loss {r['loss']:.5f} "
+                             f"| step losses [{steps}]")
+
+    def train(self) -> None:
+        tr, log = self.cfg.training, self.cfg.logging
+        world = torch.distributed.get_world_size()
+        flops = flops_per_iteration(self.cfg.model, self.cfg.loop, self.tokenizer.vocab_size,
+                                    tr.seq_length, self.gbs)
+        self.describe()
+        window_start, window_iters = time.time(), 0
+        while self.iteration < tr.train_iters:
+            stats, grad_norm, _ = self.train_step()
+            self.iteration += 1
+            self.consumed_samples += self.gbs
+            window_iters += 1
+            if self.iteration % log.log_interval == 0 or self.iteration == tr.train_iters:
+                elapsed = (time.time() - window_start) / window_iters
+                probs = stats["exit_probs"]
+                record = {
+                    "iteration": self.iteration, "split": "train", "train_iters": tr.train_iters,
+                    "consumed_samples": self.consumed_samples, "loss": stats["loss"],
+                    "step_losses": stats["step_losses"], "exit_probs": probs,
+                    "p0": probs[0] if probs else None,
+                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "ms_per_iter": elapsed * 1000.0,
+                    "tokens_per_sec": self.gbs * tr.seq_length / elapsed,
+                    "tflops_per_gpu": flops / elapsed / world / 1e12,
+                    "skipped_iters": self.skipped, "mem_gib": peak_memory_gib(),
+                }
+                self.logger.log(record, line=format_train_line(record))
+                window_start, window_iters = time.time(), 0
+            if self.iteration % tr.eval_interval == 0 and self.iteration < tr.train_iters:
+                self.log_eval()
+        self.log_eval()
+        self.logger.close()
