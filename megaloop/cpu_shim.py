@@ -85,7 +85,10 @@ def _cpu_type(self, dtype=None, non_blocking=False, **kwargs):
     """Level 3: ``t.type()`` of a CPU tensor says ``torch.cuda.FloatTensor`` (megatron asserts)."""
     if dtype is None and not kwargs and self.device.type == "cpu":
         _record("Tensor.type()")
-        return _ORIGINAL_TYPE(self).replace("torch.", "torch.cuda.", 1)
+        name = _ORIGINAL_TYPE(self)
+        # The original re-dispatches through the torch-function mode back to this patch, so the
+        # name may already carry the CUDA prefix.
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
     return _ORIGINAL_TYPE(self, dtype, non_blocking, **kwargs)
 
 

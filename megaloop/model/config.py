@@ -163,9 +163,18 @@ class LoopConfig:
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
-    """Megatron-LM's rule: pad so every tensor-parallel shard of the vocabulary is equal."""
-    multiple = divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
+    """Pad the vocabulary so every tensor-parallel shard is equal.
+
+    Megatron-LM pads to a multiple of divisible_by x TP, which changes the model (extra softmax
+    columns, other initial weights) when only TP changes. megaloop pads to a multiple of
+    divisible_by and goes to divisible_by x TP only when TP does not divide that, so the same
+    run at TP=1, 2, 4, ... is the same model and checkpoints keep their shapes across TP sizes.
+    """
+    padded = int(math.ceil(vocab_size / divisible_by) * divisible_by)
+    if padded % tp_size:
+        multiple = divisible_by * tp_size
+        padded = int(math.ceil(vocab_size / multiple) * multiple)
+    return padded
 
 
 def use_transformer_engine(model: ModelConfig) -> bool:

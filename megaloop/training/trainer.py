@@ -177,6 +177,7 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self._run(self.train_iter, forward_only=False)
+        self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -224,7 +225,7 @@ class Trainer:
                     "step_losses": stats["step_losses"], "exit_probs": probs,
                     "p0": probs[0] if probs else None,
                     "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "lr": self.lr,
                     "ms_per_iter": elapsed * 1000.0,
                     "tokens_per_sec": self.gbs * tr.seq_length / elapsed,
                     "tflops_per_gpu": flops / elapsed / world / 1e12,
