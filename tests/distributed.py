@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 
@@ -30,7 +31,9 @@ def _child(rank, world_size, port, fn, args, queue):
         torch.set_num_threads(1)
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle, by value: the queue's ForkingPickler would pass tensors as shared-memory
+        # handles that die with this process.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -39,6 +42,9 @@ def _child(rank, world_size, port, fn, args, queue):
         parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # os._exit skips the queue's feeder thread: flush it first or large results are lost.
+        queue.close()
+        queue.join_thread()
         os._exit(0)
 
 
@@ -60,7 +66,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 break

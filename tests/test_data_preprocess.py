@@ -102,8 +102,9 @@ def test_int32_tokens_for_large_vocab(tmp_path):
                append_eod=True, progress=False)
     _, code, _, _, _ = read_idx(str(tmp_path / "out_text_document.idx"))
     assert code == 4  # int32: vocab >= 65500
-    assert IndexedDataset(str(tmp_path / "out_text_document"))[0].tolist() == [70000 - 0, 3,
-                                                                                 65499, 70000]
+    # Keep the dataset alive while reading: it unmaps its arrays when collected.
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert ds[0].tolist() == [70000, 3, 65499, 70000]  # EOD = vocab_size
 
 
 def test_worker_count_invariance_and_gzip(tmp_path, sp_model):
@@ -174,8 +175,10 @@ def test_sft_messages_mask(tmp_path, sp_model):
         is_asst = m["role"] == "assistant"
         exp_tokens += head + body + ([sp.eos_id()] if is_asst else [])
         exp_mask += [0] * len(head) + [int(is_asst)] * (len(body) + is_asst)
-    assert IndexedDataset(str(tmp_path / "m_text_document"))[0].tolist() == exp_tokens
-    assert IndexedDataset(str(tmp_path / "m_lossmask_document"))[0].tolist() == exp_mask
+    tokens = IndexedDataset(str(tmp_path / "m_text_document"))
+    mask = IndexedDataset(str(tmp_path / "m_lossmask_document"))
+    assert tokens[0].tolist() == exp_tokens
+    assert mask[0].tolist() == exp_mask
 
 
 def test_cli_reports_bad_line(tmp_path):

@@ -129,8 +129,11 @@ class _ChunkEncoder:
         encoded = iter(self.tok.tokenize_batch([text for segs in docs for text, _, _ in segs]))
         tokens, masks = [], []
         for segs in docs:
-            ids, mask = assemble(segs, [next(encoded) for _ in segs], self.tok.eod)
-            if any(mask):  # an example without response tokens teaches nothing: skip it
+            pieces = [next(encoded) for _ in segs]
+            # An example whose responses are all empty is a data error, not a lesson in
+            # stopping at once: skip it (counted as empty).
+            if any(ids for (_, is_response, _), ids in zip(segs, pieces) if is_response):
+                ids, mask = assemble(segs, pieces, self.tok.eod)
                 tokens.append(ids)
                 masks.append(mask)
         n_empty = len(docs) - len(tokens)
