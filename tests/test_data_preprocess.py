@@ -125,7 +125,7 @@ def test_worker_count_invariance_and_gzip(tmp_path, sp_model):
 def test_bad_lines_stop_with_location_or_are_skipped(tmp_path):
     cfg = TokenizerConfig(vocab_size=100)
     rows = [{"text": "1 2"}, {"text": "3"}, "{not json", {"text": "4"}, {"txt": "5"}, {"text": ""},
-            {"text": "6 7"}]
+            {"text": "6 7"}, {"text": "8 words"}]
     src = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(BadInputError, match=rf"{src}:3: not valid JSON"):
         preprocess(src, str(tmp_path / "out"), cfg, workers=2, chunk_size=2, progress=False)
@@ -136,9 +136,14 @@ def test_bad_lines_stop_with_location_or_are_skipped(tmp_path):
     with pytest.raises(BadInputError, match=rf"{src2}:4: missing or non-string key"):
         preprocess(src2, str(tmp_path / "out"), cfg, workers=0, progress=False)
 
+    src3 = write_jsonl(tmp_path / "bad3.jsonl", [r for r in rows if r not in ("{not json",
+                                                                            {"txt": "5"})])
+    with pytest.raises(BadInputError, match=rf"{src3}:6: the tokenizer rejects it"):
+        preprocess(src3, str(tmp_path / "out"), cfg, workers=0, progress=False)
+
     stats = preprocess(src, str(tmp_path / "out"), cfg, workers=2, chunk_size=2,
                        skip_bad_lines=True, progress=False)
-    assert stats.bad_lines == 2 and stats.empty["text"] == 1
+    assert stats.bad_lines == 3 and stats.empty["text"] == 1
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2], [3], [4], [6, 7]]
 

@@ -41,14 +41,13 @@ def test_train_tokenizer_cli_pad_differs_from_eod(tmp_path):
 
 
 def test_huggingface_tokenizer_json(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     hf = Tokenizer(models.BPE(unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.train_from_iterator(TEXT * 20, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<unk>", "<pad>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    from tokenizers import decoders
     hf.decoder = decoders.ByteLevel()
     hf.save(str(tmp_path / "tokenizer.json"))
 

@@ -38,8 +38,8 @@ class TokenizerConfig:
         """Raise ValueError naming the flag to change; touches the file system only."""
         if self.tokenizer_type == "NullTokenizer":
             if self.vocab_size is None or self.vocab_size < 1:
-                raise ValueError(
-                    "--tokenizer-type NullTokenizer needs --vocab-size N (N >= 1; EOD becomes id N)")
+                raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N "
+                                 "(N >= 1; EOD becomes id N)")
             if self.tokenizer_model is not None:
                 raise ValueError("--tokenizer-model is not used by NullTokenizer; drop it or pass "
                                  "--tokenizer-type SentencePieceTokenizer/HuggingFaceTokenizer")

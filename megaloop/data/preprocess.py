@@ -78,7 +78,7 @@ class _ChunkEncoder:
         self.dtype = DType.optimal_dtype(tokenizer.vocab_size)
 
     def parse(self, first: int, lines: list[bytes]):
-        """Parsed documents and bad lines. Blank lines are not documents and not errors."""
+        """[(line number, texts or sft segments)], bad lines. Blank lines are skipped."""
         docs, bad = [], []
         for lineno, raw in enumerate(lines, start=first):
             if not raw.strip():
@@ -90,7 +90,7 @@ class _ChunkEncoder:
                 continue
             if self.data_format == "sft":
                 try:
-                    docs.append(sft_segments(obj))
+                    docs.append((lineno, sft_segments(obj)))
                 except ValueError as err:
                     bad.append((lineno, str(err)))
                 continue
@@ -102,8 +102,26 @@ class _ChunkEncoder:
                 bad.append((lineno, f"missing or non-string key(s) {missing} "
                                     f"(--json-keys {' '.join(self.json_keys)})"))
                 continue
-            docs.append([obj[k] for k in self.json_keys])
+            docs.append((lineno, [obj[k] for k in self.json_keys]))
         return docs, bad
+
+    def tokenize(self, docs: list[tuple[int, list[str]]]):
+        """Encodings of every document's texts in one batch call, and rejected documents.
+
+        If the tokenizer rejects some text (e.g. NullTokenizer on words), the chunk is redone
+        one document at a time so that the error names the line.
+        """
+        try:
+            encoded = iter(self.tok.tokenize_batch([t for _, texts in docs for t in texts]))
+            return [(lineno, [next(encoded) for _ in texts]) for lineno, texts in docs], []
+        except Exception:
+            ok, bad = [], []
+            for lineno, texts in docs:
+                try:
+                    ok.append((lineno, [self.tok.tokenize(t) for t in texts]))
+                except Exception as err:
+                    bad.append((lineno, f"the tokenizer rejects it ({type(err).__name__}: {err})"))
+            return ok, bad
 
     def flatten(self, docs: list[list[int]], dtype) -> tuple[numpy.ndarray, numpy.ndarray]:
         lengths = numpy.fromiter(map(len, docs), dtype=numpy.int64, count=len(docs))
@@ -113,33 +131,34 @@ class _ChunkEncoder:
     def __call__(self, chunk: tuple[int, list[bytes]]) -> ChunkResult:
         docs, bad = self.parse(*chunk)
         if self.data_format == "sft":
-            return self._encode_sft(docs, bad)
+            segments = dict(docs)
+            encoded, rejected = self.tokenize([(n, [s[0] for s in segs]) for n, segs in docs])
+            return self._assemble_sft(segments, encoded, sorted(bad + rejected), len(docs))
+        encoded, rejected = self.tokenize(docs)
         arrays, empty = {}, {}
         for j, key in enumerate(self.json_keys):
-            encoded = [ids for ids in self.tok.tokenize_batch([d[j] for d in docs]) if ids]
-            empty[key] = len(docs) - len(encoded)
+            kept = [ids[j] for _, ids in encoded if ids[j]]
+            empty[key] = len(encoded) - len(kept)
             if self.append_eod:
-                for ids in encoded:
+                for ids in kept:
                     ids.append(self.tok.eod)
-            arrays[key] = self.flatten(encoded, self.dtype)
-        return ChunkResult(len(docs), bad, arrays, empty)
+            arrays[key] = self.flatten(kept, self.dtype)
+        return ChunkResult(len(docs), sorted(bad + rejected), arrays, empty)
 
-    def _encode_sft(self, docs, bad) -> ChunkResult:
-        # One batch call for every segment of every example in the chunk.
-        encoded = iter(self.tok.tokenize_batch([text for segs in docs for text, _, _ in segs]))
+    def _assemble_sft(self, segments, encoded, bad, n_docs) -> ChunkResult:
         tokens, masks = [], []
-        for segs in docs:
-            pieces = [next(encoded) for _ in segs]
+        for lineno, pieces in encoded:
+            segs = segments[lineno]
             # An example whose responses are all empty is a data error, not a lesson in
             # stopping at once: skip it (counted as empty).
             if any(ids for (_, is_response, _), ids in zip(segs, pieces) if is_response):
                 ids, mask = assemble(segs, pieces, self.tok.eod)
                 tokens.append(ids)
                 masks.append(mask)
-        n_empty = len(docs) - len(tokens)
+        n_empty = len(encoded) - len(tokens)
         arrays = {"text": self.flatten(tokens, self.dtype),
                   "lossmask": self.flatten(masks, numpy.uint8)}
-        return ChunkResult(len(docs), bad, arrays, {k: n_empty for k in SFT_KEYS})
+        return ChunkResult(n_docs, bad, arrays, {k: n_empty for k in SFT_KEYS})
 
 
 def _init_worker(tok_cfg: TokenizerConfig, *args) -> None:
@@ -152,6 +171,21 @@ def _encode(chunk: tuple[int, list[bytes]]) -> ChunkResult:
 
 
 # -- main side ---------------------------------------------------------------------------------
+
+class ChunkBuilder(IndexedDatasetBuilder):
+    """megatron-core's builder, fed a whole chunk of documents per call.
+
+    Writes exactly what ``add_document(doc, [len(doc)])`` per document writes (one sequence per
+    document), in one write: per-document calls cost the main process more than the workers'
+    tokenization saves once there are two workers.
+    """
+
+    def add_documents(self, values: numpy.ndarray, lengths: numpy.ndarray) -> None:
+        self.data_file.write(numpy.asarray(values, dtype=self.dtype).tobytes(order="C"))
+        first = len(self.sequence_lengths)
+        self.sequence_lengths.extend(lengths.tolist())
+        self.document_indices.extend(range(first + 1, first + len(lengths) + 1))
+
 
 def _ordered_results(chunks, workers: int, init_args: tuple) -> Iterator[ChunkResult]:
     """Results in input order with at most ``4 * workers`` chunks in flight.
@@ -195,7 +229,7 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
     finals = {k: output_prefix_for(output_prefix, k) for k in keys}
     tmp = f".tmp{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    builders = {k: IndexedDatasetBuilder(finals[k] + ".bin" + tmp, dtype=dtypes[k]) for k in keys}
+    builders = {k: ChunkBuilder(finals[k] + ".bin" + tmp, dtype=dtypes[k]) for k in keys}
     stats = PreprocessStats(documents={k: 0 for k in keys}, empty={k: 0 for k in keys},
                             tokens={k: 0 for k in keys})
     start = time.perf_counter()
@@ -211,11 +245,9 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
             stats.bad_lines += len(result.bad)
             stats.documents_read += result.documents_read
             for key, (values, lengths) in result.arrays.items():
-                ends = numpy.cumsum(lengths)
-                for end, n in zip(ends.tolist(), lengths.tolist()):
-                    builders[key].add_document(values[end - n:end], [n])
+                builders[key].add_documents(values, lengths)
                 stats.documents[key] += len(lengths)
-                stats.tokens[key] += int(ends[-1]) if len(ends) else 0
+                stats.tokens[key] += len(values)
                 stats.empty[key] += result.empty[key]
             bar.update(result.documents_read)
             if stats.documents_read >= next_log:

@@ -14,6 +14,10 @@ Accepted examples:
   after each ``assistant`` message; mask 1 exactly on assistant contents and their EODs. Role
   headers and the other roles' contents are context only (mask 0).
 
+Prompt and response (each message) are encoded separately, so the mask boundary is exact
+whatever the tokenizer would merge across it. An example whose responses are all empty is
+skipped and counted as empty.
+
 Packing (``SFTDataset``): megatron-core's GPTDataset concatenates shuffled documents into
 sequences of --seq-length + 1 tokens, so one sequence holds several examples, and an example
 that does not fit continues at the start of another sequence (without its prompt there; the

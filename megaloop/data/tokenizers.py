@@ -132,7 +132,10 @@ class HuggingFaceTokenizer(Tokenizer):
         self._tok = _HFTokenizer.from_file(json_file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         config_file = os.path.join(os.path.dirname(json_file), "tokenizer_config.json")
-        config = json.load(open(config_file)) if os.path.isfile(config_file) else {}
+        config = {}
+        if os.path.isfile(config_file):
+            with open(config_file) as f:
+                config = json.load(f)
 
         def lookup(key: str, names: tuple[str, ...]) -> Optional[int]:
             for name in ([_special_token(config, key)] if _special_token(config, key) else names):

@@ -1,0 +1,70 @@
+"""Invalid configurations fail with a message naming the flag, before any process group."""
+
+import pytest
+import torch
+
+from megaloop.training.run_config import parse_args
+
+OK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+      "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+      "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+
+
+def _check(extra, world_size=1):
+    parse_args(OK + extra).validate(world_size=world_size)
+
+
+def test_valid_config_passes():
+    _check(["--num-loops", "4", "--global-batch-size", "8"], world_size=2)
+
+
+@pytest.mark.parametrize("extra,world,match", [
+    (["--hidden-size", "90"], 1, "--hidden-size 90 is not divisible by --num-attention-heads 4"),
+    (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads 4 is not divisible by "
+                                               "--tensor-model-parallel-size 3"),
+    (["--num-loops", "0"], 1, "--num-loops 0 must be at least 1"),
+    (["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible by "
+                                      "--micro-batch-size 2 x data-parallel size 2"),
+    (["--num-prelude-layers", "1", "--num-coda-layers", "1"], 1, "leaves no core layer"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (["--num-query-groups", "3"], 1, "--num-query-groups 3"),
+    (["--seq-length", "64"], 1, "--seq-length 64 exceeds --max-position-embeddings 32"),
+    (["--pipeline-model-parallel-size", "2"], 2, "pipeline parallelism"),
+    (["--min-lr", "1", "--lr", "0.1"], 1, "--min-lr"),
+    (["--exit-kl-beta", "-1"], 1, "--exit-kl-beta"),
+])
+def test_invalid_config_names_the_flag(extra, world, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        _check(extra, world)
+
+
+def test_missing_data_is_reported():
+    args = [a for a in OK if a != "--mock-data"]
+    with pytest.raises(ValueError, match="--data-path"):
+        parse_args(args).validate(world_size=1)
+
+
+def test_entry_point_exits_2_before_process_group(capsys, monkeypatch):
+    import pretrain_looplm
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert pretrain_looplm.main(OK + ["--hidden-size", "90"]) == 2
+    assert "--hidden-size 90 is not divisible" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_unknown_choice_rejected_by_parser():
+    with pytest.raises(SystemExit):
+        parse_args(OK + ["--exit-loss", "bogus"])
+
+
+def test_help_lists_megatron_flags(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ["--tensor-model-parallel-size", "--num-layers", "--ffn-hidden-size",
+                 "--num-query-groups", "--lr-warmup-iters", "--lr-decay-style", "--clip-grad",
+                 "--untie-embeddings-and-output-weights", "--tensorboard-dir", "--wandb-project",
+                 "--num-loops", "--num-prelude-layers", "--num-coda-layers", "--exit-loss",
+                 "--exit-kl-beta", "--exit-loss-smoothing", "--log-jsonl", "--data-path"]:
+        assert flag in text, flag

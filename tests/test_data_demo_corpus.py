@@ -1,0 +1,64 @@
+"""tools/make_demo_corpus.py: deterministic by seed, and every stated answer is right (checked by
+solving each problem here with an independent little interpreter)."""
+
+import importlib.util
+import json
+import os
+import re
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location(
+        "make_demo_corpus", os.path.join(REPO, "tools", "make_demo_corpus.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def solve(question: str) -> str:
+    if m := re.match(r"(.*)\. start at (\w), follow (\d+) arrows", question):
+        table = dict(pair.split("->") for pair in m.group(1).split(", "))
+        node = m.group(2)
+        for _ in range(int(m.group(3))):
+            node = table[node]
+        return node
+    if m := re.match(r"(.*)\. what is (\w)\?", question):
+        env = dict(fact.split("=") for fact in m.group(1).split(". "))
+        name = m.group(2)
+        while not env[name].isdigit():
+            name = env[name]
+        return env[name]
+    *assignments, target = question.split("; ")
+    env: dict[str, int] = {}
+    for a in assignments:
+        name, expr = a.split("=")
+        tokens = re.match(r"(\w+)(?:([+\-*])(\d+))?$", expr).groups()
+        value = int(tokens[0]) if tokens[0].isdigit() else env[tokens[0]]
+        if tokens[1]:
+            n = int(tokens[2])
+            value = value + n if tokens[1] == "+" else value - n if tokens[1] == "-" else value * n
+        env[name] = value
+    return str(env[target.rstrip("=?")])
+
+
+def test_demo_corpus_is_deterministic_and_correct(tmp_path):
+    tool = load_tool()
+    for run in ("a", "b"):
+        tool.main(["--output", str(tmp_path / f"{run}.jsonl"), "--num-docs", "200",
+                   "--sft-output", str(tmp_path / f"{run}_sft.jsonl"), "--seed", "7"])
+    for name in ("a.jsonl", "a_sft.jsonl"):
+        assert (tmp_path / name).read_bytes() == (tmp_path / name.replace("a", "b", 1)
+                                                  ).read_bytes()
+    checked = 0
+    for line in open(tmp_path / "a_sft.jsonl"):
+        row = json.loads(line)
+        assert row["response"] == f"answer: {solve(row['prompt'])}."
+        checked += 1
+    for line in open(tmp_path / "a.jsonl"):
+        for part in json.loads(line)["text"].split("\n"):
+            if m := re.match(r"(.*\?) answer: (\w+)\.$", part):
+                assert m.group(2) == solve(m.group(1)), part
+                checked += 1
+    assert checked > 400

@@ -1,0 +1,39 @@
+"""End to end: torchrun launches pretrain_looplm.py on 2 gloo ranks with tensor parallelism."""
+
+import json
+import os
+import subprocess
+import sys
+
+from distributed import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_torchrun_tp2_trains_and_logs_per_step(tmp_path):
+    log = tmp_path / "run.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_looplm.py"),
+           "--tensor-model-parallel-size", "2", "--num-layers", "2", "--num-loops", "4",
+           "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+           "--max-position-embeddings", "64", "--micro-batch-size", "2",
+           "--global-batch-size", "4", "--train-iters", "16", "--lr", "3e-3",
+           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+           "--log-interval", "1", "--eval-iters", "2", "--log-jsonl", str(log)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    valid = [r for r in records if r["split"] == "valid"]
+    assert [r["iteration"] for r in train] == list(range(1, 17))
+    assert all(len(r["step_losses"]) == 4 and len(r["exit_probs"]) == 4 for r in records)
+    for r in train:
+        assert abs(sum(r["exit_probs"]) - 1) < 1e-4
+        for key in ("grad_norm", "lr", "tokens_per_sec", "tflops_per_gpu", "loss"):
+            assert isinstance(r[key], float) and r[key] >= 0, key
+    first = sum(r["loss"] for r in train[:3]) / 3
+    last = sum(r["loss"] for r in train[-3:]) / 3
+    assert last < first - 0.05, (first, last)
+    assert len(valid) == 1 and len(valid[0]["step_losses"]) == 4
+    assert "effective depth 8" in proc.stdout
