@@ -1,0 +1,31 @@
+"""megaloop: train looped language models on megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megaloop",
+    version="0.1.0",
+    description="Megatron-core trainer for looped (recurrent-depth) language models",
+    packages=find_packages(include=["megaloop", "megaloop.*"]),
+    py_modules=["pretrain_looplm"],
+    python_requires=">=3.10",
+    install_requires=[
+        # megatron-core 0.16.x is the last release for Python 3.11; checkpoints are not readable
+        # across minor versions, so pin it exactly.
+        "megatron-core==0.16.1",
+        "torch>=2.6",
+        "einops",
+        "numpy",
+        "sentencepiece",
+        # dist_checkpointing's writer needs psutil but megatron-core does not declare it.
+        "psutil",
+        "tqdm",
+    ],
+    extras_require={
+        # GPU only: never install on a CPU machine (a broken TE makes `import megatron.core` fail).
+        "gpu": ["transformer-engine[pytorch]"],
+        "hf": ["transformers", "safetensors", "tokenizers"],
+        "log": ["tensorboard", "wandb"],
+        "test": ["pytest", "tokenizers", "transformers", "safetensors"],
+    },
+)
