@@ -29,7 +29,11 @@ def _child(rank, world_size, port, fn, args, queue):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         torch.set_num_threads(1)
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        backend = "gloo"
+        if torch.cuda.is_available():  # the same test bodies run under NCCL on a GPU machine
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            backend = "nccl"
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Plain pickle, by value: the queue's ForkingPickler would pass tensors as shared-memory
         # handles that die with this process.
