@@ -142,6 +142,10 @@ class LoopedGPTModel(LanguageModule):
         """With labels: a LoopOutput. Without: the last step's logits [b, s, v/tp]."""
         T = num_loops or self.loop.num_loops
         mode = self.loop.exit_loss if T > 1 else "expected"
+        if mode != "last" and T > 1 and self.exit_gate is None:
+            raise ValueError(f"running {T} loops needs an exit gate, but this model was built "
+                             f"with --num-loops {self.loop.num_loops} and --exit-loss "
+                             f"{self.loop.exit_loss} (no gate); use --exit-loss last")
         rope = None
         if self.position_embedding_type == "rope":
             rope = self.rotary_pos_emb(input_ids.size(1))
