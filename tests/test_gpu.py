@@ -9,37 +9,22 @@ import torch
 
 from distributed import run_distributed
 from reference import max_diff
+from test_training import _one_step
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-BASE = ["--num-layers", "2", "--num-loops", "3", "--hidden-size", "64", "--num-attention-heads",
-        "4", "--seq-length", "64", "--max-position-embeddings", "64", "--global-batch-size", "4",
-        "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--eval-iters", "0",
-        "--adam-eps", "1e-4"]
-
-
-def _step(rank, world, extra):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
-    from reference import full_grads
-
-    cfg = parse_args(BASE + extra)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    trainer = Trainer(cfg)
-    stats, _, ok = trainer.train_step()
-    return stats["loss"], {k: v.float().cpu() for k, v in full_grads(trainer.model).items()}
-
+def _step(extra):
+    """Loss and full gradients of one trainer step (the CPU equivalence tests' step)."""
+    stats, _, grads, _, _ = run_distributed(_one_step, 1, ["--micro-batch-size", "2"] + extra)[0]
+    return stats["loss"], {k: v.float().cpu() for k, v in grads.items()}
 
 def test_te_spec_repeated_calls_accumulate_gradients():
     """TE linears called T times per micro-batch must sum, not overwrite, their weight grads
     (Megatron-LM PR #6965): the looped TE model's grads match the local spec's."""
     pytest.importorskip("transformer_engine")
-    loss_te, g_te = run_distributed(_step, 1, ["--transformer-impl", "transformer_engine"])[0]
-    loss_local, g_local = run_distributed(_step, 1, ["--transformer-impl", "local"])[0]
+    loss_te, g_te = _step(["--transformer-impl", "transformer_engine"])
+    loss_local, g_local = _step(["--transformer-impl", "local"])
     assert abs(loss_te - loss_local) < 1e-3
     # TE fuses the input norm into linear_qkv, so compare the parameters both specs name alike:
     # the core's output projections and fc2 weights are the ones the hazard would corrupt.
@@ -48,19 +33,19 @@ def test_te_spec_repeated_calls_accumulate_gradients():
     for k in common:
         assert torch.allclose(g_te[k], g_local[k], atol=1e-4, rtol=1e-2), k
 
-
 def test_bf16_step_tracks_fp32():
-    loss32, _ = run_distributed(_step, 1, [])[0]
-    loss16, _ = run_distributed(_step, 1, ["--bf16"])[0]
+    loss32, _ = _step([])
+    loss16, _ = _step(["--bf16"])
     assert abs(loss32 - loss16) < 5e-2
-
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_sequence_parallel_equals_tp1():
     pytest.importorskip("transformer_engine")
     extra = ["--transformer-impl", "transformer_engine"]
-    loss1, g1 = run_distributed(_step, 1, extra)[0]
-    loss2, g2 = run_distributed(_step, 2, extra + ["--tensor-model-parallel-size", "2",
-                                                  "--sequence-parallel"])[0]
+    loss1, g1 = _step(extra)
+    stats2, _, grads2, _, _ = run_distributed(
+        _one_step, 2, ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2",
+                       "--sequence-parallel"] + extra)[0]
+    loss2, g2 = stats2["loss"], {k: v.float().cpu() for k, v in grads2.items()}
     assert abs(loss1 - loss2) < 1e-3
     assert max_diff(g1, g2) < 1e-3
