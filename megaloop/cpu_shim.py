@@ -147,6 +147,25 @@ def _patch_level1() -> None:
     logging.getLogger(mcore_random.__name__).addFilter(_SilenceCpuRngWarning())
 
 
+def _keep_mode_in_backward(mode: _CudaToCpuMode) -> None:
+    """``torch.autograd.backward``/``grad`` are themselves overridable: the mode receives them and
+    runs them with itself popped, so the backward pass would run without the shim, and
+    activation recomputation (megatron-core reruns the forward, with its ``device="cuda"``
+    literals, inside the backward pass) would fail. Re-enter the mode around the engine call."""
+    import torch.autograd as autograd
+
+    run = autograd._engine_run_backward
+
+    def engine_run_backward(*args, **kwargs):
+        if torch._C._len_torch_function_stack() > 0:
+            return run(*args, **kwargs)
+        _record("autograd backward (mode re-entered)")
+        with mode:
+            return run(*args, **kwargs)
+
+    autograd._engine_run_backward = engine_run_backward
+
+
 def enable(trace: bool | None = None) -> bool:
     """Install the shim if CUDA is absent. Returns whether the shim is active. Idempotent."""
     global _ENABLED, _TRACE
@@ -157,7 +176,9 @@ def enable(trace: bool | None = None) -> bool:
         return _ENABLED
     _patch_level1()
     torch.Tensor.type = _cpu_type
-    _CudaToCpuMode().__enter__()  # process-wide: never exited
+    mode = _CudaToCpuMode()
+    mode.__enter__()  # process-wide: never exited
+    _keep_mode_in_backward(mode)
     _ENABLED = True
     return True
 

@@ -60,3 +60,24 @@ def test_trace_lists_megatron_call_sites():
     assert any(what == "torch.cuda.current_device" for _, what, _ in sites)
     assert any(what == "Tensor.type()" for _, what, _ in sites)
     assert all(n > 0 for _, _, n in sites)
+
+
+def test_backward_pass_runs_inside_the_shim():
+    """Activation recomputation reruns forward code (with its device="cuda" literals) inside the
+    backward pass; torch.autograd.backward is itself intercepted by the mode, so the shim must
+    re-enter there."""
+    class Recreate(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * torch.full_like(g, 2.0, device="cuda")
+
+    x = torch.ones(3, requires_grad=True)
+    torch.autograd.backward(Recreate.apply(x).sum())
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    y = torch.ones(3, requires_grad=True)
+    Recreate.apply(y).sum().backward()
+    assert torch.equal(y.grad, torch.full((3,), 2.0))

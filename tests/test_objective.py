@@ -95,3 +95,28 @@ def test_reading_early_is_an_error():
     obj.add_step(torch.ones(1), torch.zeros(1))
     with pytest.raises(RuntimeError, match="after 1 of 2"):
         obj.per_token()
+
+
+@pytest.mark.parametrize("mode", ["expected", "smoothed", "last"])
+def test_resumed_shares_add_up_to_one_fold(mode):
+    """A pipeline chunk folds one step from the carried log-survival: the shares of the T steps
+    sum to the uninterrupted objective, in value and in gradient."""
+    T = 4
+    losses, lambdas = _inputs(T)
+    gates = torch.logit(lambdas).requires_grad_()
+    whole = ExitObjective(T, mode, 0.15, 0.05)
+    for t in range(T):
+        whole.add_step(losses[t], gates[t] if t < T - 1 and mode != "last" else None)
+    total = 0.0
+    log_survival = None
+    for t in range(T):
+        part = ExitObjective.resume(T, mode, 0.15, 0.05, steps_done=t, log_survival=log_survival)
+        part.add_step(losses[t], gates[t] if t < T - 1 and mode != "last" else None)
+        if part.share() is not None:
+            total = total + part.share()
+        log_survival = part.log_survival
+    assert torch.allclose(total, whole.per_token(), atol=1e-12)
+    if mode != "last":
+        g_whole, = torch.autograd.grad(whole.per_token().sum(), gates)
+        g_parts, = torch.autograd.grad(total.sum(), gates)
+        assert torch.allclose(g_whole, g_parts, atol=1e-12)

@@ -72,13 +72,33 @@ class ExitObjective:
         self.uniform = self.uniform + loss
         self.p_log_p = self.p_log_p + p * log_p
 
+    @classmethod
+    def resume(cls, num_loops: int, mode: str, beta: float, smoothing: float, *,
+               steps_done: int, log_survival: Optional[torch.Tensor]) -> "ExitObjective":
+        """Continue a fold whose first ``steps_done`` steps ran elsewhere (an earlier pipeline
+        chunk). Going on needs only the running log-survival; the summed terms restart at zero,
+        so ``share()`` of the result is the part of the objective owed to the steps folded here,
+        and the shares of all chunks add up to ``per_token()`` of one uninterrupted fold."""
+        obj = cls(num_loops, mode, beta, smoothing, step=steps_done)
+        if log_survival is not None:
+            zero = torch.zeros_like(log_survival)
+            obj.log_survival, obj.weighted, obj.uniform, obj.p_log_p = log_survival, zero, zero, zero
+        return obj
+
     def per_token(self) -> torch.Tensor:
         """The per-token objective after all T steps."""
         if self.step != self.num_loops:
             raise RuntimeError(f"objective read after {self.step} of {self.num_loops} steps")
+        return self.share()
+
+    def share(self) -> Optional[torch.Tensor]:
+        """The per-token terms of the steps folded so far; the constant beta * log T of the KL
+        joins with the last step (``last`` mode: the final loss, None before step T)."""
         if self.mode == "last":
             return self.last
-        kl = self.p_log_p + math.log(self.num_loops)  # sum_t p_t log(p_t / (1/T))
+        kl = self.p_log_p  # sum_t p_t log(p_t / (1/T)) = sum_t p_t log p_t + log T
+        if self.step == self.num_loops:
+            kl = kl + math.log(self.num_loops)
         if self.mode == "expected":
             lm = self.weighted
         elif self.mode == "smoothed":
