@@ -133,6 +133,24 @@ class LoopConfig:
     exit_loss_smoothing: float = 0.05
     """epsilon of the smoothed exit loss (000 section 4.2 uses 0.05); KL uses the unsmoothed p."""
 
+    input_injection: Literal["none", "scalar-mix"] = "none"
+    """What enters each core pass after the first: `none` (the previous state, as Ouro) or
+    `scalar-mix` (000 Eq. 1: z_t = w src + (1 - w) h_{t-1}, w = sigmoid(a), one learned scalar)."""
+
+    injection_source: Literal["embedding", "prelude"] = "embedding"
+    """The injected src: the token embedding, or the prelude output (the same without a prelude)."""
+
+    injection_init_weight: float = 0.99
+    """Initial w of `scalar-mix` injection (000 starts at 0.99); in (0, 1)."""
+
+    lora_rank: int = 0
+    """Stepwise LoRA (000 section 4.4): rank of one adapter per loop step on each core attention
+    and MLP linear (0 = off). B starts at 0, so the model starts equal to the one without LoRA."""
+
+    lora_alpha: Optional[float] = None
+    """LoRA scaling numerator: the adapter output is scaled by alpha / rank (default: alpha =
+    rank, scale 1)."""
+
     def num_core_layers(self, num_layers: int) -> int:
         return num_layers - self.num_prelude_layers - self.num_coda_layers
 
@@ -160,6 +178,14 @@ class LoopConfig:
             raise ValueError(f"--exit-kl-beta {self.exit_kl_beta} must be >= 0")
         if not 0.0 <= self.exit_loss_smoothing <= 1.0:
             raise ValueError(f"--exit-loss-smoothing {self.exit_loss_smoothing} must be in [0, 1]")
+        if not 0.0 < self.injection_init_weight < 1.0:
+            raise ValueError(f"--injection-init-weight {self.injection_init_weight} must be in "
+                             f"(0, 1): w = sigmoid(a) never reaches 0 or 1; try 0.99")
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank {self.lora_rank} must be >= 0 (0 turns LoRA off)")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha {self.lora_alpha} must be positive (or omit it for "
+                             f"alpha = rank)")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:

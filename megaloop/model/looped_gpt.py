@@ -25,6 +25,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megaloop.model.config import LoopConfig, ModelConfig, with_layers
+from megaloop.model.injection import build_injection
+from megaloop.model.lora import StepwiseLoRA
 from megaloop.model.objective import ExitObjective
 from megaloop.model.specs import build_norm, layer_spec
 
@@ -110,6 +112,12 @@ class LoopedGPTModel(LanguageModule):
             bias=False, skip_bias_add=False, gather_output=False,
             skip_weight_param_allocation=self.share_embeddings_and_output_weights)
         self.setup_embeddings_and_output_layer()
+        self.injection = build_injection(config, loop)
+        # Built last, from a private generator: the base weights equal those of a model without
+        # LoRA built from the same seed.
+        self.lora = StepwiseLoRA(
+            self.core, config, loop.num_loops, loop.lora_rank, loop.lora_alpha or loop.lora_rank,
+            seed=torch.initial_seed() + 1) if loop.lora_rank else None
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook (megatron schedules call it); with one stage there is nothing to take."""
@@ -118,10 +126,17 @@ class LoopedGPTModel(LanguageModule):
         self.input_tensor = input_tensor
 
     # --- one loop step -------------------------------------------------------------------
-    def _core_step(self, h, attention_mask, rotary_pos_emb):
-        """h_t = core(h_{t-1}); returns (state for the next step, normalized state y_t)."""
+    def _core_step(self, h, attention_mask, rotary_pos_emb, step: int = 1, source=None):
+        """h_t = core(inject(h_{t-1}, source); step t); returns (state for the next step,
+        normalized state y_t). ``step`` (1-based) selects the stepwise LoRA adapters."""
+        if self.injection is not None and step > 1:
+            h = self.injection(h, source)
+        if self.lora is not None:
+            self.lora.select(step)
         h = self.core(hidden_states=h, attention_mask=attention_mask,
                       rotary_pos_emb=rotary_pos_emb)
+        if self.lora is not None:
+            h = self.lora.mark(h, step)
         y = self.step_norm(h)
         return (y if self.loop.step_norm_placement == "recurrent" else h), y
 
@@ -150,13 +165,16 @@ class LoopedGPTModel(LanguageModule):
         if self.position_embedding_type == "rope":
             rope = self.rotary_pos_emb(input_ids.size(1))
         h = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        source = h  # the injected source (--injection-source embedding)
         if self.prelude is not None:
             h = self.prelude(hidden_states=h, attention_mask=attention_mask, rotary_pos_emb=rope)
+            if self.loop.injection_source == "prelude":
+                source = h
 
         objective = ExitObjective(T, mode, self.loop.exit_kl_beta, self.loop.exit_loss_smoothing)
         logits = None
         for t in range(1, T + 1):
-            h, y = self._core_step(h, attention_mask, rope)
+            h, y = self._core_step(h, attention_mask, rope, t, source)
             if labels is None or mode == "last":
                 if t < T:  # only the final step is read out
                     if labels is not None:
