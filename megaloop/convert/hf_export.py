@@ -1,0 +1,190 @@
+"""A megaloop checkpoint -> a Hugging Face folder (config.json, model.safetensors, modeling code).
+
+The folder is served by ``hf_modeling/modeling_megaloop.py``, a self-contained plain-torch
+implementation of the looped model, loaded with ``trust_remote_code=True`` through config.json's
+``auto_map``. An *Ouro-style* model (the whole stack looped, Ouro norm scheme, recurrent step norm,
+exit gate, no injection/LoRA/QK-norm) is written under Ouro's model type, architecture name,
+parameter names and config keys, so tools built for Ouro checkpoints read it; everything else
+uses the same names plus a few megaloop keys (prelude, coda, injection, LoRA).
+
+Vocabulary: megaloop's embedding table is padded (``--make-vocab-size-divisible-by``); the export
+keeps the padded table and sets ``vocab_size`` to its row count (token ids beyond the tokenizer's
+are never produced by it; their logits are those of megaloop's padding rows). ``--vocab-size N``
+trims the table to the tokenizer's N real tokens instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+
+from megaloop.convert.layout import Heads, to_hf
+from megaloop.model.config import LoopConfig, ModelConfig
+
+MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_modeling")
+MODELING_FILES = ("modeling_megaloop.py", "configuration_megaloop.py")
+
+
+def _dataclass_from_dict(cls, values: dict):
+    """Build a config from a saved dict, ignoring keys this version does not know."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def check_exportable(model: ModelConfig) -> None:
+    """Refuse what the modeling file does not implement, naming the flag."""
+    problems = {
+        "--position-embedding-type": (model.position_embedding_type, "rope"),
+        "--normalization": (model.normalization, "RMSNorm"),
+        "--swiglu": (model.swiglu, True),
+        "--disable-bias-linear": (model.disable_bias_linear, True),
+        "--rotary-percent": (model.rotary_percent, 1.0),
+    }
+    for flag, (value, wanted) in problems.items():
+        if value != wanted:
+            raise ValueError(f"export-hf supports {flag} {wanted} only; this checkpoint has "
+                             f"{flag} {value}")
+    if model.norm_scheme not in ("ouro", "pre"):
+        raise ValueError(f"export-hf supports --norm-scheme ouro and pre, not {model.norm_scheme}")
+
+
+def is_ouro_style(model: ModelConfig, loop: LoopConfig) -> bool:
+    return (loop.num_prelude_layers == 0 and loop.num_coda_layers == 0
+            and model.norm_scheme == "ouro" and loop.step_norm_placement == "recurrent"
+            and loop.gated and loop.input_injection == "none" and loop.lora_rank == 0
+            and not model.qk_layernorm)
+
+
+def hf_config(model: ModelConfig, loop: LoopConfig, vocab_size: int, ouro: bool) -> dict:
+    """config.json: Qwen3/Llama/Ouro keys where they exist, megaloop keys for the rest."""
+    prefix = "Ouro" if ouro else "Megaloop"
+    heads = model.num_attention_heads
+    cfg = {
+        "architectures": [f"{prefix}ForCausalLM"],
+        "model_type": "ouro" if ouro else "megaloop",
+        "auto_map": {
+            "AutoConfig": f"configuration_megaloop.{prefix}Config",
+            "AutoModelForCausalLM": f"modeling_megaloop.{prefix}ForCausalLM",
+        },
+        "vocab_size": vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
+        "num_hidden_layers": loop.num_core_layers(model.num_layers),
+        "num_attention_heads": heads,
+        "num_key_value_heads": model.num_query_groups or heads,
+        "head_dim": model.kv_channels or model.hidden_size // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.norm_epsilon,
+        "rope_theta": float(model.rotary_base),
+        "initializer_range": model.init_method_std,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        "total_ut_steps": loop.num_loops,
+        "early_exit_threshold": 1.0,
+        "norm_scheme": model.norm_scheme,
+        "qk_norm": model.qk_layernorm,
+        "num_prelude_layers": loop.num_prelude_layers,
+        "num_coda_layers": loop.num_coda_layers,
+        "step_norm_placement": loop.step_norm_placement,
+        "use_exit_gate": loop.gated,
+        "input_injection": loop.input_injection,
+        "injection_source": loop.injection_source,
+        "lora_rank": loop.lora_rank,
+        "lora_alpha": loop.lora_alpha,
+        "lora_steps": loop.num_loops if loop.lora_rank else 0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "use_cache": False,
+    }
+    return cfg
+
+
+def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: dict, *,
+                    vocab_size: int | None = None, names: str = "auto",
+                    dtype: torch.dtype = torch.float32, tokenizer_model: str | None = None) -> dict:
+    """Write the folder from a TP=1 megaloop state dict; returns the config written."""
+    from safetensors.torch import save_file
+
+    check_exportable(model)
+    ouro = is_ouro_style(model, loop)
+    if names == "ouro" and not ouro:
+        raise ValueError("--names ouro needs an Ouro-style model: no prelude/coda, --norm-scheme "
+                         "ouro, --step-norm-placement recurrent, an exit gate, --input-injection "
+                         "none, --lora-rank 0, no --qk-layernorm; use --names auto")
+    ouro = ouro and names != "megaloop"
+    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    rows = state["embedding.word_embeddings.weight"].shape[0]
+    if vocab_size is not None:
+        if not 0 < vocab_size <= rows:
+            raise ValueError(f"--vocab-size {vocab_size} must be in 1..{rows} (the table's rows)")
+        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if key in state:
+                state[key] = state[key][:vocab_size]
+        rows = vocab_size
+    heads = Heads(model.num_attention_heads, model.num_query_groups or model.num_attention_heads,
+                  model.kv_channels or model.hidden_size // model.num_attention_heads)
+    tied = not model.untie_embeddings_and_output_weights
+    tensors = {k: v.detach().to(dtype).contiguous().clone()
+               for k, v in to_hf(state, heads, tied).items()}
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf_config(model, loop, rows, ouro)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    for name in MODELING_FILES:
+        shutil.copy(os.path.join(MODELING_DIR, name), os.path.join(out_dir, name))
+    _copy_tokenizer(tokenizer_model, out_dir)
+    return cfg
+
+
+def _copy_tokenizer(tokenizer_model: str | None, out_dir: str) -> None:
+    """Copy a Hugging Face tokenizer the run used, so the folder is complete."""
+    if not tokenizer_model:
+        return
+    folder = tokenizer_model if os.path.isdir(tokenizer_model) else \
+        os.path.dirname(tokenizer_model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            shutil.copy(path, os.path.join(out_dir, name))
+
+
+def load_model(load_dir: str):
+    """(model at TP = 1, its ModelConfig, LoopConfig, saved run config) from ``load_dir``'s latest
+    checkpoint, whatever layout saved it (dist_checkpointing reshards). Collective: needs
+    torch.distributed and megatron-core's parallel state at TP = 1."""
+    from megatron.core import dist_checkpointing
+
+    from megaloop.model.looped_gpt import build_model
+    from megaloop.training.checkpointing import (checkpoint_dir, load_checkpoint,
+                                                 read_run_config, read_tracker)
+
+    run = read_run_config(load_dir)
+    model_cfg = _dataclass_from_dict(ModelConfig, run["model"])
+    loop = _dataclass_from_dict(LoopConfig, run["loop"])
+    # The padded table size is in the checkpoint itself; building with it reproduces the shape
+    # whatever tokenizer files this machine has.
+    meta = dist_checkpointing.load_tensors_metadata(checkpoint_dir(load_dir, read_tracker(load_dir)))
+    rows = meta["embedding.word_embeddings.weight"].global_shape[0]
+    model = build_model(model_cfg, loop, rows, tp_size=1)
+    load_checkpoint(load_dir, model, load_optim=False, load_rng=False)
+    return model, model_cfg, loop, run
+
+
+def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
+              names: str = "auto", dtype: torch.dtype = torch.float32) -> dict:
+    """Write the Hugging Face folder of ``load_dir``'s latest checkpoint (see ``load_model``)."""
+    from megaloop.training.checkpointing import read_run_config
+
+    run = read_run_config(load_dir)
+    check_exportable(_dataclass_from_dict(ModelConfig, run["model"]))  # before the slow load
+    model, model_cfg, loop, run = load_model(load_dir)
+    tok = run.get("tokenizer", {})
+    tokenizer_model = tok.get("tokenizer_model") if tok.get("tokenizer_type") == \
+        "HuggingFaceTokenizer" else None
+    return write_hf_folder(out_dir, model_cfg, loop, model.state_dict(), vocab_size=vocab_size,
+                           names=names, dtype=dtype, tokenizer_model=tokenizer_model)

@@ -1,0 +1,238 @@
+"""Dense-to-loop: a local Hugging Face Qwen3 / Llama folder -> a looped megaloop checkpoint.
+
+000 section 4's recipe: the pretrained decoder becomes the looped core (norm scheme ``pre``, as
+these models are pre-norm), its final norm becomes the step norm, every core pass after the
+first mixes the token embedding back in (``scalar-mix``, w = 0.99 at the start), the exit gate is
+fresh, and stepwise LoRA adapters (B = 0) are optional. At T = 1 the result computes exactly the
+Hugging Face model's logits.
+
+The checkpoint is written from a single process at TP = 1: dist_checkpointing stores every tensor
+by its global shape and reshards on load, so the training run loads it at any TP size. The
+requested TP size only decides the vocabulary padding check and the flags printed for the run.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from megaloop.arguments import flag_name
+from megaloop.convert.layout import Heads, layer_from_hf
+from megaloop.data.config import TokenizerConfig
+from megaloop.model.config import LoopConfig, ModelConfig, padded_vocab_size
+
+SUPPORTED = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json; pass the folder that "
+                                f"save_pretrained wrote (config.json + *.safetensors)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind != "default":
+        raise ValueError(f"config.json asks for RoPE scaling {kind!r}; megaloop implements plain "
+                         f"RoPE only (rope_type 'default')")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if theta != int(theta):
+        raise ValueError(f"rope_theta {theta} is not an integer; megaloop's --rotary-base is one")
+    return theta
+
+
+def model_config_from_hf(cfg: dict, divisible_by: int) -> ModelConfig:
+    """The ModelConfig of a Qwen3 / Llama config.json (ValueError for what megaloop lacks)."""
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED:
+        raise ValueError(f"architecture {arch!r} is not supported; import-hf reads "
+                         f"{' and '.join(SUPPORTED)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r}: only SwiGLU (silu) MLPs are supported")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError("attention_bias / mlp_bias: models with linear biases are not supported")
+    if cfg.get("use_sliding_window") or (arch == "LlamaForCausalLM" and cfg.get("sliding_window")):
+        raise ValueError("sliding-window attention is not supported")
+    heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"], num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        position_embedding_type="rope", rotary_base=int(_rope_theta(cfg)),
+        normalization="RMSNorm", norm_epsilon=cfg.get("rms_norm_eps", 1e-6), swiglu=True,
+        disable_bias_linear=True, qk_layernorm=arch == "Qwen3ForCausalLM",
+        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
+        init_method_std=cfg.get("initializer_range", 0.02),
+        make_vocab_size_divisible_by=divisible_by, norm_scheme="pre")
+
+
+@dataclass
+class Vocab:
+    """How the training run sees the Hugging Face vocabulary."""
+
+    table_rows: int
+    """Rows of the HF embedding table (config.json's vocab_size; often above the tokenizer's)."""
+    tokenizer: TokenizerConfig
+    """The tokenizer the training run uses: the folder's tokenizer.json, or NullTokenizer."""
+    tokenizer_vocab: int
+    """The vocab size megaloop's tokenizer reports (what the trainer pads)."""
+    divisible_by: int
+    """--make-vocab-size-divisible-by that pads tokenizer_vocab to exactly table_rows."""
+
+    def flags(self) -> list:
+        t = self.tokenizer
+        extra = ["--tokenizer-model", t.tokenizer_model] if t.tokenizer_model else \
+            ["--vocab-size", str(t.vocab_size)]
+        return ["--tokenizer-type", t.tokenizer_type] + extra
+
+
+def padding_divisor(table_rows: int, tok_vocab: int) -> int:
+    """The --make-vocab-size-divisible-by that pads ``tok_vocab`` to exactly ``table_rows``:
+    ceil(tok / d) * d equals the table iff d divides it and d > table - tok. The smallest such d
+    of at least 128 (Megatron-LM's usual value) when there is one."""
+    lowest = max(table_rows - tok_vocab + 1, min(128, table_rows))
+    return next(d for d in range(lowest, table_rows + 1) if table_rows % d == 0)
+
+
+def plan_vocab(hf_dir: str, table_rows: int, tp_size: int) -> Vocab:
+    """Keep the HF table as it is: choose the padding divisor so that megaloop's padding of the
+    tokenizer's vocabulary lands exactly on the table size (no extra softmax columns)."""
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        from megaloop.data.tokenizers import HuggingFaceTokenizer
+
+        tok_vocab = HuggingFaceTokenizer(hf_dir).vocab_size
+        tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer",
+                                    tokenizer_model=os.path.abspath(hf_dir))
+        if tok_vocab > table_rows:
+            raise ValueError(f"{hf_dir}/tokenizer.json has {tok_vocab} tokens but the embedding "
+                             f"table only {table_rows} rows")
+    else:  # no tokenizer: ids are the table's rows (NullTokenizer reports vocab-size + 1)
+        tok_vocab = table_rows
+        tokenizer = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=table_rows - 1)
+    divisible_by = padding_divisor(table_rows, tok_vocab)
+    if padded_vocab_size(tok_vocab, divisible_by, tp_size) != table_rows:
+        raise ValueError(f"--tensor-model-parallel-size {tp_size} does not divide the vocabulary "
+                         f"table ({table_rows} rows); choose a TP size that divides it")
+    return Vocab(table_rows, tokenizer, tok_vocab, divisible_by)
+
+
+class SafetensorsFolder:
+    """Read tensors by name from every *.safetensors file of a folder (lazily, one at a time)."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        paths = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+        if not paths:
+            raise FileNotFoundError(f"--hf-dir {hf_dir}: no *.safetensors files (convert .bin "
+                                    f"checkpoints with save_pretrained(safe_serialization=True))")
+        self._files = [safe_open(p, framework="pt") for p in paths]
+        self.where = {name: f for f in self._files for name in f.keys()}
+
+    def names(self) -> set:
+        return set(self.where)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise KeyError(f"tensor {name!r} is missing from the safetensors files")
+        return self.where[name].get_tensor(name).float()
+
+
+def hf_state_dict(reader: SafetensorsFolder, model_cfg: ModelConfig, loop: LoopConfig,
+                  progress=None) -> dict:
+    """megaloop-named tensors of the HF decoder: layer i goes to the prelude for i < P, else to
+    core layer i - P; the final norm becomes the step norm."""
+    heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
+                  model_cfg.kv_channels)
+    names = reader.names()
+    out = {"embedding.word_embeddings.weight": reader.get("model.embed_tokens.weight"),
+           "step_norm.weight": reader.get("model.norm.weight")}
+    if model_cfg.untie_embeddings_and_output_weights:
+        if "lm_head.weight" not in names:
+            raise ValueError("config.json says the embeddings are untied, but there is no "
+                             "lm_head.weight in the safetensors files")
+        out["output_layer.weight"] = reader.get("lm_head.weight")
+    P = loop.num_prelude_layers
+    for i in range(model_cfg.num_layers):
+        prefix = f"prelude.layers.{i}." if i < P else f"core.layers.{i - P}."
+        out.update(layer_from_hf(reader.get, f"model.layers.{i}.", prefix, heads, names))
+        if progress is not None:
+            progress.update(1)
+    return out
+
+
+def load_into(model, tensors: dict) -> None:
+    """Copy converted tensors into a TP=1 model; everything except what the conversion adds
+    (exit gate, injection scalar, LoRA adapters) must be covered, with matching shapes."""
+    fresh = ("exit_gate.", "injection.", "_lora.")
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing = [k for k in state if k not in tensors and not any(f in k for f in fresh)]
+    unexpected = [k for k in tensors if k not in state]
+    if missing or unexpected:
+        raise ValueError(f"the Hugging Face tensors do not fit the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for k, v in tensors.items():
+            if state[k].shape != v.shape:
+                raise ValueError(f"{k}: the checkpoint holds shape {tuple(v.shape)}, the model "
+                                 f"expects {tuple(state[k].shape)}")
+            state[k].copy_(v)
+
+
+def training_flags(model_cfg: ModelConfig, loop: LoopConfig, vocab: Vocab, tp_size: int,
+                   load_dir: str) -> list:
+    """pretrain_looplm.py flags that rebuild exactly this model (every model and loop field)."""
+    flags = []
+    for cfg in (model_cfg, loop):
+        for f in fields(cfg):
+            value = getattr(cfg, f.name)
+            if value is None or not f.init or f.metadata.get("cli") is False:
+                continue
+            flags += [flag_name(f), str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags + vocab.flags() + ["--tensor-model-parallel-size", str(tp_size),
+                                            "--load", load_dir, "--finetune"]
+
+
+def import_hf(hf_dir: str, save_dir: str, loop: LoopConfig, *, tp_size: int = 1,
+              seed: int = 1234, progress: bool = True) -> list:
+    """Convert ``hf_dir`` into a megaloop checkpoint in ``save_dir`` (iteration 0) and return the
+    pretrain_looplm.py flags that train it. Needs torch.distributed and megatron-core's parallel
+    state at TP = 1 (``tools/convert_checkpoint.py`` starts a world of one process)."""
+    from tqdm import tqdm
+
+    from megaloop.model.looped_gpt import build_model
+    from megaloop.parallel.config import ParallelConfig
+    from megaloop.parallel.initialize import set_seed
+    from megaloop.training.checkpointing import save_checkpoint
+    from megaloop.training.run_config import RunConfig
+
+    cfg = read_hf_config(hf_dir)
+    vocab = plan_vocab(hf_dir, cfg["vocab_size"], tp_size)
+    model_cfg = model_config_from_hf(cfg, vocab.divisible_by)
+    if loop.num_coda_layers:
+        raise ValueError("--num-coda-layers: import-hf keeps the decoder's final norm right before "
+                         "the LM head, which a coda would move; use 0 (a prelude is fine)")
+    model_cfg.validate()
+    loop.validate(model_cfg.num_layers)
+    set_seed(seed)  # the fresh exit gate and LoRA A matrices
+    model = build_model(model_cfg, loop, vocab.tokenizer_vocab, tp_size=1)
+    reader = SafetensorsFolder(hf_dir)
+    with tqdm(total=model_cfg.num_layers, desc="import-hf layers", unit="layer",
+              disable=not progress) as bar:
+        tensors = hf_state_dict(reader, model_cfg, loop, bar)
+    load_into(model, tensors)
+    run = RunConfig(model=model_cfg, loop=loop, tokenizer=vocab.tokenizer,
+                    parallel=ParallelConfig(tensor_model_parallel_size=tp_size))
+    save_checkpoint(save_dir, 0, model, run_config=run.to_dict())
+    return training_flags(model_cfg, loop, vocab, tp_size, save_dir)

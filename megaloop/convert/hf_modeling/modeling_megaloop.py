@@ -1,0 +1,244 @@
+"""A looped language model exported by megaloop, in plain torch (load with trust_remote_code=True).
+
+    tokens -> embedding e -> prelude -> h
+    for t = 1..T:  z = h if t == 1 else inject(h, e or prelude output)
+                   h = looped stack(z; step t)        # the same layers every step
+                   y = norm(h); h = y (recurrent) or h (readout)
+    logits = lm_head(coda(y_T))                       # the last step's prediction
+
+It computes exactly what megaloop's LoopedGPTModel computes (megaloop's export test compares the
+logits), at any loop count: ``total_ut_steps`` in the config, or ``num_loops=`` per call. There is
+no KV cache: generation re-runs the whole prefix for every new token, which is correct and slow.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_megaloop import MegaloopConfig, OuroConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """A bias-free projection, with one LoRA adapter per loop step when ``lora_rank`` > 0."""
+
+    def __init__(self, in_features, out_features, lora_rank=0, lora_steps=0, lora_scale=1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.lora_scale = lora_scale
+        if lora_rank:
+            self.lora_A = nn.Parameter(torch.zeros(lora_steps, lora_rank, in_features))
+            self.lora_B = nn.Parameter(torch.zeros(lora_steps, out_features, lora_rank))
+        else:
+            self.lora_A = self.lora_B = None
+
+    def forward(self, x, step=0):
+        y = F.linear(x, self.weight)
+        if self.lora_A is not None:
+            t = min(step, self.lora_A.shape[0] - 1)  # beyond the trained steps: the last adapter
+            y = y + F.linear(F.linear(x, self.lora_A[t]), self.lora_B[t]) * self.lora_scale
+        return y
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, lora):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.heads, self.groups, self.head_dim = (config.num_attention_heads,
+                                                  config.num_key_value_heads, d)
+        self.q_proj = Linear(h, self.heads * d, **lora)
+        self.k_proj = Linear(h, self.groups * d, **lora)
+        self.v_proj = Linear(h, self.groups * d, **lora)
+        self.o_proj = Linear(self.heads * d, h, **lora)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, mask, step):
+        b, s, _ = x.shape
+        q = self.q_proj(x, step).view(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x, step).view(b, s, self.groups, self.head_dim)
+        v = self.v_proj(x, step).view(b, s, self.groups, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        repeat = self.heads // self.groups  # query head j reads key/value head j // repeat
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.o_proj(out, step)
+
+
+class MLP(nn.Module):
+    def __init__(self, config, lora):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(h, f, **lora)
+        self.up_proj = Linear(h, f, **lora)
+        self.down_proj = Linear(f, h, **lora)
+
+    def forward(self, x, step):
+        return self.down_proj(F.silu(self.gate_proj(x, step)) * self.up_proj(x, step), step)
+
+
+class DecoderLayer(nn.Module):
+    """``pre``: x + f(N(x)). ``ouro``: x + N2(f(N1(x))) -- Ouro's four norms per layer."""
+
+    def __init__(self, config, lora):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = Attention(config, lora)
+        self.mlp = MLP(config, lora)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.ouro = config.norm_scheme == "ouro"
+        if self.ouro:
+            self.input_layernorm_2 = RMSNorm(config.hidden_size, eps)
+            self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x, cos, sin, mask, step=0):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, step)
+        x = x + (self.input_layernorm_2(a) if self.ouro else a)
+        m = self.mlp(self.post_attention_layernorm(x), step)
+        return x + (self.post_attention_layernorm_2(m) if self.ouro else m)
+
+
+class ScalarMix(nn.Module):
+    """z = w * src + (1 - w) * h with w = sigmoid(logit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.logit = nn.Parameter(torch.zeros(1))
+
+    def forward(self, h, src):
+        w = torch.sigmoid(self.logit.float()).to(h.dtype)
+        return w * src + (1 - w) * h
+
+
+class MegaloopPreTrainedModel(PreTrainedModel):
+    config_class = MegaloopConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DecoderLayer"]
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, Linear) and module.lora_A is not None:
+                nn.init.normal_(module.lora_A, std=std)
+                nn.init.zeros_(module.lora_B)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+
+class MegaloopModel(MegaloopPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        scale = (c.lora_alpha or c.lora_rank) / c.lora_rank if c.lora_rank else 1.0
+        lora = dict(lora_rank=c.lora_rank, lora_steps=c.lora_steps, lora_scale=scale)
+        self.prelude = nn.ModuleList(DecoderLayer(c, {}) for _ in range(c.num_prelude_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, lora) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.coda = nn.ModuleList(DecoderLayer(c, {}) for _ in range(c.num_coda_layers))
+        self.coda_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.num_coda_layers else None
+        self.early_exit_gate = nn.Linear(c.hidden_size, 1) if c.use_exit_gate else None
+        self.input_injection = ScalarMix() if c.input_injection == "scalar-mix" else None
+        self.post_init()
+
+    def rope(self, position_ids, dtype):
+        # Computed per call rather than kept in a buffer: transformers may build the model on the
+        # meta device and would leave a non-persistent buffer uninitialised.
+        d = self.config.head_dim
+        exponent = torch.arange(0, d, 2, device=position_ids.device).float() / d
+        inv_freq = 1.0 / (self.config.rope_theta ** exponent)
+        freqs = position_ids[:, :, None].float() * inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, num_loops=None):
+        b, s = input_ids.shape
+        device = input_ids.device
+        if position_ids is None:
+            position_ids = torch.arange(s, device=device)[None].expand(b, s)
+        mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
+        if attention_mask is not None:  # padding: nobody attends to a padded key
+            mask = mask & attention_mask[:, None, None, :].bool()
+        e = self.embed_tokens(input_ids)
+        cos, sin = self.rope(position_ids, e.dtype)
+        h = e
+        for layer in self.prelude:
+            h = layer(h, cos, sin, mask)
+        src = e if self.config.injection_source == "embedding" else h
+        steps = num_loops or self.config.total_ut_steps
+        for t in range(steps):
+            if t > 0 and self.input_injection is not None:
+                h = self.input_injection(h, src)
+            for layer in self.layers:
+                h = layer(h, cos, sin, mask, t)
+            y = self.norm(h)
+            h = y if self.config.step_norm_placement == "recurrent" else h
+        for layer in self.coda:
+            y = layer(y, cos, sin, mask)
+        return self.coda_norm(y) if self.coda_norm is not None else y
+
+
+class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = MegaloopModel(config)
+        # Tied models read the embedding matrix directly rather than through HF's tying hooks,
+        # whose conventions differ between transformers versions.
+        self.lm_head = None if config.tie_word_embeddings else \
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
+                num_loops=None, **kwargs):
+        hidden = self.model(input_ids, attention_mask, position_ids, num_loops)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight)
+        loss = None
+        if labels is not None:  # next-token cross-entropy of the last step
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class OuroForCausalLM(MegaloopForCausalLM):
+    config_class = OuroConfig

@@ -1,0 +1,146 @@
+"""Convert between Hugging Face folders and megaloop checkpoints.
+
+Dense-to-loop (000 section 4): a local Qwen3 / Llama folder (config.json + *.safetensors) becomes
+a looped megaloop checkpoint whose core is the whole decoder, with scalar-mix input injection
+(w = 0.99), a fresh exit gate, T loops and optional stepwise LoRA. Every --loop flag of
+pretrain_looplm.py is accepted; the defaults below follow 000's conversion recipe:
+
+    python tools/convert_checkpoint.py import-hf --hf-dir Qwen3-1.7B-Base --save ckpt/looped \\
+        --num-loops 3 [--lora-rank 32] [--tensor-model-parallel-size 2]
+
+It prints the pretrain_looplm.py flags that continue training the converted model. The checkpoint
+is written by one process at TP = 1 and loads at any TP size (dist_checkpointing reshards).
+
+Export (a megaloop checkpoint saved at any TP size -> a Hugging Face folder, loaded with
+``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``):
+
+    python tools/convert_checkpoint.py export-hf --load ckpt/looped --out hf/looped
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+# Scripts run from a checkout without installation too.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
+from megaloop.model.config import LoopConfig  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    imp = sub.add_parser("import-hf", help="Hugging Face Qwen3/Llama folder -> looped checkpoint",
+                         allow_abbrev=False)
+    imp.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")
+    imp.add_argument("--save", required=True, help="checkpoint directory to write (iteration 0)")
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                     help="TP size of the training run (checks vocabulary padding; the "
+                          "checkpoint itself loads at any TP size)")
+    imp.add_argument("--seed", type=int, default=1234,
+                     help="seed of the fresh exit gate and LoRA A matrices")
+    imp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_dataclass_args(imp, LoopConfig)
+    # 000's dense-to-loop recipe: one mixing scalar (w = 0.99) and the smoothed exit loss.
+    recipe = dict(num_loops=3, input_injection="scalar-mix", exit_loss="smoothed")
+    imp.set_defaults(**recipe)
+    for action in imp._actions:  # keep the "(default: ...)" of the help text truthful
+        if action.dest in recipe:
+            action.help = action.help.rsplit("(default:", 1)[0] + f"(default: {recipe[action.dest]})"
+
+    exp = sub.add_parser("export-hf", help="megaloop checkpoint -> Hugging Face folder",
+                         allow_abbrev=False)
+    exp.add_argument("--load", required=True, help="checkpoint directory (its latest iteration)")
+    exp.add_argument("--out", required=True, help="folder to write")
+    exp.add_argument("--vocab-size", type=int, default=None,
+                     help="trim the padded embedding table to the tokenizer's real vocabulary")
+    exp.add_argument("--names", choices=["auto", "ouro", "megaloop"], default="auto",
+                     help="auto: Ouro's model type and names for Ouro-style models")
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                     help="dtype of the written weights")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
+    try:
+        if args.command == "import-hf":
+            loop = dataclass_from_args(LoopConfig, args)
+            # Range checks of the loop flags before the slow imports (the layer count is checked
+            # against config.json later).
+            loop.validate(num_layers=loop.num_prelude_layers + loop.num_coda_layers + 1)
+            return _import(args, loop)
+        return _export(args)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _world(seed: int):
+    import socket
+
+    from megaloop import cpu_shim
+    from megaloop.parallel.config import ParallelConfig
+    from megaloop.parallel.initialize import initialize
+
+    cpu_shim.enable()
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if os.environ["WORLD_SIZE"] != "1":
+        raise ValueError("convert_checkpoint.py runs as one process; do not launch it with torchrun")
+    initialize(ParallelConfig(distributed_backend="gloo"), seed)
+
+
+def _import(args, loop: LoopConfig) -> int:
+    from megaloop.convert.hf_import import import_hf
+    from megaloop.parallel.initialize import destroy
+
+    _world(args.seed)
+    try:
+        flags = import_hf(args.hf_dir, args.save, loop, tp_size=args.tensor_model_parallel_size,
+                          seed=args.seed, progress=not args.no_progress)
+    finally:
+        destroy()
+    print(f"> wrote {os.path.join(args.save, 'iter_0000000')} (loads at any TP size)")
+    print("> train it with (add your data, batch and optimizer flags):")
+    lines = []
+    for token in flags:  # one flag and its value per line
+        if token.startswith("--") or not lines:
+            lines.append(token)
+        else:
+            lines[-1] += " " + token
+    print("torchrun --nproc_per_node N pretrain_looplm.py \\\n  " + " \\\n  ".join(lines))
+    return 0
+
+
+def _export(args) -> int:
+    import torch
+
+    from megaloop.convert.hf_export import export_hf
+    from megaloop.parallel.initialize import destroy
+
+    _world(0)
+    try:
+        cfg = export_hf(args.load, args.out, vocab_size=args.vocab_size, names=args.names,
+                        dtype=getattr(torch, args.dtype))
+    finally:
+        destroy()
+    print(f"> wrote {args.out} ({cfg['architectures'][0]}, {cfg['total_ut_steps']} loops, vocab "
+          f"{cfg['vocab_size']}); load with AutoModelForCausalLM.from_pretrained(..., "
+          f"trust_remote_code=True)")
+    return 0
+
+
+if __name__ == "__main__":  # the checkpoint writer re-imports __main__ in its workers
+    sys.exit(main())
