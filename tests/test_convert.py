@@ -327,9 +327,15 @@ def test_tool_round_trip_and_errors(converted, tmp_path):
     with open(tmp_path / "out" / "config.json") as f:
         assert json.load(f)["total_ut_steps"] == 2
     ids = _ids(hf.config.vocab_size, seed=3)
-    theirs, _ = _hf_logits(str(tmp_path / "out"), ids, (1,))
+    theirs, exported = _hf_logits(str(tmp_path / "out"), ids, (1,))
     with torch.no_grad():
         assert (theirs[1] - hf(ids).logits).abs().max().item() < 1e-4
+        # generate() works (no KV cache: the prefix is re-run) and is greedy decoding.
+        out = exported.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
+        x = ids[:1, :4]
+        for _ in range(3):
+            x = torch.cat([x, exported(x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(out, x)
     # Bad input: exit code 2 and a message naming the flag.
     assert _run_tool(["import-hf", "--hf-dir", str(tmp_path / "nowhere"), "--save",
                       str(tmp_path / "x")], log) == 2
