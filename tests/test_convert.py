@@ -80,15 +80,15 @@ def _converted_logits(rank, world, save_dir, ids, loops):
     if world == 1:
         model = load_model(save_dir)[0]
     else:  # the TP=1 checkpoint at TP=2: rebuild from the saved config
-        from megaloop.convert.hf_export import _dataclass_from_dict
+        from megaloop.convert.hf_export import config_from_dict
         from megaloop.data.config import TokenizerConfig
         from megaloop.data.tokenizers import build_tokenizer
         from megaloop.model.config import LoopConfig, ModelConfig
 
         run = read_run_config(save_dir)
-        vocab = build_tokenizer(_dataclass_from_dict(TokenizerConfig, run["tokenizer"])).vocab_size
-        model = build_model(_dataclass_from_dict(ModelConfig, run["model"]),
-                            _dataclass_from_dict(LoopConfig, run["loop"]), vocab, tp_size=world)
+        vocab = build_tokenizer(config_from_dict(TokenizerConfig, run["tokenizer"])).vocab_size
+        model = build_model(config_from_dict(ModelConfig, run["model"]),
+                            config_from_dict(LoopConfig, run["loop"]), vocab, tp_size=world)
         load_checkpoint(save_dir, model, load_optim=False, load_rng=False)
     from reference import gather_tp
 
@@ -131,7 +131,7 @@ def test_import_loads_at_tp2(converted):
 
 def test_printed_flags_rebuild_the_model(converted):
     from megaloop.arguments import dataclass_from_args
-    from megaloop.convert.hf_export import _dataclass_from_dict
+    from megaloop.convert.hf_export import config_from_dict
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.training.checkpointing import read_run_config
     from megaloop.training.run_config import build_parser
@@ -139,9 +139,9 @@ def test_printed_flags_rebuild_the_model(converted):
     _, _, _, ckpt, flags = converted
     args, _ = build_parser().parse_known_args(flags)
     saved = read_run_config(ckpt)
-    assert dataclass_from_args(ModelConfig, args) == _dataclass_from_dict(ModelConfig,
+    assert dataclass_from_args(ModelConfig, args) == config_from_dict(ModelConfig,
                                                                           saved["model"])
-    assert dataclass_from_args(LoopConfig, args) == _dataclass_from_dict(LoopConfig, saved["loop"])
+    assert dataclass_from_args(LoopConfig, args) == config_from_dict(LoopConfig, saved["loop"])
     assert args.injection_init_weight == 0.99 and args.norm_scheme == "pre"
 
 

@@ -29,7 +29,7 @@ MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_mode
 MODELING_FILES = ("modeling_megaloop.py", "configuration_megaloop.py")
 
 
-def _dataclass_from_dict(cls, values: dict):
+def config_from_dict(cls, values: dict):
     """Build a config from a saved dict, ignoring keys this version does not know."""
     known = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in values.items() if k in known})
@@ -164,8 +164,8 @@ def load_model(load_dir: str):
                                                  read_run_config, read_tracker)
 
     run = read_run_config(load_dir)
-    model_cfg = _dataclass_from_dict(ModelConfig, run["model"])
-    loop = _dataclass_from_dict(LoopConfig, run["loop"])
+    model_cfg = config_from_dict(ModelConfig, run["model"])
+    loop = config_from_dict(LoopConfig, run["loop"])
     # The padded table size is in the checkpoint itself; building with it reproduces the shape
     # whatever tokenizer files this machine has.
     meta = dist_checkpointing.load_tensors_metadata(checkpoint_dir(load_dir, read_tracker(load_dir)))
@@ -181,7 +181,7 @@ def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
     from megaloop.training.checkpointing import read_run_config
 
     run = read_run_config(load_dir)
-    check_exportable(_dataclass_from_dict(ModelConfig, run["model"]))  # before the slow load
+    check_exportable(config_from_dict(ModelConfig, run["model"]))  # before the slow load
     model, model_cfg, loop, run = load_model(load_dir)
     tok = run.get("tokenizer", {})
     tokenizer_model = tok.get("tokenizer_model") if tok.get("tokenizer_type") == \
