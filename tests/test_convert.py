@@ -139,8 +139,7 @@ def test_printed_flags_rebuild_the_model(converted):
     _, _, _, ckpt, flags = converted
     args, _ = build_parser().parse_known_args(flags)
     saved = read_run_config(ckpt)
-    assert dataclass_from_args(ModelConfig, args) == config_from_dict(ModelConfig,
-                                                                          saved["model"])
+    assert dataclass_from_args(ModelConfig, args) == config_from_dict(ModelConfig, saved["model"])
     assert dataclass_from_args(LoopConfig, args) == config_from_dict(LoopConfig, saved["loop"])
     assert args.injection_init_weight == 0.99 and args.norm_scheme == "pre"
 
