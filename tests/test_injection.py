@@ -1,4 +1,4 @@
-"""Scalar-mix input injection (000 Eq. 1) against a hand-unrolled recurrence with the same blocks."""
+"""Scalar-mix input injection (000 Eq. 1) against a hand-unrolled recurrence, same blocks."""
 
 import math
 

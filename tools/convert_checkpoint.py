@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.set_defaults(**recipe)
     for action in imp._actions:  # keep the "(default: ...)" of the help text truthful
         if action.dest in recipe:
-            action.help = action.help.rsplit("(default:", 1)[0] + f"(default: {recipe[action.dest]})"
+            text = action.help.rsplit("(default:", 1)[0]
+            action.help = text + f"(default: {recipe[action.dest]})"
 
     exp = sub.add_parser("export-hf", help="megaloop checkpoint -> Hugging Face folder",
                          allow_abbrev=False)
@@ -98,7 +99,8 @@ def _world(seed: int):
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     if os.environ["WORLD_SIZE"] != "1":
-        raise ValueError("convert_checkpoint.py runs as one process; do not launch it with torchrun")
+        raise ValueError("convert_checkpoint.py runs as one process; launch it with python, "
+                         "not torchrun")
     initialize(ParallelConfig(distributed_backend="gloo"), seed)
 
 

@@ -168,7 +168,8 @@ def load_model(load_dir: str):
     loop = config_from_dict(LoopConfig, run["loop"])
     # The padded table size is in the checkpoint itself; building with it reproduces the shape
     # whatever tokenizer files this machine has.
-    meta = dist_checkpointing.load_tensors_metadata(checkpoint_dir(load_dir, read_tracker(load_dir)))
+    path = checkpoint_dir(load_dir, read_tracker(load_dir))
+    meta = dist_checkpointing.load_tensors_metadata(path)
     rows = meta["embedding.word_embeddings.weight"].global_shape[0]
     model = build_model(model_cfg, loop, rows, tp_size=1)
     load_checkpoint(load_dir, model, load_optim=False, load_rng=False)
