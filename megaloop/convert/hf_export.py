@@ -128,7 +128,7 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
     heads = Heads(model.num_attention_heads, model.num_query_groups or model.num_attention_heads,
                   model.kv_channels or model.hidden_size // model.num_attention_heads)
     tied = not model.untie_embeddings_and_output_weights
-    tensors = {k: v.detach().to(dtype).contiguous().clone()
+    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone()
                for k, v in to_hf(state, heads, tied).items()}
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
