@@ -311,10 +311,9 @@ def _run_tool(argv, log):
     return proc.exitcode
 
 
-def test_tool_round_trip_and_errors(converted, tmp_path):
-    kind, hf, hf_dir, _, _ = converted
-    if kind != "llama":
-        pytest.skip("one architecture is enough for the command line")
+def test_tool_round_trip_and_errors(tmp_path):
+    hf_dir = str(tmp_path / "hf")
+    hf = _make_hf("llama", hf_dir)
     log = str(tmp_path / "log")
     assert _run_tool(["import-hf", "--hf-dir", hf_dir, "--save", str(tmp_path / "ck"),
                       "--num-loops", "2", "--no-progress"], log) == 0
