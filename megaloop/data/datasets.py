@@ -178,8 +178,13 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int,
     """
     sampler = PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size,
                                       data_parallel_rank, data_parallel_size, cyclic)
+    # A private generator: creating a DataLoader iterator draws a base seed from its generator,
+    # and drawing it from the global one would shift the dropout stream by the number of
+    # iterators built, which differs between a straight run and a resumed one. The samples do
+    # not depend on it (the sampler fixes the order).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=_collate, persistent_workers=num_workers > 0)
+                                         collate_fn=_collate, persistent_workers=num_workers > 0,
+                                         generator=torch.Generator().manual_seed(0))
     return iter(loader)
 
 

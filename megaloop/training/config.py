@@ -150,3 +150,53 @@ class LoggingConfig:
             except Exception as exc:
                 raise ValueError(f"--wandb-project needs wandb ({exc}); pip install -e '.[log]'") \
                     from exc
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving, loading and stopping (Megatron-LM's flags and directory layout)."""
+
+    save: Optional[str] = None
+    """Directory to save checkpoints to (iter_XXXXXXX/ + latest_checkpointed_iteration.txt)."""
+
+    save_interval: Optional[int] = None
+    """Save every this many iterations (and at the end of training, and on exit)."""
+
+    load: Optional[str] = None
+    """Directory to resume from (its latest checkpoint); a directory without one starts fresh."""
+
+    ckpt_step: Optional[int] = None
+    """Load this iteration instead of the one named in latest_checkpointed_iteration.txt."""
+
+    no_load_optim: bool = False
+    """Do not load the optimizer and LR-scheduler state (the model's weights only)."""
+
+    no_load_rng: bool = False
+    """Do not restore the random-number generators."""
+
+    finetune: bool = False
+    """Load the model's weights only and start at iteration 0 with fresh data position,
+    optimizer, scheduler and RNG (a new run initialised from the checkpoint)."""
+
+    exit_signal_handler: bool = False
+    """On SIGTERM (SLURM's preemption/time-limit signal) finish the current step, save, exit 0."""
+
+    exit_interval: Optional[int] = None
+    """Save and exit when the iteration is a multiple of this."""
+
+    exit_duration_in_mins: Optional[float] = None
+    """Save and exit once the run has trained for this many minutes."""
+
+    def validate(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"--save-interval {self.save_interval} must be >= 1")
+        if self.save_interval and not self.save:
+            raise ValueError("--save-interval needs --save DIR (where to write the checkpoints)")
+        if self.exit_interval is not None and self.exit_interval < 1:
+            raise ValueError(f"--exit-interval {self.exit_interval} must be >= 1")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ValueError(f"--exit-duration-in-mins {self.exit_duration_in_mins} must be > 0")
+        if self.ckpt_step is not None and not self.load:
+            raise ValueError("--ckpt-step needs --load DIR")
+        if self.finetune and not self.load:
+            raise ValueError("--finetune needs --load DIR (the checkpoint to start from)")

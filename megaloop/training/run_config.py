@@ -15,7 +15,8 @@ from megaloop.arguments import add_dataclass_args, dataclass_from_args
 from megaloop.data.config import DataConfig, TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
 from megaloop.parallel.config import ParallelConfig
-from megaloop.training.config import LoggingConfig, OptimConfig, TrainingConfig
+from megaloop.training.config import (CheckpointConfig, LoggingConfig, OptimConfig,
+                                      TrainingConfig)
 
 SECTIONS = {
     "model": ModelConfig,
@@ -24,6 +25,7 @@ SECTIONS = {
     "training": TrainingConfig,
     "optim": OptimConfig,
     "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
     "data": DataConfig,
     "tokenizer": TokenizerConfig,
 }
@@ -37,6 +39,7 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
@@ -50,6 +53,7 @@ class RunConfig:
         self.training.validate(dp, self.model.max_position_embeddings)
         self.optim.validate(self.training.train_iters)
         self.logging.validate()
+        self.checkpoint.validate()
         self.tokenizer.validate()
         self.data.validate()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -28,6 +29,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megaloop.data.datasets import build_data_iterator, build_train_valid_test_datasets
 from megaloop.data.tokenizers import build_tokenizer
 from megaloop.model.looped_gpt import LoopOutput, build_model
+from megaloop.training import checkpointing
+from megaloop.training.exit_conditions import ExitConditions
 from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_train_line,
                                        peak_memory_gib)
 from megaloop.training.run_config import RunConfig
@@ -135,10 +138,42 @@ class Trainer:
         self.model, self.config = build_training_model(cfg, self.tokenizer.vocab_size)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
         self.iteration, self.consumed_samples, self.skipped = 0, 0, 0
+        self.last_saved = None
         self.logger = MetricsLogger(cfg.logging, cfg.to_dict(),
                                     is_writer=torch.distributed.get_rank() == 0)
         self.forward_backward = get_forward_backward_func()
+        self.load_info = self._load()
         self._build_data()
+
+    def _load(self):
+        """Resume from --load (weights, optimizer, scheduler, RNG, position in the data)."""
+        ck = self.cfg.checkpoint
+        if not ck.load:
+            return None
+        info = checkpointing.load_checkpoint(
+            ck.load, self.model, self.optimizer, self.scheduler, iteration=ck.ckpt_step,
+            load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune)
+        if info is None:
+            self.logger.print(f"> no checkpoint in --load {ck.load}: starting from scratch")
+            return None
+        self.iteration, self.consumed_samples = info["iteration"], info["consumed_samples"]
+        self.last_saved = self.iteration if ck.save == ck.load else None
+        self.skipped = info["extra"].get("skipped_iters", 0)
+        self.logger.print(
+            f"> loaded {info['path']} (iteration {self.iteration}, consumed samples "
+            f"{self.consumed_samples}, optimizer {'yes' if info['loaded_optim'] else 'no'}, "
+            f"rng {'yes' if info['loaded_rng'] else 'no'})")
+        return info
+
+    def save(self) -> None:
+        ck = self.cfg.checkpoint
+        start = time.time()
+        path = checkpointing.save_checkpoint(
+            ck.save, self.iteration, self.model, self.optimizer, self.scheduler,
+            run_config=self.cfg.to_dict(), consumed_samples=self.consumed_samples,
+            extra={"skipped_iters": self.skipped})
+        self.last_saved = self.iteration
+        self.logger.print(f"> saved {path} in {time.time() - start:.2f} s")
 
     def _build_data(self):
         tr = self.cfg.training
@@ -151,8 +186,10 @@ class Trainer:
             num_workers=self.cfg.data.num_workers)
         self.valid_iter = None
         if valid is not None and tr.eval_iters > 0:
+            # Validation continues where the evaluations before a resume stopped.
+            valid_consumed = (self.iteration // tr.eval_interval) * tr.eval_iters * self.gbs
             self.valid_iter = build_data_iterator(
-                valid, 0, tr.micro_batch_size, self.dp_rank, self.dp_size,
+                valid, valid_consumed, tr.micro_batch_size, self.dp_rank, self.dp_size,
                 num_workers=self.cfg.data.num_workers, cyclic=True)
 
     def describe(self) -> None:
@@ -204,8 +241,26 @@ class Trainer:
                         line=f" validation at iteration {self.iteration} | loss {r['loss']:.5f} "
                              f"| step losses [{steps}]")
 
-    def train(self) -> None:
-        tr, log = self.cfg.training, self.cfg.logging
+    def train(self) -> Optional[str]:
+        """Train to --train-iters; returns why it stopped early (a save was made), else None."""
+        exits = ExitConditions(self.cfg.checkpoint)
+        exits.install()
+        try:
+            reason = self._train_loop(exits)
+        finally:
+            exits.uninstall()
+        ck = self.cfg.checkpoint
+        if ck.save and self.last_saved != self.iteration:
+            self.save()
+        if reason is None:
+            self.log_eval()
+        else:
+            self.logger.print(f"> exiting: {reason}")
+        self.logger.close()
+        return reason
+
+    def _train_loop(self, exits: ExitConditions) -> Optional[str]:
+        tr, log, ck = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
         world = torch.distributed.get_world_size()
         flops = flops_per_iteration(self.cfg.model, self.cfg.loop, self.tokenizer.vocab_size,
                                     tr.seq_length, self.gbs)
@@ -235,5 +290,9 @@ class Trainer:
                 window_start, window_iters = time.time(), 0
             if self.iteration % tr.eval_interval == 0 and self.iteration < tr.train_iters:
                 self.log_eval()
-        self.log_eval()
-        self.logger.close()
+            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
+                self.save()
+            reason = exits.reason(self.iteration)
+            if reason is not None:
+                return reason
+        return None

@@ -1,0 +1,64 @@
+"""When a run should save and stop early: SIGTERM, an iteration interval, a wall-clock budget.
+
+SLURM sends SIGTERM to every task of a job before preemption or at the time limit (with
+``--signal``). The handler only records the signal; the trainer finishes the step in flight,
+asks here whether to stop, saves and exits 0. The decision is one all-reduce (MAX) over the
+world, so every rank takes the same branch even when only some ranks got the signal or one rank's
+clock crossed the budget first: nothing can hang in a half-taken save.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import torch
+
+from megaloop.training.config import CheckpointConfig
+
+
+class ExitConditions:
+    def __init__(self, cfg: CheckpointConfig, start_time: Optional[float] = None):
+        self.cfg = cfg
+        self.start_time = time.time() if start_time is None else start_time
+        self.received_signal: Optional[int] = None
+        self._previous = None
+
+    def install(self) -> None:
+        """Take over SIGTERM (only with --exit-signal-handler)."""
+        if self.cfg.exit_signal_handler:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        self.received_signal = signum
+
+    @property
+    def collective(self) -> bool:
+        """Whether the check needs an all-reduce (conditions that can differ between ranks)."""
+        return self.cfg.exit_signal_handler or self.cfg.exit_duration_in_mins is not None
+
+    def reason(self, iteration: int) -> Optional[str]:
+        """Why the run must stop after ``iteration``, or None. Collective when ``collective``."""
+        if self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0:
+            return f"--exit-interval {self.cfg.exit_interval} reached at iteration {iteration}"
+        if not self.collective:
+            return None
+        minutes = (time.time() - self.start_time) / 60.0
+        flags = torch.tensor([
+            float(self.received_signal is not None),
+            float(self.cfg.exit_duration_in_mins is not None
+                  and minutes > self.cfg.exit_duration_in_mins)],
+            device="cuda" if torch.cuda.is_available() else "cpu")  # NCCL reduces GPU tensors
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        if flags[0] > 0:
+            return f"SIGTERM received (--exit-signal-handler), stopping after iteration {iteration}"
+        if flags[1] > 0:
+            return (f"--exit-duration-in-mins {self.cfg.exit_duration_in_mins} exceeded at "
+                    f"iteration {iteration}")
+        return None

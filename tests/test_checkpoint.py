@@ -1,0 +1,267 @@
+"""Checkpoints: exact resume (bitwise on CPU fp32), SIGTERM, crash safety, resharding, keys.
+
+The reference is always the uninterrupted run (or the other parallel layout) with the same seed
+and data: a resumed run must reproduce its losses exactly, which needs weights, optimizer,
+scheduler, RNG streams (dropout) and the data position all restored.
+"""
+
+import json
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+from distributed import free_port, run_distributed
+from reference import full_params
+from test_training import BASE
+
+# Dropout makes the RNG part of the state; validation every 2 iterations makes the validation
+# stream's position part of it too.
+RESUME = BASE + ["--train-iters", "6", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                 "--eval-interval", "2", "--eval-iters", "1", "--micro-batch-size", "1",
+                 "--lr-warmup-iters", "2"]
+
+
+def _records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _train(rank, world, flags, signal_at=None):
+    """One pretrain_looplm-like process: init, Trainer(cfg).train(); returns its JSONL records."""
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+
+    cfg = parse_args(flags)
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    trainer = Trainer(cfg)
+    if signal_at is not None and rank == world - 1:
+        # SIGTERM reaches only the last rank, mid-run: the others must still stop with it.
+        step = trainer.train_step
+
+        def step_then_signal():
+            out = step()
+            if trainer.iteration + 1 == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+
+        trainer.train_step = step_then_signal
+    reason = trainer.train()
+    records = _records(cfg.logging.log_jsonl) if rank == 0 else None
+    return reason, records, trainer.iteration
+
+
+def _losses(records):
+    return [(r["split"], r["iteration"], r["loss"], tuple(r["step_losses"])) for r in records]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_stop_and_resume_reproduces_every_loss_bitwise(tmp_path, tp):
+    par = ["--tensor-model-parallel-size", str(tp)]
+    straight = run_distributed(_train, tp, RESUME + par + ["--log-jsonl",
+                                                           str(tmp_path / "a.jsonl")])[0][1]
+    ckpt = str(tmp_path / "ckpt")
+    first = RESUME + par + ["--save", ckpt, "--load", ckpt, "--log-jsonl",
+                            str(tmp_path / "b.jsonl")]
+    reason, _, it = run_distributed(_train, tp, first + ["--exit-interval", "3"])[0]
+    assert it == 3 and "exit-interval" in reason
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "3"
+    run_distributed(_train, tp, first)
+    resumed = _records(tmp_path / "b.jsonl")
+    assert [r["iteration"] for r in resumed if r["split"] == "train"] == list(range(1, 7))
+    assert _losses(resumed) == _losses(straight)  # exact equality, not a tolerance
+    assert [r["consumed_samples"] for r in resumed if r["split"] == "train"] == \
+        [r["consumed_samples"] for r in straight if r["split"] == "train"]
+
+    if tp == 1:
+        # The same resume without the RNG streams diverges (dropout masks differ): the exact
+        # equality above really depends on the restored RNG.
+        run_distributed(_train, 1, RESUME + par + ["--load", ckpt, "--ckpt-step", "3",
+                                                   "--no-load-rng", "--log-jsonl",
+                                                   str(tmp_path / "c.jsonl")])
+        no_rng = [r for r in _records(tmp_path / "c.jsonl") if r["split"] == "train"]
+        ref = {r["iteration"]: r["loss"] for r in straight if r["split"] == "train"}
+        assert any(r["loss"] != ref[r["iteration"]] for r in no_rng)
+
+
+def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path):
+    flags = RESUME + ["--tensor-model-parallel-size", "2"]
+    straight = run_distributed(_train, 2, flags + ["--log-jsonl", str(tmp_path / "a.jsonl")])[0][1]
+    ckpt = str(tmp_path / "ckpt")
+    run = flags + ["--save", ckpt, "--load", ckpt, "--exit-signal-handler",
+                   "--log-jsonl", str(tmp_path / "b.jsonl")]
+    results = run_distributed(_train, 2, run, 4)
+    assert all(it == 4 and "SIGTERM" in reason for reason, _, it in results)
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    run_distributed(_train, 2, run)
+    assert _losses(_records(tmp_path / "b.jsonl")) == _losses(straight)
+
+
+def _killed_save(rank, world, flags, kill_point):
+    """Train with a save every iteration and die by SIGKILL inside the save of iteration 2."""
+    from megaloop.training import checkpointing
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kill_point == "after-write":  # all shards written, not yet renamed
+        save = checkpointing.dist_checkpointing.save
+
+        def save_then_die(state, path, **kw):
+            save(state, path, **kw)
+            if state["iteration"] == 2:
+                die()
+        checkpointing.dist_checkpointing.save = save_then_die
+    else:  # renamed, but the latest file not yet replaced
+        replace = checkpointing.os.replace
+
+        def replace_or_die(src, dst):
+            if dst.endswith(checkpointing.TRACKER) and open(src).read() == "2":
+                die()
+            replace(src, dst)
+        checkpointing.os.replace = replace_or_die
+    return _train(rank, world, flags)
+
+
+@pytest.mark.parametrize("kill_point", ["after-write", "before-latest"])
+def test_run_killed_mid_save_resumes_from_previous_checkpoint(tmp_path, kill_point):
+    ckpt = str(tmp_path / "ckpt")
+    flags = RESUME + ["--train-iters", "3", "--save", ckpt, "--load", ckpt, "--save-interval", "1",
+                      "--log-jsonl", str(tmp_path / "b.jsonl")]
+    # A forked single rank (not run_distributed: this one is meant to die without reporting).
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    proc = mp.get_context("fork").Process(target=_killed_save, args=(0, 1, flags, kill_point))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == -signal.SIGKILL
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "1"
+
+    straight = run_distributed(_train, 1, RESUME + ["--train-iters", "3", "--log-jsonl",
+                                                    str(tmp_path / "a.jsonl")])[0][1]
+    reason, _, it = run_distributed(_train, 1, flags)[0]
+    assert reason is None and it == 3
+    train = [r for r in _records(tmp_path / "b.jsonl") if r["split"] == "train"]
+    # Iterations 1 and 2 from the killed run, then 2 (again, from checkpoint 1) and 3.
+    assert [r["iteration"] for r in train] == [1, 2, 2, 3]
+    ref = {r["iteration"]: r["loss"] for r in straight if r["split"] == "train"}
+    assert all(r["loss"] == ref[r["iteration"]] for r in train)
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "iter_0000002", "iter_0000003",
+                                        "latest_checkpointed_iteration.txt"]
+
+
+# --- resharding ---------------------------------------------------------------------------------
+RESHARD = BASE + ["--global-batch-size", "4", "--micro-batch-size", "1", "--num-query-groups",
+                  "2", "--untie-embeddings-and-output-weights"]
+
+
+def _logits(trainer, batch):
+    """Last-step logits over the whole vocabulary (the TP shards concatenated)."""
+    from megatron.core import parallel_state
+
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(batch["tokens"], batch["position_ids"])
+    trainer.model.train()
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(logits) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, -1)
+
+
+def _save_or_load(rank, world, flags, ckpt, save):
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+
+    cfg = parse_args(flags + (["--save", ckpt] if save else ["--load", ckpt]))
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    trainer = Trainer(cfg)
+    if save:
+        trainer.train_step()
+        trainer.iteration, trainer.consumed_samples = 1, trainer.gbs
+        trainer.save()
+    assert trainer.iteration == 1
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 200, (2, 32), generator=g)
+    batch = {"tokens": tokens, "position_ids": torch.arange(32).expand(2, 32)}
+    logits = _logits(trainer, batch)
+    stats, _, _ = trainer.train_step()  # the restored Adam moments decide this update
+    return logits, stats["loss"], full_params(trainer.model)
+
+
+TP2 = ["--tensor-model-parallel-size", "2"]
+DIST = ["--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize("src,src_world,dst,dst_world", [
+    (TP2, 2, [], 1),                  # TP=2 -> TP=1
+    ([], 1, TP2, 2),                  # TP=1 -> TP=2
+    (DIST, 2, TP2 + DIST, 2),         # DP=2 -> TP=2, distributed optimizer state resharded
+    (DIST, 2, DIST, 1),               # DP=2 -> DP=1
+])
+def test_checkpoint_loads_at_another_layout(tmp_path, src, src_world, dst, dst_world):
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(_save_or_load, src_world, RESHARD + src, ckpt, True)[0]
+    loaded = run_distributed(_save_or_load, dst_world, RESHARD + dst, ckpt, False)[0]
+    assert torch.allclose(saved[0], loaded[0], atol=1e-6, rtol=0)  # logits
+    assert abs(saved[1] - loaded[1]) < 1e-6  # the next step's loss
+    for k in saved[2]:  # the weights after that step: the Adam moments and step came back
+        assert torch.allclose(saved[2][k], loaded[2][k], atol=1e-6, rtol=1e-5), k
+
+
+def _load_other_optimizer(rank, world, flags, ckpt):
+    try:
+        _save_or_load(rank, world, flags, ckpt, False)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_switching_optimizer_kind_is_a_clear_error(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_or_load, 1, RESHARD + DIST, ckpt, True)
+    message = run_distributed(_load_other_optimizer, 1, RESHARD, ckpt)[0]
+    assert "--use-distributed-optimizer" in message and "--no-load-optim" in message
+
+
+def _keys(rank, world, flags):
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from megaloop.model.looped_gpt import build_model
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+
+    cfg = parse_args(flags)
+    initialize(cfg.parallel, cfg.training.seed)
+    model = build_model(cfg.model, cfg.loop, 200)
+    index = {id(p): name for name, p in model.named_parameters()}
+    entries = []  # (key, offset or None, global shape or None, parameter name)
+    for v in nested_values(model.sharded_state_dict()):
+        if isinstance(v, ShardedTensor):
+            entries.append((v.key, v.global_offset, v.global_shape, index.get(id(v.data))))
+        elif isinstance(v, ShardedTensorFactory):  # SwiGLU's fc1, stored as its two halves
+            entries.append((v.key, None, None, index.get(id(v.data))))
+    return entries, list(index.values())
+
+
+def test_every_parameter_has_exactly_one_checkpoint_entry():
+    flags = BASE + ["--num-layers", "4", "--num-prelude-layers", "1", "--num-coda-layers", "1",
+                    "--num-loops", "4"]
+    entries, names = run_distributed(_keys, 1, flags)[0]
+    # Each parameter is referenced by exactly one entry: the core once, not once per loop
+    # step, and the tied LM head not at all (it is the embedding).
+    assert sorted(name for *_, name in entries) == sorted(names)
+    assert not any(key.startswith("output_layer") for key, *_ in entries)
+    # megatron-core stacks a block's layers into one tensor per weight (leading dim = layers):
+    # the core's is K = 4 - 1 - 1, whatever T.
+    core = {shape[0] for key, _, shape, _ in entries if key.startswith("core.layers.") and shape}
+    assert core == {2}
+    placed = [(key, offset) for key, offset, _, _ in entries if offset is not None]
+    assert len(placed) == len(set(placed))
