@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from megatron.core import parallel_state
@@ -43,22 +44,53 @@ def gather_tp(tensor: torch.Tensor, param) -> torch.Tensor:
     return torch.cat([chunks[r][s] for s in range(stride) for r in range(world)], dim)
 
 
-def full_grads(model) -> dict:
-    """name -> full (TP-gathered) gradient, from .main_grad (megatron DDP) or .grad."""
-    out = {}
+def _named_parameters(model):
+    """(single-stage name, parameter): a pipeline stage's core layers renamed by their global
+    index; the last stage's copy of a tied embedding (marked `shared`) left out, as the
+    single-stage model has one such parameter."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
     for name, p in model.named_parameters():
+        if getattr(p, "shared", False):
+            continue
+        name = name.replace("module.", "")
+        m = re.match(r"core\.layers\.(\d+)\.(.*)", name)
+        if m:
+            name = f"core.layers.{inner.core.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}"
+        yield name, p
+
+
+def gather_pp(local: dict) -> dict:
+    """Union of every pipeline stage's tensors (each name lives on one stage)."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return local
+    parts = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(parts, local, group=group)
+    out = {}
+    for part in parts:
+        for k, v in part.items():
+            assert k not in out, f"{k} on two pipeline stages"
+            out[k] = v
+    return out
+
+
+def full_grads(model) -> dict:
+    """name -> full (TP-gathered, all stages) gradient, from .main_grad (megatron DDP) or .grad."""
+    out = {}
+    for name, p in _named_parameters(model):
         g = getattr(p, "main_grad", None)
         if g is None:
             g = p.grad
         if g is None:
             continue
-        out[name.replace("module.", "")] = gather_tp(g.detach().clone(), p)
-    return out
+        out[name] = gather_tp(g.detach().clone(), p)
+    return gather_pp(out)
 
 
 def full_params(model) -> dict:
-    return {n.replace("module.", ""): gather_tp(p.detach().clone(), p)
-            for n, p in model.named_parameters()}
+    return gather_pp({n: gather_tp(p.detach().clone(), p) for n, p in _named_parameters(model)})
 
 
 def max_diff(a: dict, b: dict) -> float:

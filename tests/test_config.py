@@ -18,6 +18,14 @@ def test_valid_config_passes():
     _check(["--num-loops", "4", "--global-batch-size", "8"], world_size=2)
 
 
+def test_valid_pipeline_configs_pass():
+    _check(["--pipeline-model-parallel-size", "2", "--num-loops", "4", "--global-batch-size", "4"],
+           world_size=2)
+    _check(["--pipeline-model-parallel-size", "2", "--num-layers", "3",
+            "--decoder-first-pipeline-num-layers", "1", "--recompute-granularity", "full",
+            "--recompute-method", "uniform", "--recompute-num-layers", "1"], world_size=2)
+
+
 @pytest.mark.parametrize("extra,world,match", [
     (["--hidden-size", "90"], 1, "--hidden-size 90 is not divisible by --num-attention-heads 4"),
     (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads 4 is not divisible by "
@@ -29,7 +37,21 @@ def test_valid_config_passes():
     (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
     (["--num-query-groups", "3"], 1, "--num-query-groups 3"),
     (["--seq-length", "64"], 1, "--seq-length 64 exceeds --max-position-embeddings 32"),
-    (["--pipeline-model-parallel-size", "2"], 2, "pipeline parallelism"),
+    (["--pipeline-model-parallel-size", "4"], 4, "--pipeline-model-parallel-size 4 exceeds the "
+                                                "2 core layers"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2,
+     "the 3 core layers do not split evenly over --pipeline-model-parallel-size 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "3",
+      "--decoder-first-pipeline-num-layers", "3"], 2, "leave 0 of the 3 core layers"),
+    (["--pipeline-model-parallel-size", "2", "--num-loops", "2", "--global-batch-size", "2"], 2,
+     "needs a multiple of --pipeline-model-parallel-size 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-loops", "2", "--global-batch-size", "4",
+      "--overlap-grad-reduce"], 2, "drop --overlap-grad-reduce"),
+    (["--decoder-last-pipeline-num-layers", "1"], 1, "need --pipeline-model-parallel-size > 1"),
+    (["--recompute-granularity", "full"], 1, "--recompute-granularity full needs"),
+    (["--recompute-method", "block"], 1, "need --recompute-granularity full"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], 1,
+     "selective takes no"),
     (["--min-lr", "1", "--lr", "0.1"], 1, "--min-lr"),
     (["--exit-kl-beta", "-1"], 1, "--exit-kl-beta"),
 ])

@@ -12,6 +12,7 @@ The recurrence lives in one place, ``forward``; a step is ``_core_step`` followe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -86,33 +87,43 @@ class LoopedGPTModel(LanguageModule):
         num_core = loop.num_core_layers(model_cfg.num_layers)
         spec = layer_spec(config, model_cfg.norm_scheme, use_te)
 
-        def block(n: int, final_norm: bool) -> TransformerBlock:
-            # pre_process=True: we always hand the block its input explicitly.
-            return TransformerBlock(config=with_layers(config, n), spec=spec,
-                                    post_layer_norm=final_norm, pre_process=True,
-                                    post_process=True)
+        def block(n: int, final_norm: bool, split: bool = False) -> TransformerBlock:
+            # pre_process=True: we always hand the block its input explicitly. Only the core is
+            # split over pipeline stages (megatron-core splits a block by its config's pipeline
+            # size); prelude and coda live whole on the first and the last stage.
+            cfg = with_layers(config, n) if split else dataclasses.replace(
+                config, num_layers=n, pipeline_model_parallel_size=1,
+                num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None)
+            return TransformerBlock(config=cfg, spec=spec, post_layer_norm=final_norm,
+                                    pre_process=True, post_process=True)
 
-        self.embedding = LanguageModelEmbedding(
-            config=config, vocab_size=vocab_size,
-            max_sequence_length=model_cfg.max_position_embeddings,
-            position_embedding_type=model_cfg.position_embedding_type)
+        # A pipeline stage builds only its part (GPTModel's pre_process / post_process): embedding,
+        # prelude and injection on the first stage; step norm, coda, gate and head on the last.
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config, vocab_size=vocab_size,
+                max_sequence_length=model_cfg.max_position_embeddings,
+                position_embedding_type=model_cfg.position_embedding_type)
         if model_cfg.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels, rotary_percent=model_cfg.rotary_percent,
                 rotary_interleaved=config.rotary_interleaved, rotary_base=model_cfg.rotary_base,
                 use_cpu_initialization=config.use_cpu_initialization)
-        self.prelude = block(loop.num_prelude_layers, False) if loop.num_prelude_layers else None
-        self.core = block(num_core, False)
-        self.step_norm = build_norm(config, use_te)
+        self.prelude = block(loop.num_prelude_layers, False) \
+            if pre_process and loop.num_prelude_layers else None
+        self.core = block(num_core, False, split=True)
+        self.step_norm = build_norm(config, use_te) if post_process else None
         # The coda's final norm is the readout norm before gate and head.
-        self.coda = block(loop.num_coda_layers, True) if loop.num_coda_layers else None
-        self.exit_gate = ExitGate(config) if loop.gated else None
+        self.coda = block(loop.num_coda_layers, True) \
+            if post_process and loop.num_coda_layers else None
+        self.exit_gate = ExitGate(config) if post_process and loop.gated else None
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, vocab_size, config=config, init_method=config.init_method,
             bias=False, skip_bias_add=False, gather_output=False,
-            skip_weight_param_allocation=self.share_embeddings_and_output_weights)
+            skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights
+        ) if post_process else None
         self.setup_embeddings_and_output_layer()
-        self.injection = build_injection(config, loop)
+        self.injection = build_injection(config, loop) if pre_process else None
         # Built last, from a private generator: the base weights equal those of a model without
         # LoRA built from the same seed.
         self.lora = StepwiseLoRA(
@@ -137,6 +148,8 @@ class LoopedGPTModel(LanguageModule):
                       rotary_pos_emb=rotary_pos_emb)
         if self.lora is not None:
             h = self.lora.mark(h, step)
+        if self.step_norm is None:  # a pipeline stage before the last: the step goes on there
+            return h, None
         y = self.step_norm(h)
         return (y if self.loop.step_norm_placement == "recurrent" else h), y
 
@@ -151,6 +164,17 @@ class LoopedGPTModel(LanguageModule):
         logits, _ = self.output_layer(r, weight=weight)
         return logits, (self.exit_gate(r) if gate else None)
 
+    def _embed(self, input_ids, position_ids, attention_mask, rotary_pos_emb):
+        """Embedding and prelude: (h_0, the injection source)."""
+        h = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        source = h  # the injected source (--injection-source embedding)
+        if self.prelude is not None:
+            h = self.prelude(hidden_states=h, attention_mask=attention_mask,
+                             rotary_pos_emb=rotary_pos_emb)
+            if self.loop.injection_source == "prelude":
+                source = h
+        return h, source
+
     # --- the recurrence ------------------------------------------------------------------
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
                 num_loops: Optional[int] = None):
@@ -164,12 +188,7 @@ class LoopedGPTModel(LanguageModule):
         rope = None
         if self.position_embedding_type == "rope":
             rope = self.rotary_pos_emb(input_ids.size(1))
-        h = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        source = h  # the injected source (--injection-source embedding)
-        if self.prelude is not None:
-            h = self.prelude(hidden_states=h, attention_mask=attention_mask, rotary_pos_emb=rope)
-            if self.loop.injection_source == "prelude":
-                source = h
+        h, source = self._embed(input_ids, position_ids, attention_mask, rope)
 
         objective = ExitObjective(T, mode, self.loop.exit_kl_beta, self.loop.exit_loss_smoothing)
         logits = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 
 @dataclass
@@ -15,7 +15,16 @@ class ParallelConfig:
     """Tensor-parallel size: attention heads, MLP and vocabulary are split over this many ranks."""
 
     pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel size (looped pipelines are a later milestone: only 1 is accepted now)."""
+    """Pipeline-parallel size: the core's layers are split over this many stages (prelude on the
+    first, coda/gate/head on the last) and each micro-batch travels the ring once per loop step."""
+
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Uneven pipeline split (Megatron-LM's rule, applied to the core): core layers on the first
+    stage, which also holds the embedding and prelude. Default: an even split."""
+
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Uneven pipeline split: core layers on the last stage, which also holds the coda, step norm,
+    exit gate and LM head. Default: an even split."""
 
     sequence_parallel: bool = False
     """Split norms and dropout over the sequence within the TP group (GPU, Transformer Engine)."""
@@ -47,10 +56,6 @@ class ParallelConfig:
             raise ValueError(
                 f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
                 f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes")
-        if pp != 1:
-            raise ValueError(
-                f"--pipeline-model-parallel-size {pp}: pipeline parallelism for looped models is "
-                "not implemented yet; use 1")
         if num_attention_heads % tp:
             raise ValueError(
                 f"--num-attention-heads {num_attention_heads} is not divisible by "
@@ -61,3 +66,94 @@ class ParallelConfig:
                 f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
         if self.sequence_parallel and tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+
+    def validate_pipeline(self, num_core_layers: int, num_loops: int,
+                          num_microbatches: int) -> None:
+        """Pipeline checks that need the model and batch shape (before any process group)."""
+        pp = self.pipeline_model_parallel_size
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        if pp == 1:
+            if first is not None or last is not None:
+                raise ValueError("--decoder-first/last-pipeline-num-layers need "
+                                 "--pipeline-model-parallel-size > 1")
+            return
+        if pp > num_core_layers:
+            raise ValueError(
+                f"--pipeline-model-parallel-size {pp} exceeds the {num_core_layers} core layers "
+                f"(--num-layers minus prelude and coda): every stage needs at least one core "
+                f"layer; use a pipeline size <= {num_core_layers} or more layers")
+        for flag, n in (("first", first), ("last", last)):
+            if n is not None and n < 1:
+                raise ValueError(f"--decoder-{flag}-pipeline-num-layers {n} must be >= 1")
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle_layers = num_core_layers - (first or 0) - (last or 0)
+        if first is None and last is None:
+            if num_core_layers % pp:
+                raise ValueError(
+                    f"the {num_core_layers} core layers do not split evenly over "
+                    f"--pipeline-model-parallel-size {pp}; use a pipeline size that divides "
+                    f"them, or set --decoder-first-pipeline-num-layers / "
+                    f"--decoder-last-pipeline-num-layers for an uneven split")
+        elif middle_layers < middle_stages or (middle_stages == 0 and middle_layers != 0) \
+                or (middle_stages and middle_layers % middle_stages):
+            raise ValueError(
+                f"--decoder-first-pipeline-num-layers {first} and --decoder-last-pipeline-num-"
+                f"layers {last} leave {middle_layers} of the {num_core_layers} core layers for "
+                f"{middle_stages} other stage(s); each other stage needs the same number >= 1")
+        if num_loops > 1:
+            # Interleaved 1F1B (one virtual chunk per loop step) runs micro-batches in groups of
+            # the pipeline size (megatron-core's microbatch_group_size_per_vp_stage default).
+            if num_microbatches % pp:
+                raise ValueError(
+                    f"{num_microbatches} micro-batches per step (--global-batch-size / "
+                    f"(--micro-batch-size x data-parallel size)) with --num-loops {num_loops}: "
+                    f"the interleaved pipeline schedule needs a multiple of "
+                    f"--pipeline-model-parallel-size {pp}; raise --global-batch-size")
+            if self.overlap_grad_reduce:
+                raise ValueError(
+                    f"--overlap-grad-reduce with --pipeline-model-parallel-size {pp} and "
+                    f"--num-loops {num_loops}: each loop step's chunk runs its own backward pass "
+                    f"into the shared layers, so a gradient bucket is complete only after the "
+                    f"last chunk and megatron-core would reduce it early; drop "
+                    f"--overlap-grad-reduce")
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recomputation (Megatron-LM's flags and meanings)."""
+
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """`full`: keep only each recomputed layer's input and rerun the layer in the backward pass;
+    `selective`: recompute only the core attention (megatron-core's default module). Applies at
+    every loop step."""
+
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With `full`: `uniform` recomputes every layer in groups of --recompute-num-layers; `block`
+    recomputes the first --recompute-num-layers layers of each block on each pipeline stage
+    (prelude, this stage's core layers, coda) and keeps the rest."""
+
+    recompute_num_layers: Optional[int] = None
+    """With `full`: layers per recomputed group (`uniform`) or recomputed layers per block and
+    stage (`block`)."""
+
+    def validate(self) -> None:
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g is None:
+            if m is not None or n is not None:
+                raise ValueError("--recompute-method / --recompute-num-layers need "
+                                 "--recompute-granularity full")
+        elif g == "full":
+            if m is None or n is None:
+                raise ValueError("--recompute-granularity full needs --recompute-method "
+                                 "(uniform or block) and --recompute-num-layers N")
+            if n < 1:
+                raise ValueError(f"--recompute-num-layers {n} must be >= 1")
+        elif m is not None or n is not None:
+            raise ValueError("--recompute-granularity selective takes no --recompute-method or "
+                             "--recompute-num-layers (it recomputes the core attention)")
+
+    def transformer_kwargs(self) -> dict:
+        """The megatron-core TransformerConfig fields (same names)."""
+        return {"recompute_granularity": self.recompute_granularity,
+                "recompute_method": self.recompute_method,
+                "recompute_num_layers": self.recompute_num_layers}

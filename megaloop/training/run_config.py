@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from megaloop.arguments import add_dataclass_args, dataclass_from_args
 from megaloop.data.config import DataConfig, TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
-from megaloop.parallel.config import ParallelConfig
+from megaloop.parallel.config import ParallelConfig, RecomputeConfig
 from megaloop.training.config import (CheckpointConfig, LoggingConfig, OptimConfig,
                                       TrainingConfig)
 
@@ -22,6 +22,7 @@ SECTIONS = {
     "model": ModelConfig,
     "loop": LoopConfig,
     "parallel": ParallelConfig,
+    "recompute": RecomputeConfig,
     "training": TrainingConfig,
     "optim": OptimConfig,
     "logging": LoggingConfig,
@@ -36,6 +37,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -51,6 +53,9 @@ class RunConfig:
                                world_size)
         dp = self.parallel.data_parallel_size(world_size)
         self.training.validate(dp, self.model.max_position_embeddings)
+        self.parallel.validate_pipeline(self.loop.num_core_layers(self.model.num_layers),
+                                        self.loop.num_loops, self.training.num_microbatches(dp))
+        self.recompute.validate()
         self.optim.validate(self.training.train_iters)
         self.logging.validate()
         self.checkpoint.validate()

@@ -59,7 +59,12 @@ def forward_step(data_iterator, model, num_loops: int):
 
 def reduce_stats(reports: list, num_loops: int) -> dict:
     """Sum the micro-batch stats, all-reduce over data-parallel ranks, turn sums into means."""
-    stats = torch.stack([r["stats"] for r in reports]).sum(0)
+    stats = torch.stack([r["stats"] for r in reports]).sum(0) if reports else \
+        torch.zeros(2 + 2 * num_loops)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # Only the last stage computes losses; the sum over the pipeline gives every stage (and
+        # rank 0, which logs) the totals.
+        torch.distributed.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
     torch.distributed.all_reduce(stats, group=parallel_state.get_data_parallel_group())
     tokens = max(stats[1].item(), 1.0)
     step_losses = (stats[2:2 + num_loops] / tokens).tolist()
@@ -93,11 +98,18 @@ def build_optimizer(cfg: RunConfig, model):
 
 
 def build_training_model(cfg: RunConfig, vocab_size: int):
-    """The LoopedGPTModel wrapped for bf16 and megatron-core DDP, on this rank."""
-    model = build_model(cfg.model, cfg.loop, vocab_size,
-                        tp_size=cfg.parallel.tensor_model_parallel_size,
-                        sequence_parallel=cfg.parallel.sequence_parallel, bf16=cfg.training.bf16)
-    config = model.config
+    """The LoopedGPTModel (or its pipeline stage) wrapped for bf16 and megatron-core DDP."""
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        from megaloop.parallel.pipeline import build_pipeline_stage, schedule_config
+
+        model = build_pipeline_stage(cfg, vocab_size)
+        config = schedule_config(model.config)
+    else:
+        model = build_model(cfg.model, cfg.loop, vocab_size,
+                            tp_size=cfg.parallel.tensor_model_parallel_size,
+                            sequence_parallel=cfg.parallel.sequence_parallel,
+                            bf16=cfg.training.bf16, recompute=cfg.recompute.transformer_kwargs())
+        config = model.config
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if cfg.training.bf16:
@@ -116,12 +128,14 @@ def build_training_model(cfg: RunConfig, vocab_size: int):
 
 
 def count_parameters(model) -> int:
-    """Parameters of the whole model (summed over tensor-parallel shards, shared counted once)."""
+    """Parameters of the whole model (summed over tensor-parallel shards and pipeline stages;
+    shared counted once: the last stage's copy of a tied embedding is marked `shared`)."""
     local = sum(p.numel() for p in model.parameters()
-                if getattr(p, "tensor_model_parallel", False)
-                or parallel_state.get_tensor_model_parallel_rank() == 0)
+                if (getattr(p, "tensor_model_parallel", False)
+                    or parallel_state.get_tensor_model_parallel_rank() == 0)
+                and not getattr(p, "shared", False))
     total = torch.tensor([local], dtype=torch.float64)
-    torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
+    torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return int(total.item())
 
 
@@ -142,6 +156,11 @@ class Trainer:
         self.logger = MetricsLogger(cfg.logging, cfg.to_dict(),
                                     is_writer=torch.distributed.get_rank() == 0)
         self.forward_backward = get_forward_backward_func()
+        self.pipeline = None
+        if cfg.parallel.pipeline_model_parallel_size > 1:
+            from megaloop.parallel.pipeline import LoopPipeline
+
+            self.pipeline = LoopPipeline(self.model, self.config, cfg.loop)
         self.load_info = self._load()
         self._build_data()
 
@@ -200,10 +219,14 @@ class Trainer:
             f"x {loop.num_loops} + {loop.num_coda_layers} | physical depth {m.num_layers} | "
             f"effective depth {loop.effective_depth(m.num_layers)} | parameters {params:,} | "
             f"exit loss {loop.exit_loss} | TP {self.cfg.parallel.tensor_model_parallel_size} "
+            f"PP {self.cfg.parallel.pipeline_model_parallel_size} "
             f"DP {self.dp_size} | micro-batches per step {self.num_microbatches}")
 
     def _run(self, data_iterator, forward_only: bool):
         tr = self.cfg.training
+        if self.pipeline is not None:
+            return self.pipeline.run(data_iterator, self.num_microbatches, tr.seq_length,
+                                     tr.micro_batch_size, forward_only)
         return self.forward_backward(
             forward_step_func=partial(forward_step, num_loops=self.cfg.loop.num_loops),
             data_iterator=data_iterator, model=[self.model],

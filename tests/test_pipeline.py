@@ -1,0 +1,220 @@
+"""Pipeline parallelism: P stages == one stage for the same weights and global batch.
+
+Every comparison runs the trainer twice from the same seed: once on one rank (the plain
+recurrence in LoopedGPTModel.forward, no pipeline code involved) and once pipelined, and checks
+the objective, per-step losses, exit probabilities, grad norm, the gradient of every parameter
+(gathered over TP shards and pipeline stages), the parameters after one optimizer step and the
+loss of the next step (tests/test_training.py::_compare).
+"""
+
+import functools
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from test_training import _compare, _one_step
+
+MB2 = ["--micro-batch-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(extra: tuple):
+    """The single-rank run (cached: several pipelined layouts share one reference)."""
+    return run_distributed(_one_step, 1, list(extra))[0]
+
+
+def _comparable(result):
+    """Stats with `last` mode's unread steps (NaN) and missing exit probs checked and removed,
+    so _compare sees plain lists."""
+    stats = dict(result[0])
+    read = [v == v for v in stats["step_losses"]]
+    stats["step_losses"] = [v for v, ok in zip(stats["step_losses"], read) if ok]
+    stats["exit_probs"] = stats["exit_probs"] or []
+    return (stats,) + tuple(result[1:]), read
+
+
+def _check(extra_ref, extra_pp, world):
+    ref, ref_read = _comparable(_reference(tuple(extra_ref)))
+    for result in run_distributed(_one_step, world, list(extra_pp)):
+        result, read = _comparable(result)
+        assert read == ref_read and len(result[0]["exit_probs"]) == len(ref[0]["exit_probs"])
+        _compare(ref, result)
+
+
+@pytest.mark.parametrize("loops", ["2", "3", "4"])
+def test_pp2_equals_pp1(loops):
+    extra = MB2 + ["--num-loops", loops]
+    _check(extra, extra + PP2, 2)
+
+
+def test_pp2_dense_twin_uses_plain_1f1b():
+    extra = MB2 + ["--num-loops", "1"]
+    _check(extra, extra + PP2, 2)
+
+
+def test_pp2_with_prelude_coda_and_untied_head():
+    extra = MB2 + ["--num-layers", "4", "--num-prelude-layers", "1", "--num-coda-layers", "1",
+                   "--untie-embeddings-and-output-weights"]
+    _check(extra, extra + PP2, 2)
+
+
+@pytest.mark.parametrize("mode", [["--exit-loss", "smoothed"], ["--exit-loss", "last"],
+                                  ["--step-norm-placement", "readout"]])
+def test_pp2_exit_loss_variants(mode):
+    _check(MB2 + mode, MB2 + mode + PP2, 2)
+
+
+def test_pp2_uneven_split():
+    extra = MB2 + ["--num-layers", "3", "--num-loops", "2"]
+    _check(extra, extra + PP2 + ["--decoder-first-pipeline-num-layers", "1"], 2)
+
+
+def test_pp4_equals_pp1():
+    extra = ["--micro-batch-size", "1", "--num-layers", "4", "--num-loops", "2"]
+    _check(extra, extra + ["--pipeline-model-parallel-size", "4"], 4)
+
+
+def test_tp2_pp2_equals_tp1_pp1():
+    _check(MB2, MB2 + PP2 + ["--tensor-model-parallel-size", "2"], 4)
+
+
+def test_pp2_dp2_equals_pp1_dp1():
+    _check(MB2, ["--micro-batch-size", "1"] + PP2, 4)
+
+
+def test_pp2_dp2_distributed_optimizer_equals_one_rank():
+    ref = _comparable(_reference(tuple(MB2)))[0]
+    results = run_distributed(_one_step, 4, ["--micro-batch-size", "1",
+                                             "--use-distributed-optimizer"] + PP2)
+    for stats, gn, _grads, params, nxt in results:
+        # The distributed optimizer keeps only its shard of gradients; compare the rest.
+        _compare(ref, (stats, gn, None, params, nxt))
+
+
+@pytest.mark.parametrize("recompute", [
+    ["--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"],
+    ["--recompute-granularity", "full", "--recompute-method", "block",
+     "--recompute-num-layers", "1"],
+    ["--recompute-granularity", "selective"],
+])
+def test_recomputation_with_and_without_pipeline(recompute):
+    # Recomputation must not change a thing: compare against the run that stores activations.
+    extra = MB2 + ["--num-layers", "3", "--num-prelude-layers", "1"]
+    _check(extra, extra + recompute, 1)
+    _check(extra, extra + recompute + PP2, 2)
+
+
+def _injection_available():
+    from megaloop.model.config import LoopConfig
+
+    return hasattr(LoopConfig, "input_injection")
+
+
+@pytest.mark.skipif(not _injection_available(), reason="input injection not in this tree")
+def test_pp2_carries_the_injection_source():
+    extra = MB2 + ["--num-layers", "3", "--num-prelude-layers", "1", "--input-injection",
+                   "scalar-mix", "--injection-source", "prelude", "--injection-init-weight", "0.7"]
+    _check(extra, extra + PP2, 2)
+
+
+def _train_then_eval(rank, world, extra):
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+    from test_training import BASE
+
+    cfg = parse_args(BASE + extra + ["--eval-iters", "1"])
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    return trainer.evaluate(), trainer.evaluate()
+
+
+def test_pp2_evaluation_equals_pp1():
+    ref = run_distributed(_train_then_eval, 1, MB2)[0]
+    for result in run_distributed(_train_then_eval, 2, MB2 + PP2):
+        for a, b in zip(ref, result):
+            assert abs(a["loss"] - b["loss"]) < 2e-5
+            for x, y in zip(a["step_losses"] + a["exit_probs"], b["step_losses"] + b["exit_probs"]):
+                assert abs(x - y) < 2e-5
+
+
+# --- the ring's side channel (no processes needed) -----------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_carries_fp32_log_survival_bit_exactly(dtype):
+    """The per-token fp32 state and its gradient cross the ring unchanged in any pipeline dtype,
+    while the hidden blocks go through as ordinary tensors."""
+    from megaloop.parallel.pipeline import Ring
+
+    s, b, h = 8, 2, 16
+    ring = Ring(num_hidden=2, seq_local=s, seq_full=s, hidden_size=h, dtype=dtype,
+                carries_survival=True)
+    state = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+    source = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+    # Values whose bit halves are NaN / denormal patterns when read as bf16.
+    survival = torch.tensor([[-1e-30, -3.0e38, -7.1e-39, -0.0] * 2,
+                             [-12.5, -1.17549435e-38, -2.0 ** -20, -5.0] * 2],
+                            requires_grad=True)
+    payload = ring.pack([state, source], survival)
+    assert payload.shape == (ring.seq_length, b, h) and payload.dtype == dtype
+    received = payload.detach().requires_grad_()  # what the next stage's buffer holds
+    (got_state, got_source), got_survival = ring.unpack(received)
+    assert torch.equal(got_survival.view(torch.int32), survival.detach().view(torch.int32))
+    assert torch.equal(got_state, state) and torch.equal(got_source, source)
+
+    g_state, g_source = torch.randn_like(state), torch.randn_like(source)
+    g_survival = torch.tensor([[3.0e38, -1e-30, 1.0, 2.0] * 2, [7e-39, 0.5, -0.25, 1e-3] * 2])
+    torch.autograd.backward([got_state, got_source, got_survival],
+                            [g_state, g_source, g_survival])
+    payload.backward(received.grad)  # the gradient travels back to the sending stage
+    assert torch.equal(survival.grad.view(torch.int32), g_survival.view(torch.int32))
+    assert torch.equal(state.grad, g_state) and torch.equal(source.grad, g_source)
+
+
+# --- checkpoints across pipeline sizes -----------------------------------------------------
+def _checkpoint_roundtrip(rank, world, extra, save_dir, save):
+    """save: one step, save, then one more step; load: load, then that next step."""
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.checkpointing import load_checkpoint, save_checkpoint
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+    from reference import full_params
+    from test_training import BASE
+
+    cfg = parse_args(BASE + extra)
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    trainer = Trainer(cfg)
+    if save:
+        trainer.train_step()
+        save_checkpoint(save_dir, 1, trainer.model, trainer.optimizer, trainer.scheduler,
+                        run_config=cfg.to_dict(), consumed_samples=trainer.gbs)
+    else:
+        assert load_checkpoint(save_dir, trainer.model, trainer.optimizer, trainer.scheduler)
+    params = full_params(trainer.model)
+    if not save:  # the next step reads the next batch: skip the one the saving run consumed
+        for _ in range(trainer.num_microbatches):
+            next(trainer.train_iter)
+    stats, grad_norm, _ = trainer.train_step()
+    return params, stats, float(grad_norm), full_params(trainer.model)
+
+
+def test_pp2_checkpoint_loads_at_pp1(tmp_path):
+    pytest.importorskip("megaloop.training.checkpointing")
+    saved = run_distributed(_checkpoint_roundtrip, 2, MB2 + PP2, str(tmp_path), True)
+    loaded = run_distributed(_checkpoint_roundtrip, 1, MB2, str(tmp_path), False)[0]
+    params_pp, stats_pp, gn_pp, after_pp = saved[0]
+    params_1, stats_1, gn_1, after_1 = loaded
+    # One key per parameter, core layers by global number: the single-stage model gets them all.
+    assert params_pp.keys() == params_1.keys()
+    for k in params_pp:
+        assert torch.equal(params_pp[k], params_1[k]), k
+    # Optimizer state and LR schedule came along: the next step is the same step.
+    assert abs(stats_pp["loss"] - stats_1["loss"]) < 2e-5
+    assert abs(gn_pp - gn_1) < 1e-4 * max(1.0, gn_1)
+    for k in after_pp:
+        assert torch.allclose(after_pp[k], after_1[k], atol=1e-6, rtol=1e-4), k
