@@ -62,8 +62,10 @@ class TrainingConfig:
 class OptimConfig:
     """Optimizer and learning-rate schedule."""
 
-    optimizer: Literal["adam"] = "adam"
-    """Optimizer (megatron-core's AdamW with decoupled weight decay)."""
+    optimizer: Literal["adam", "muon"] = "adam"
+    """`adam`: megatron-core's AdamW (decoupled weight decay) for every parameter. `muon` (003):
+    Muon for the 2-D hidden matrices of attention and MLP, AdamW for embeddings, LM head, norms,
+    gate and other vectors; both follow --lr, the LR schedule, --weight-decay and --clip-grad."""
 
     lr: float = 1e-3
     """Peak learning rate."""
@@ -101,16 +103,36 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
 
+    muon_momentum: float = 0.95
+    """Muon momentum (003: 0.95)."""
+
+    muon_nesterov: bool = True
+    """Muon uses Nesterov momentum (003: yes)."""
+
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon step (003: 5)."""
+
+    muon_scale_mode: Literal["rms-match", "shape"] = "rms-match"
+    """Scale of the orthogonalised update: `rms-match` 0.2 sqrt(max(rows, cols)) (Liu et al.
+    2025: matches AdamW's update RMS, so one --lr serves both parts); `shape` sqrt(max(1,
+    rows/cols)) (Jordan et al. 2024, usually with a larger --lr)."""
+
     def validate(self, train_iters: int) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
         decay = self.lr_decay_iters or train_iters
-        if self.lr_warmup_iters < 0 or (self.lr_decay_style != "constant"
-                                        and self.lr_warmup_iters > max(decay, 0)):
-            raise ValueError(f"--lr-warmup-iters {self.lr_warmup_iters} must be between 0 and "
-                             f"--lr-decay-iters ({decay})")
+        # megatron-core's scheduler asserts warmup < decay steps, whatever the decay style.
+        if self.lr_warmup_iters < 0 or (self.lr_warmup_iters > 0
+                                        and self.lr_warmup_iters >= max(decay, 1)):
+            raise ValueError(f"--lr-warmup-iters {self.lr_warmup_iters} must be >= 0 and below "
+                             f"--lr-decay-iters ({decay}; default --train-iters)")
         if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
             raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+        if self.optimizer == "muon":
+            if not 0.0 <= self.muon_momentum < 1.0:
+                raise ValueError(f"--muon-momentum {self.muon_momentum} must be in [0, 1)")
+            if self.muon_ns_steps < 1:
+                raise ValueError(f"--muon-ns-steps {self.muon_ns_steps} must be >= 1")
 
 
 @dataclass

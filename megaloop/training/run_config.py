@@ -57,6 +57,10 @@ class RunConfig:
                                         self.loop.num_loops, self.training.num_microbatches(dp))
         self.recompute.validate()
         self.optim.validate(self.training.train_iters)
+        if self.optim.optimizer == "muon" and self.parallel.use_distributed_optimizer:
+            raise ValueError("--optimizer muon does not support --use-distributed-optimizer (Muon "
+                             "needs whole matrices; the distributed optimizer shards flat buffers "
+                             "over data-parallel ranks): drop one of the two")
         self.logging.validate()
         self.checkpoint.validate()
         self.tokenizer.validate()

@@ -77,14 +77,20 @@ def reduce_stats(reports: list, num_loops: int) -> dict:
 # --- building the pieces -----------------------------------------------------------------------
 def build_optimizer(cfg: RunConfig, model):
     opt = cfg.optim
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer=opt.optimizer, lr=opt.lr, min_lr=opt.min_lr,
-                        weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
-                        adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
-                        clip_grad=opt.clip_grad, bf16=cfg.training.bf16,
-                        params_dtype=torch.bfloat16 if cfg.training.bf16 else torch.float32,
-                        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer),
-        [model])
+    config = OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr,
+                             weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
+                             adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+                             clip_grad=opt.clip_grad, bf16=cfg.training.bf16,
+                             params_dtype=torch.bfloat16 if cfg.training.bf16 else torch.float32,
+                             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+    if opt.optimizer == "muon":
+        from megaloop.training.muon import get_muon_optimizer
+
+        optimizer = get_muon_optimizer(config, [model], momentum=opt.muon_momentum,
+                                       nesterov=opt.muon_nesterov, ns_steps=opt.muon_ns_steps,
+                                       scale_mode=opt.muon_scale_mode)
+    else:
+        optimizer = get_megatron_optimizer(config, [model])
     # The schedule counts optimizer steps (iterations); Megatron-LM counts samples, which is the
     # same schedule scaled by the global batch size.
     decay = opt.lr_decay_iters or cfg.training.train_iters
