@@ -185,7 +185,7 @@ class PipelineStage(LoopedGPTModel):
 
     def ring(self, batch: int, seq: int, num_loops: int) -> Ring:
         sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-        injection = getattr(self.loop, "input_injection", "none") != "none"
+        injection = self.loop.input_injection != "none"
         return Ring(num_hidden=2 if injection and num_loops > 1 else 1, seq_local=seq // sp,
                     seq_full=seq, hidden_size=self.config.hidden_size,
                     dtype=self.config.pipeline_dtype, sp_size=sp,
