@@ -81,9 +81,11 @@ class ModelConfig:
     """Layer backend: megatron-core's local modules, Transformer Engine, or auto (TE iff TE
     imports and a GPU is present)."""
 
-    norm_scheme: Literal["ouro", "pre"] = "ouro"
-    """Norm placement in every layer: `ouro` normalizes the input and the output of each
-    sub-layer (the normalized output joins the residual); `pre` is the standard pre-norm."""
+    norm_scheme: Literal["ouro", "pre", "post", "sandwich", "magic"] = "ouro"
+    """Norm placement in every layer (prelude, core, coda; 000 App. A): `ouro` normalizes the
+    input and the output of each sub-layer (the normalized output joins the residual); `pre`
+    u + B(N(u)); `post` N(u + B(u)); `sandwich` N2(u + B(N1(u))); `magic` pre-norm whose norms
+    have no learnable scale."""
 
     def validate(self) -> None:
         """Raise ValueError naming the flag and the fix; called before any process group starts."""
@@ -133,15 +135,41 @@ class LoopConfig:
     exit_loss_smoothing: float = 0.05
     """epsilon of the smoothed exit loss (000 section 4.2 uses 0.05); KL uses the unsmoothed p."""
 
-    input_injection: Literal["none", "scalar-mix"] = "none"
-    """What enters each core pass after the first: `none` (the previous state, as Ouro) or
-    `scalar-mix` (000 Eq. 1: z_t = w src + (1 - w) h_{t-1}, w = sigmoid(a), one learned scalar)."""
+    step_norm: Literal["rms", "frms", "identity"] = "rms"
+    """Norm after every loop step and the coda's final norm (000 App. A): `rms` (learnable, of
+    --normalization), `frms` (the same without a scale) or `identity` (none)."""
+
+    input_injection: Literal["none", "scalar-mix", "scalar", "channel-wise",
+                             "residual-channel-wise", "dense", "concat-linear"] = "none"
+    """What enters a core pass: `none` (the previous state h, as Ouro); `scalar-mix` (000 Eq. 1,
+    passes after the first: w src + (1 - w) h, w = sigmoid(a)); before every pass, 003's
+    initial-state forms `scalar` (h + alpha src), `channel-wise` (a*h + b*src),
+    `residual-channel-wise` ((1 + da)*h + b*src), `dense` (W_h h + W_0 src), all starting as the
+    identity on h, or Huginn's `concat-linear` (W [h; src], random W)."""
 
     injection_source: Literal["embedding", "prelude"] = "embedding"
     """The injected src: the token embedding, or the prelude output (the same without a prelude)."""
 
     injection_init_weight: float = 0.99
     """Initial w of `scalar-mix` injection (000 starts at 0.99); in (0, 1)."""
+
+    history_injection: Literal["none", "scalar", "channel-wise", "dense"] = "none"
+    """003 history-state injection: z_l = h_l + sum_j B_j (h_{l-j} - h_l) over the last
+    --history-window completed states (h_0 excluded); B_j per lag a scalar, a channel vector or a
+    dense matrix, all starting at 0. Applied before --input-injection."""
+
+    history_window: int = 2
+    """w, the number of past states history-state injection reads (003's best: 2)."""
+
+    timestep_conditioning: Literal["none", "loop-gating", "branch-gating", "adaln"] = "none"
+    """003 timestep conditioning on psi(l/T, 1/T): `loop-gating` (h + g (F(h) - h), g = 1 + q.psi),
+    `branch-gating` (each core layer's attention / MLP update scaled by 1 + q_k.psi) or `adaln`
+    (per layer and branch, [g - 1; s] = W_k psi: input norm scaled by 1 + s, update by g). All
+    parameters start at 0 (the unconditioned model)."""
+
+    timestep_inference: Literal["rescaled", "prefix"] = "rescaled"
+    """Timestep features when running another loop count than trained: `rescaled` (t = l / T with
+    the T being run) or `prefix` (the training T: the first steps of the trained schedule)."""
 
     lora_rank: int = 0
     """Stepwise LoRA (000 section 4.4): rank of one adapter per loop step on each core attention
@@ -181,6 +209,12 @@ class LoopConfig:
         if not 0.0 < self.injection_init_weight < 1.0:
             raise ValueError(f"--injection-init-weight {self.injection_init_weight} must be in "
                              f"(0, 1): w = sigmoid(a) never reaches 0 or 1; try 0.99")
+        if self.history_window < 1:
+            raise ValueError(f"--history-window {self.history_window} must be >= 1")
+        if self.history_injection != "none" and self.num_loops < 3:
+            raise ValueError(f"--history-injection {self.history_injection} needs --num-loops >= 3 "
+                             f"(the window excludes h_0, so passes 1 and 2 read no history); "
+                             f"raise --num-loops or use --history-injection none")
         if self.lora_rank < 0:
             raise ValueError(f"--lora-rank {self.lora_rank} must be >= 0 (0 turns LoRA off)")
         if self.lora_alpha is not None and self.lora_alpha <= 0:

@@ -1,19 +1,34 @@
-"""Input injection: what enters the core at loop steps after the first.
+"""Input injection: what enters the core before each loop step, and the history of past states.
 
 The recurrence (``LoopedGPTModel.forward``) computes the injected *source* once -- the token
-embedding e or the prelude output h_0 (``--injection-source``) -- and before every core pass
-after the first hands the injection module the previous state and that source:
+embedding e or the prelude output h_0 (``--injection-source``) -- and before a core pass hands
+the injection module the current state and that source:
 
-    z_t = inject(h_{t-1}, src)          t = 2..T;  the first step reads h_0 unchanged
-
-The first step is left alone because 000 Eq. 1 mixes "for t > 0" (0-based), and because with
-no prelude h_0 *is* the source, so mixing there would be the identity anyway.
+    z_t = inject(h_{t-1}, src)
 
 Every form is a module with ``forward(h, source) -> z``, registered in ``INJECTIONS`` under its
-``--input-injection`` name; the initial-state forms of 003 (channel-wise, residual channel-wise,
-dense) plug in the same way. History-state injection (003) needs the window of past states too;
-it will take them as an extra argument from the recurrence rather than storing them here, so
-that the module stays stateless and pipeline chunks can carry the window with the activations.
+``--input-injection`` name. Its ``every_step`` attribute says whether it also runs before the
+first pass: 000's scalar mix (Eq. 1) mixes "for t > 0" only (and with no prelude h_0 *is* the
+source), while 003's initial-state forms and Huginn's adapter run before *every* core pass.
+
+- `scalar-mix` (000 Eq. 1): ``w src + (1 - w) h``, ``w = sigmoid(a)``, w starts at 0.99;
+- `scalar` (003): ``h + alpha src``, alpha = 0;
+- `channel-wise` (003): ``a * h + b * src``, a = 1, b = 0 (vectors over the hidden size);
+- `residual-channel-wise` (003): ``(1 + da) * h + b * src``, da = b = 0;
+- `dense` (003): ``W_h h + W_0 src``, one [d, 2d] matrix initialised to [I 0];
+- `concat-linear` (Huginn, Geiping et al. 2025): ``W [h; src]``, the same [d, 2d] matrix with a
+  random normal initialisation (std --init-method-std), so *not* the identity at start.
+
+The 003 forms are initialised to the identity on h, so a model with them starts equal to the
+plain model. History-state injection (003, ``HistoryInjection``) takes the window of completed
+states from the recurrence instead of storing it, so the module stays stateless.
+
+Tensor parallelism: every injection parameter (including the [d, 2d] matrices) is *replicated*
+on all TP ranks, not sharded: the hidden state entering the core is full on every rank, the
+core's first column-parallel linear all-reduces its input gradient, so every rank computes the
+same, complete gradient. Under sequence parallelism each rank sees a slice of the tokens; the
+parameters then carry megatron-core's ``sequence_parallel`` tag and their gradients are summed
+over the TP group like a norm's. The replicated dense matrix costs 2 d^2 parameters per rank.
 """
 
 from __future__ import annotations
@@ -22,7 +37,14 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+
+
+def _replicated(param: torch.nn.Parameter, config) -> torch.nn.Parameter:
+    """Tag a TP-replicated parameter: summed over the TP group under sequence parallelism."""
+    param.sequence_parallel = config.sequence_parallel
+    return param
 
 
 class ScalarMix(MegatronModule):
@@ -44,6 +66,8 @@ class ScalarMix(MegatronModule):
         self.logit = torch.nn.Parameter(torch.full((1,), a, dtype=config.params_dtype))
         self.logit.sequence_parallel = config.sequence_parallel
 
+    every_step = False  # 000 mixes for t > 0 only
+
     @property
     def weight(self) -> float:
         """The current mixing weight w (for logging)."""
@@ -54,14 +78,108 @@ class ScalarMix(MegatronModule):
         return w * source + (1.0 - w) * h
 
 
-INJECTIONS = {"scalar-mix": ScalarMix}
+class InitialStateInjection(MegatronModule):
+    """003's element-wise initial-state forms: ``a * h + b * src`` with a and b scalars or
+    vectors over the hidden size; ``residual`` stores a as ``1 + da``. Starts as the identity."""
+
+    every_step = True
+
+    def __init__(self, config, channels: int, residual: bool, with_a: bool = True):
+        super().__init__(config=config)
+        dtype, self.residual = config.params_dtype, residual
+        # a = 1 (or da = 0) and b = 0: z = h exactly at initialisation.
+        self.a = _replicated(torch.nn.Parameter(torch.full(
+            (channels,), 0.0 if residual else 1.0, dtype=dtype)), config) if with_a else None
+        self.b = _replicated(torch.nn.Parameter(torch.zeros(channels, dtype=dtype)), config)
+
+    def forward(self, h: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        if self.a is None:
+            z = h
+        elif self.residual:
+            z = h + self.a * h
+        else:
+            z = self.a * h
+        return z + self.b * source
 
 
-def build_injection(config, loop) -> Optional[MegatronModule]:
+class ConcatLinear(MegatronModule):
+    """``W [h; src]`` with W [d, 2d] replicated over TP ranks: 003's dense form (W = [I 0] at
+    init, i.e. ``W_h h + W_0 src`` with W_h = I, W_0 = 0) or Huginn's adapter (random W)."""
+
+    every_step = True
+
+    def __init__(self, config, identity_init: bool, seed: int):
+        super().__init__(config=config)
+        d = config.hidden_size
+        if identity_init:
+            weight = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
+        else:
+            # A private generator seeded identically on every rank: the replicated matrix starts
+            # equal on all ranks, and the global RNG stream (later inits, dropout) is untouched.
+            generator = torch.Generator().manual_seed(seed)
+            weight = torch.randn(d, 2 * d, generator=generator) * config.init_method_std
+        self.weight = _replicated(torch.nn.Parameter(weight.to(config.params_dtype)), config)
+
+    def forward(self, h: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.cat([h, source], dim=-1), self.weight.to(h.dtype))
+
+
+INJECTIONS = {
+    "scalar-mix": lambda config, loop, seed: ScalarMix(config, loop.injection_init_weight),
+    "scalar": lambda config, loop, seed: InitialStateInjection(config, 1, False, with_a=False),
+    "channel-wise": lambda config, loop, seed: InitialStateInjection(
+        config, config.hidden_size, residual=False),
+    "residual-channel-wise": lambda config, loop, seed: InitialStateInjection(
+        config, config.hidden_size, residual=True),
+    "dense": lambda config, loop, seed: ConcatLinear(config, identity_init=True, seed=seed),
+    "concat-linear": lambda config, loop, seed: ConcatLinear(config, identity_init=False,
+                                                             seed=seed),
+}
+
+
+def build_injection(config, loop, seed: int = 0) -> Optional[MegatronModule]:
     """The injection module of ``loop.input_injection`` (None for ``none``)."""
     if loop.input_injection == "none":
         return None
     if loop.input_injection not in INJECTIONS:
         raise ValueError(f"unknown --input-injection {loop.input_injection!r}; choose one of "
                          f"none, {', '.join(INJECTIONS)}")
-    return INJECTIONS[loop.input_injection](config, loop.injection_init_weight)
+    return INJECTIONS[loop.input_injection](config, loop, seed)
+
+
+class HistoryInjection(MegatronModule):
+    """003 history-state injection: ``z_l = h_l + sum_{j=1..m_l} B_j (h_{l-j} - h_l)``.
+
+    ``m_l = min(w, max(l - 1, 0))``: the window holds the completed states h_1 .. h_{l-1} (h_0,
+    the prelude output, is excluded), so the first two core passes see no history. One B_j per
+    lag j, shared over iterations: a scalar, a channel vector or a dense [d, d] matrix; all start
+    at 0 (the plain model). The states are not detached: gradients flow through the window.
+    Replicated over TP ranks like the initial-state forms (see the module docstring).
+    """
+
+    def __init__(self, config, kind: str, window: int):
+        super().__init__(config=config)
+        d = config.hidden_size
+        shapes = {"scalar": (window, 1), "channel-wise": (window, d), "dense": (window, d, d)}
+        if kind not in shapes:
+            raise ValueError(f"unknown --history-injection {kind!r}; choose one of none, "
+                             f"{', '.join(shapes)}")
+        self.kind, self.window = kind, window
+        self.weight = _replicated(torch.nn.Parameter(
+            torch.zeros(shapes[kind], dtype=config.params_dtype)), config)
+
+    def forward(self, h: torch.Tensor, past: list) -> torch.Tensor:
+        """``past``: completed states before h, oldest first (h_1 .. h_{l-1})."""
+        z = h
+        for j in range(1, min(self.window, len(past)) + 1):
+            diff = past[-j] - h
+            b = self.weight[j - 1].to(h.dtype)
+            z = z + (F.linear(diff, b) if self.kind == "dense" else b * diff)
+        return z
+
+
+def build_history_injection(config, loop) -> Optional[HistoryInjection]:
+    """The history-state injection of ``loop.history_injection`` (None for ``none``)."""
+    if loop.history_injection == "none":
+        return None
+    return HistoryInjection(config, loop.history_injection, loop.history_window)

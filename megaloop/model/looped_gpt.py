@@ -26,7 +26,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megaloop.model.config import LoopConfig, ModelConfig, with_layers
-from megaloop.model.injection import build_injection
+from megaloop.model.conditioning import build_timestep_conditioning
+from megaloop.model.injection import build_history_injection, build_injection
 from megaloop.model.lora import StepwiseLoRA
 from megaloop.model.objective import ExitObjective
 from megaloop.model.specs import build_norm, layer_spec
@@ -85,7 +86,8 @@ class LoopedGPTModel(LanguageModule):
         self.input_tensor = None
 
         num_core = loop.num_core_layers(model_cfg.num_layers)
-        spec = layer_spec(config, model_cfg.norm_scheme, use_te)
+        spec = layer_spec(config, model_cfg.norm_scheme, use_te,
+                          unfuse_input_norms=loop.timestep_conditioning == "adaln")
 
         def block(n: int, final_norm: bool, split: bool = False) -> TransformerBlock:
             # pre_process=True: we always hand the block its input explicitly. Only the core is
@@ -112,7 +114,7 @@ class LoopedGPTModel(LanguageModule):
         self.prelude = block(loop.num_prelude_layers, False) \
             if pre_process and loop.num_prelude_layers else None
         self.core = block(num_core, False, split=True)
-        self.step_norm = build_norm(config, use_te) if post_process else None
+        self.step_norm = build_norm(config, use_te, loop.step_norm) if post_process else None
         # The coda's final norm is the readout norm before gate and head.
         self.coda = block(loop.num_coda_layers, True) \
             if post_process and loop.num_coda_layers else None
@@ -123,12 +125,22 @@ class LoopedGPTModel(LanguageModule):
             skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights
         ) if post_process else None
         self.setup_embeddings_and_output_layer()
+        if self.coda is not None and loop.step_norm != "rms":
+            # The coda's final norm is the readout norm before gate and head: --step-norm too.
+            self.coda.final_layernorm = build_norm(config, use_te, loop.step_norm)
         self.injection = build_injection(config, loop) if pre_process else None
         # Built last, from a private generator: the base weights equal those of a model without
         # LoRA built from the same seed.
         self.lora = StepwiseLoRA(
             self.core, config, loop.num_loops, loop.lora_rank, loop.lora_alpha or loop.lora_rank,
             seed=torch.initial_seed() + 1) if loop.lora_rank else None
+        # History injection and loop gating pass states between steps on one stage.
+        if config.pipeline_model_parallel_size > 1 and (
+                loop.history_injection != "none" or loop.timestep_conditioning == "loop-gating"):
+            raise ValueError("--history-injection and --timestep-conditioning loop-gating do not "
+                             "support --pipeline-model-parallel-size > 1 yet; use 1")
+        self.history_injection = build_history_injection(config, loop) if pre_process else None
+        self.timestep = build_timestep_conditioning(config, loop, self.core, model_cfg.norm_scheme)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook (megatron schedules call it); with one stage there is nothing to take."""
@@ -137,17 +149,29 @@ class LoopedGPTModel(LanguageModule):
         self.input_tensor = input_tensor
 
     # --- one loop step -------------------------------------------------------------------
-    def _core_step(self, h, attention_mask, rotary_pos_emb, step: int = 1, source=None):
-        """h_t = core(inject(h_{t-1}, source); step t); returns (state for the next step,
-        normalized state y_t). ``step`` (1-based) selects the stepwise LoRA adapters."""
-        if self.injection is not None and step > 1:
-            h = self.injection(h, source)
+    def _core_step(self, h, attention_mask, rotary_pos_emb, step: int = 1, source=None,
+                   past: Optional[list] = None, num_loops: Optional[int] = None):
+        """h_t = core(inject(h_{t-1} + history, source); step t of num_loops); returns (state for
+        the next step, normalized state y_t). ``step`` (1-based) selects the stepwise LoRA
+        adapters and the timestep features; ``past`` holds the completed states before h_{t-1}
+        (h_1 .. h_{t-2}) for history injection."""
+        T = num_loops or self.loop.num_loops
+        z = h
+        if self.history_injection is not None and past:
+            z = self.history_injection(z, past)
+        if self.injection is not None and (step > 1 or self.injection.every_step):
+            z = self.injection(z, source)
         if self.lora is not None:
             self.lora.select(step)
-        h = self.core(hidden_states=h, attention_mask=attention_mask,
-                      rotary_pos_emb=rotary_pos_emb)
+        if self.timestep is not None:
+            self.timestep.select(step, T)
+        out = self.core(hidden_states=z, attention_mask=attention_mask,
+                        rotary_pos_emb=rotary_pos_emb)
+        if self.timestep is not None:
+            out = self.timestep.finish(out, h, step, T)
         if self.lora is not None:
-            h = self.lora.mark(h, step)
+            out = self.lora.mark(out, step)
+        h = out
         if self.step_norm is None:  # a pipeline stage before the last: the step goes on there
             return h, None
         y = self.step_norm(h)
@@ -192,8 +216,12 @@ class LoopedGPTModel(LanguageModule):
 
         objective = ExitObjective(T, mode, self.loop.exit_kl_beta, self.loop.exit_loss_smoothing)
         logits = None
+        past = []  # completed states h_1 .. h_{t-2} for history injection (h_0 excluded)
         for t in range(1, T + 1):
-            h, y = self._core_step(h, attention_mask, rope, t, source)
+            h_prev = h
+            h, y = self._core_step(h, attention_mask, rope, t, source, past, T)
+            if self.history_injection is not None and t > 1:
+                past = (past + [h_prev])[-self.loop.history_window:]
             if labels is None or mode == "last":
                 if t < T:  # only the final step is read out
                     if labels is not None:
