@@ -54,6 +54,16 @@ def test_pp2_dense_twin_uses_plain_1f1b():
     _check(extra, extra + PP2, 2)
 
 
+def test_dense_twin_pp2_dp2_overlapped_grad_reduce():
+    # With one chunk per stage each parameter gets one gradient per micro-batch, so DDP's
+    # overlapped bucket reduction applies (refused for T > 1 in validation).
+    ref = _comparable(_reference(tuple(MB2 + ["--num-loops", "1"])))[0]
+    for stats, gn, _grads, params, nxt in run_distributed(
+            _one_step, 4, ["--micro-batch-size", "1", "--num-loops", "1", "--overlap-grad-reduce",
+                           "--use-distributed-optimizer"] + PP2):
+        _compare(ref, (stats, gn, None, params, nxt))
+
+
 def test_pp2_with_prelude_coda_and_untied_head():
     extra = MB2 + ["--num-layers", "4", "--num-prelude-layers", "1", "--num-coda-layers", "1",
                    "--untie-embeddings-and-output-weights"]
