@@ -51,7 +51,7 @@ def _train(rank, world, flags, signal_at=None):
 
         trainer.train_step = step_then_signal
     reason = trainer.train()
-    records = _records(cfg.logging.log_jsonl) if rank == 0 else None
+    records = _records(cfg.logging.log_jsonl) if rank == 0 and cfg.logging.log_jsonl else None
     return reason, records, trainer.iteration
 
 
@@ -265,3 +265,66 @@ def test_every_parameter_has_exactly_one_checkpoint_entry():
     assert core == {2}
     placed = [(key, offset) for key, offset, _, _ in entries if offset is not None]
     assert len(placed) == len(set(placed))
+
+
+def test_exit_duration_stops_saves_and_says_why(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    # Any positive budget is already spent once the first step is done (the clock starts
+    # before it), so the run must stop, save and report after iteration 1.
+    reason, _, it = run_distributed(_train, 2, RESUME + TP2 + [
+        "--save", ckpt, "--exit-duration-in-mins", "1e-9", "--log-jsonl",
+        str(tmp_path / "b.jsonl")])[0]
+    assert it == 1 and "--exit-duration-in-mins" in reason
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "1"
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--save-interval", "5"], "--save-interval needs --save"),
+    (["--finetune"], "--finetune needs --load"),
+    (["--ckpt-step", "3"], "--ckpt-step needs --load"),
+    (["--save", "x", "--save-interval", "0"], "--save-interval 0 must be >= 1"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0.0 must be > 0"),
+])
+def test_checkpoint_flag_errors_name_the_flag(flags, needle):
+    from megaloop.training.run_config import parse_args
+
+    with pytest.raises(ValueError, match=needle):
+        parse_args(BASE + flags).validate(world_size=1)
+
+
+def test_unreadable_latest_file_is_a_clear_error(tmp_path):
+    from megaloop.training.checkpointing import read_tracker
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release\n")
+    with pytest.raises(ValueError, match="--ckpt-step"):
+        read_tracker(str(tmp_path))
+
+
+def _loaded_state(rank, world, flags):
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+
+    cfg = parse_args(flags)
+    initialize(cfg.parallel, cfg.training.seed)
+    trainer = Trainer(cfg)
+    g = torch.Generator().manual_seed(3)
+    batch = {"tokens": torch.randint(0, 200, (2, 32), generator=g),
+             "position_ids": torch.arange(32).expand(2, 32)}
+    adam_steps = {float(s["step"]) for s in trainer.optimizer.chained_optimizers[0]
+                  .optimizer.state.values() if "step" in s}
+    return (trainer.iteration, trainer.consumed_samples, _logits(trainer, batch),
+            trainer.scheduler.num_steps, adam_steps)
+
+
+def test_finetune_takes_the_weights_and_starts_a_new_run(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_train, 1, RESUME + ["--train-iters", "2", "--lr-warmup-iters", "1",
+                                         "--save", ckpt])
+    resumed = run_distributed(_loaded_state, 1, RESUME + ["--load", ckpt])[0]
+    finetune = run_distributed(_loaded_state, 1, RESUME + ["--load", ckpt, "--finetune"])[0]
+    fresh = run_distributed(_loaded_state, 1, RESUME)[0]
+    assert resumed[:2] == (2, 8) and resumed[3] == 2 and resumed[4] == {2.0}
+    assert finetune[:2] == (0, 0) and finetune[3] == 0 and finetune[4] == set()
+    assert torch.equal(finetune[2], resumed[2])  # the trained weights...
+    assert not torch.allclose(finetune[2], fresh[2])  # ...not the initial ones
