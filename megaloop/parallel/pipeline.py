@@ -213,7 +213,7 @@ class PipelineStage(LoopedGPTModel):
         else:
             hiddens, log_survival = ring.unpack(input_tensor)
             h, source = hiddens[0], (hiddens[1] if len(hiddens) > 1 else None)
-        h, y = self._core_step(h, attention_mask, rope, t, source)
+        h, y = self._core_step(h, attention_mask, rope, t, source, num_loops=T)
         carried = [h] + ([source] if ring.num_hidden > 1 else [])
         if not self.post_process or (mode == "last" and t < T):
             return StepResult(ring.pack(carried, log_survival), None)
