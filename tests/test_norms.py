@@ -24,9 +24,10 @@ def _rms(x, w=None):
     return F.rms_norm(x, (x.shape[-1],), w, EPS)
 
 
-def _reference_layer(x, p, scheme):
+def _reference_layer(x, p, scheme, cond=None):
     """One decoder layer in plain torch: causal MHA (qkv laid out per head as [q k v]) + SwiGLU
-    MLP, norms placed as 000 App. A describes each scheme. x: [s, b, h]."""
+    MLP, norms placed as 000 App. A describes each scheme. x: [s, b, h]. ``cond``: per branch
+    (g, s) of 003's timestep conditioning: the branch reads (1 + s) N(u), its update is g B."""
     s, b, h = x.shape
     d = h // HEADS
 
@@ -40,13 +41,18 @@ def _reference_layer(x, p, scheme):
         gate, up = (u @ p["fc1"].t()).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ p["fc2"].t()
 
-    for branch, n_in, n_out in ((attn, "in1", "out1"), (mlp, "in2", "out2")):
+    for i, (f, n_in, n_out) in enumerate(((attn, "in1", "out1"), (mlp, "in2", "out2"))):
+        g, s_ = cond[i] if cond else (1.0, 0.0)
+
+        def branch(u):
+            return g * f((1 + s_) * u)
+
         if scheme == "pre":
             x = x + branch(_rms(x, p[n_in]))
         elif scheme == "magic":
             x = x + branch(_rms(x))
-        elif scheme == "ouro":
-            x = x + _rms(branch(_rms(x, p[n_in])), p[n_out])
+        elif scheme == "ouro":  # the gate scales the normalized update
+            x = x + g * _rms(f((1 + s_) * _rms(x, p[n_in])), p[n_out])
         elif scheme == "post":
             x = _rms(x + branch(x), p[n_out])
         elif scheme == "sandwich":

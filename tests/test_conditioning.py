@@ -1,0 +1,170 @@
+"""003 timestep conditioning (loop gating, branch gating, AdaLN): against a plain-torch
+recurrence (the one-layer reference of test_norms, features written out from 003), `rescaled`
+and `prefix` inference, identity at initialisation, every parameter learns, recompute-safe,
+TP2 == TP1."""
+
+import math
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from reference import full_grads
+from test_norms import NAMES, _reference_layer, _rms
+
+VOCAB, SEQ, BATCH, HIDDEN = 256, 16, 2, 32
+FORMS = ["loop-gating", "branch-gating", "adaln"]
+
+
+def _setup(tp, seed=7):
+    from megaloop.parallel.config import ParallelConfig
+    from megaloop.parallel.initialize import initialize
+
+    initialize(ParallelConfig(tensor_model_parallel_size=tp), seed)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
+
+
+def _model(form="none", scheme="ouro", T=3, inference="rescaled", recompute=None, **model_kw):
+    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.looped_gpt import build_model
+
+    model_cfg = ModelConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
+                            max_position_embeddings=SEQ, norm_scheme=scheme, **model_kw)
+    loop = LoopConfig(num_loops=T, timestep_conditioning=form, timestep_inference=inference)
+    return build_model(model_cfg, loop, VOCAB, tp_size=torch.distributed.get_world_size(),
+                       recompute=recompute)
+
+
+def _cond_params(model):
+    return {n: p for n, p in model.named_parameters()
+            if "timestep_conditioning" in n or n.startswith("timestep.")}
+
+
+def _psi(l, T):
+    t, dt = l / T, 1 / T
+    return torch.tensor([t, dt, t ** 2, dt ** 2, t * dt, math.sin(math.pi * t),
+                         math.cos(math.pi * t) - 1, math.sin(2 * math.pi * t)])
+
+
+def _against_manual(rank, world, form, scheme, run_loops, inference):
+    _setup(world)
+    model = _model(form, scheme, T=3, inference=inference, position_embedding_type="none")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in _cond_params(model).values():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    ids, pos, _ = _batch()
+    logits = model(ids, pos, None, num_loops=run_loops)
+
+    with torch.no_grad():
+        layers = []
+        for layer in model.core.layers:
+            params = {NAMES[n]: p for n, p in layer.named_parameters()
+                      if not n.startswith("timestep_conditioning")}
+            layers.append((params, getattr(layer, "timestep_conditioning", None)))
+        T_feat = run_loops if inference == "rescaled" else 3
+        h = model.embedding(input_ids=ids, position_ids=pos)
+        for t in range(run_loops):
+            psi = _psi(t, T_feat)
+            x = h
+            for params, cond in layers:
+                c = None
+                if form == "branch-gating":
+                    c = [(1 + cond.gate[b] @ psi, 0.0) for b in range(2)]
+                elif form == "adaln":
+                    v = [cond.adaln[b] @ psi for b in range(2)]
+                    c = [(1 + v[b][:HIDDEN], v[b][HIDDEN:]) for b in range(2)]
+                x = _reference_layer(x, params, scheme, c)
+            if form == "loop-gating":
+                x = h + (1 + model.timestep.loop_gate @ psi) * (x - h)
+            h = _rms(x, model.step_norm.weight)
+        ref, _ = model.output_layer(h, weight=model.shared_embedding_or_output_weight())
+    return (logits - ref.transpose(0, 1)).abs().max().item()
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("scheme", ["ouro", "pre", "sandwich"])
+def test_equals_manual_recurrence(form, scheme):
+    err, = run_distributed(_against_manual, 1, form, scheme, 3, "rescaled")
+    assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("inference", ["rescaled", "prefix"])
+@pytest.mark.parametrize("run_loops", [2, 5])
+def test_inference_at_other_loop_counts(inference, run_loops):
+    # Under- and over-unrolling: features at t = l / T_run (rescaled) or l / T_train (prefix).
+    err, = run_distributed(_against_manual, 1, "adaln", "pre", run_loops, inference)
+    assert err < 1e-4, err
+
+
+def _init_equals_plain(rank, world, form, scheme):
+    _setup(world)
+    model = _model(form, scheme)
+    plain = _model("none", scheme)
+    missing, _ = plain.load_state_dict(model.state_dict(), strict=False)
+    assert not missing, missing
+    ids, pos, labels = _batch()
+    out = model(ids, pos, None, labels=labels)
+    out.objective.mean().backward()
+    ref = plain(ids, pos, None, labels=labels).objective.detach()
+    grads = {n: p.grad.abs().max().item() for n, p in _cond_params(model).items()}
+    return (out.objective.detach() - ref).abs().max().item(), grads
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("scheme", ["ouro", "post"])
+def test_identity_at_init_and_every_parameter_learns(form, scheme):
+    err, grads = run_distributed(_init_equals_plain, 1, form, scheme)[0]
+    assert err == 0.0, err  # all parameters start at 0: g = 1 and s = 0 exactly
+    assert grads and all(g > 0 for g in grads.values()), grads
+
+
+def _grads(rank, world, form, recompute):
+    _setup(world)
+    rc = {"recompute_granularity": "full", "recompute_method": "uniform",
+          "recompute_num_layers": 1} if recompute else None
+    model = _model(form, recompute=rc)
+    with torch.no_grad():
+        for p in _cond_params(model).values():
+            p.add_(0.3)
+    ids, pos, labels = _batch()
+    out = model(ids, pos, None, labels=labels)
+    out.objective.mean().backward()
+    return out.objective.detach(), full_grads(model)
+
+
+@pytest.mark.parametrize("form", ["branch-gating", "adaln"])
+def test_full_recompute_gives_the_same_gradients(form):
+    # Recomputation re-runs the core in the backward pass, after the forward moved on to later
+    # steps: the conditioning must re-select each step's features (else grads differ).
+    (obj1, g1), = run_distributed(_grads, 1, form, False)
+    (obj2, g2), = run_distributed(_grads, 1, form, True)
+    assert (obj1 - obj2).abs().max().item() < 1e-6
+    for k in g1:
+        assert torch.allclose(g1[k], g2[k], atol=1e-6, rtol=1e-5), k
+
+
+def _loss_and_grads(rank, world, form):
+    _setup(world)
+    model = _model(form)
+    ids, pos, labels = _batch()
+    out = model(ids, pos, None, labels=labels)
+    out.objective.mean().backward()
+    return out.objective.detach(), full_grads(model)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_tp2_equals_tp1(form):
+    (obj1, g1), = run_distributed(_loss_and_grads, 1, form)
+    for obj2, g2 in run_distributed(_loss_and_grads, 2, form):
+        assert (obj1 - obj2).abs().max().item() < 1e-5
+        assert g1.keys() == g2.keys()
+        assert any("timestep" in k for k in g1)
+        for k in g1:
+            assert torch.allclose(g1[k], g2[k], atol=1e-5, rtol=1e-4), k
