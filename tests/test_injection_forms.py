@@ -190,3 +190,20 @@ def test_validation_names_the_flag(flags, match):
 
     with pytest.raises(ValueError, match=match):
         LoopConfig(**flags).validate(2)
+
+
+@pytest.mark.parametrize("model_kw,loop_kw,flag", [
+    ({"norm_scheme": "post"}, {}, "--norm-scheme"),
+    ({"norm_scheme": "magic"}, {}, "--norm-scheme"),
+    ({}, {"step_norm": "frms"}, "--step-norm"),
+    ({}, {"input_injection": "dense"}, "--input-injection"),
+    ({}, {"history_injection": "channel-wise"}, "--history-injection"),
+    ({}, {"timestep_conditioning": "loop-gating"}, "--timestep-conditioning"),
+])
+def test_hf_export_refuses_what_its_modeling_file_lacks(model_kw, loop_kw, flag):
+    from megaloop.convert.hf_export import check_exportable
+    from megaloop.model.config import LoopConfig, ModelConfig
+
+    check_exportable(ModelConfig(), LoopConfig(num_loops=4, input_injection="scalar-mix"))
+    with pytest.raises(ValueError, match=flag):
+        check_exportable(ModelConfig(**model_kw), LoopConfig(num_loops=4, **loop_kw))

@@ -35,7 +35,7 @@ def config_from_dict(cls, values: dict):
     return cls(**{k: v for k, v in values.items() if k in known})
 
 
-def check_exportable(model: ModelConfig) -> None:
+def check_exportable(model: ModelConfig, loop: LoopConfig | None = None) -> None:
     """Refuse what the modeling file does not implement, naming the flag."""
     problems = {
         "--position-embedding-type": (model.position_embedding_type, "rope"),
@@ -50,6 +50,18 @@ def check_exportable(model: ModelConfig) -> None:
                              f"{flag} {value}")
     if model.norm_scheme not in ("ouro", "pre"):
         raise ValueError(f"export-hf supports --norm-scheme ouro and pre, not {model.norm_scheme}")
+    if loop is None:
+        return
+    loop_problems = {  # flag: (value, what the modeling file implements)
+        "--step-norm": (loop.step_norm, ("rms",)),
+        "--input-injection": (loop.input_injection, ("none", "scalar-mix")),
+        "--history-injection": (loop.history_injection, ("none",)),
+        "--timestep-conditioning": (loop.timestep_conditioning, ("none",)),
+    }
+    for flag, (value, supported) in loop_problems.items():
+        if value not in supported:
+            raise ValueError(f"export-hf supports {flag} {' or '.join(supported)} only; this "
+                             f"checkpoint has {flag} {value}")
 
 
 def is_ouro_style(model: ModelConfig, loop: LoopConfig) -> bool:
@@ -109,7 +121,7 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
     """Write the folder from a TP=1 megaloop state dict; returns the config written."""
     from safetensors.torch import save_file
 
-    check_exportable(model)
+    check_exportable(model, loop)
     ouro = is_ouro_style(model, loop)
     if names == "ouro" and not ouro:
         raise ValueError("--names ouro needs an Ouro-style model: no prelude/coda, --norm-scheme "
@@ -182,7 +194,8 @@ def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
     from megaloop.training.checkpointing import read_run_config
 
     run = read_run_config(load_dir)
-    check_exportable(config_from_dict(ModelConfig, run["model"]))  # before the slow load
+    check_exportable(config_from_dict(ModelConfig, run["model"]),  # before the slow load
+                     config_from_dict(LoopConfig, run.get("loop", {})))
     model, model_cfg, loop, run = load_model(load_dir)
     tok = run.get("tokenizer", {})
     tokenizer_model = tok.get("tokenizer_model") if tok.get("tokenizer_type") == \
