@@ -157,9 +157,38 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = None
     """Local directory for W&B files."""
 
+    log_grad_norm_per_step: bool = False
+    """On logged iterations, log the gradient norm of every core layer per loop step (000 Fig.
+    6: post-norm shows as gradients vanishing below the last layer). Costs T x core-parameter
+    fp32 buffers on those iterations; needs pipeline size 1 and no activation recomputation."""
+
+    log_loop_geometry: bool = True
+    """At validation, log per loop step the angular distance and relative update norm between
+    the core's input and output state, and the state variance normalised by the last step's
+    (003 App. C.4). Pipeline size 1 only (skipped otherwise)."""
+
+    loss_spike_threshold: float = 0.5
+    """A loss spike: an iteration's loss more than this above the median of the previous
+    --loss-spike-window iterations (000 App. A); a run of such iterations counts once."""
+
+    loss_spike_window: int = 15
+    """Iterations in the rolling median of the loss-spike counter."""
+
+    p0_collapse_threshold: float = 0.95
+    """Exit-gate collapse: p0 (probability of exiting after the first loop) above this ..."""
+
+    p0_collapse_iters: int = 100
+    """... for this many iterations in a row prints a warning (000 Sec. 3.3, App. B)."""
+
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ValueError("--log-interval must be >= 1")
+        if self.loss_spike_window < 1 or self.loss_spike_threshold <= 0:
+            raise ValueError(f"--loss-spike-window ({self.loss_spike_window}) must be >= 1 and "
+                             f"--loss-spike-threshold ({self.loss_spike_threshold}) > 0")
+        if self.p0_collapse_iters < 1 or not 0.0 <= self.p0_collapse_threshold < 1.0:
+            raise ValueError(f"--p0-collapse-iters ({self.p0_collapse_iters}) must be >= 1 and "
+                             f"--p0-collapse-threshold ({self.p0_collapse_threshold}) in [0, 1)")
         if self.tensorboard_dir:
             try:
                 import torch.utils.tensorboard  # noqa: F401

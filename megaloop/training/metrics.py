@@ -102,6 +102,10 @@ class MetricsLogger:
                 for t, v in enumerate(value, 1):
                     if isinstance(v, (int, float)):
                         scalars[f"{prefix}{key}/step{t}"] = v
+                    elif isinstance(v, list):  # [layer][step] (grad_norm_per_step)
+                        for s, x in enumerate(v, 1):
+                            if isinstance(x, (int, float)):
+                                scalars[f"{prefix}{key}/layer{t - 1}/step{s}"] = x
         if self.tb:
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, step)
@@ -128,4 +132,23 @@ def format_train_line(r: dict) -> str:
             f"lr {r['lr']:.3e} | loss {r['loss']:.5f} | step losses [{steps}] | "
             f"exit p [{probs}] | p0 {'-' if r['p0'] is None else format(r['p0'], '.3f')} | "
             f"grad norm {r['grad_norm']:.4f} | skipped {r['skipped_iters']} | "
-            f"mem {r['mem_gib']:.2f} GiB")
+            f"mem {r['mem_gib']:.2f} GiB" + _format_diagnostics(r))
+
+
+def _format_diagnostics(r: dict) -> str:
+    text = ""
+    if "loss_spikes" in r:
+        text += f" | loss spikes {r['loss_spikes']} | p0 high for {r['p0_collapse_iters']} it"
+    if r.get("grad_norm_per_step"):
+        rows = "  ".join(f"L{i} [" + " ".join(f"{x:.2e}" for x in row) + "]"
+                         for i, row in enumerate(r["grad_norm_per_step"]))
+        text += f"\n   grad norm per core layer, per loop step: {rows}"
+    return text
+
+
+def format_geometry(g: dict) -> str:
+    """Validation-line suffix with the loop geometry metrics (003 App. C.4), per step."""
+    names = {"angular_distance": "angular dist", "relative_update_norm": "rel update",
+             "state_variance": "norm. state var"}
+    return "".join(f" | {names[k]} [" + " ".join(f"{x:.4f}" for x in g[k]) + "]"
+                   for k in names if g.get(k))

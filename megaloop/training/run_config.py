@@ -62,6 +62,14 @@ class RunConfig:
                              "needs whole matrices; the distributed optimizer shards flat buffers "
                              "over data-parallel ranks): drop one of the two")
         self.logging.validate()
+        if self.logging.log_grad_norm_per_step:
+            if self.parallel.pipeline_model_parallel_size > 1:
+                raise ValueError("--log-grad-norm-per-step needs --pipeline-model-parallel-size 1 "
+                                 "(it follows the core's calls within one module)")
+            if self.recompute.recompute_granularity == "full":
+                raise ValueError("--log-grad-norm-per-step cannot be used with "
+                                 "--recompute-granularity full (the recomputed forward bypasses the "
+                                 "per-step weight views); drop one of the two")
         self.checkpoint.validate()
         self.tokenizer.validate()
         self.data.validate()

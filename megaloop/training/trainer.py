@@ -31,8 +31,9 @@ from megaloop.data.tokenizers import build_tokenizer
 from megaloop.model.looped_gpt import LoopOutput, build_model
 from megaloop.training import checkpointing
 from megaloop.training.exit_conditions import ExitConditions
-from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_train_line,
-                                       peak_memory_gib)
+from megaloop.training.diagnostics import GEOMETRY_KEYS, LoopDiagnostics
+from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_geometry,
+                                       format_train_line, peak_memory_gib)
 from megaloop.training.run_config import RunConfig
 
 
@@ -167,6 +168,7 @@ class Trainer:
             from megaloop.parallel.pipeline import LoopPipeline
 
             self.pipeline = LoopPipeline(self.model, self.config, cfg.loop)
+        self.diagnostics = LoopDiagnostics(cfg, self.model, self.logger)
         self.load_info = self._load()
         self._build_data()
 
@@ -255,20 +257,24 @@ class Trainer:
     def evaluate(self) -> dict:
         self.model.eval()
         reports = []
+        self.diagnostics.eval_start()
         for _ in range(self.cfg.training.eval_iters):
             reports.extend(self._run(self.valid_iter, forward_only=True))
+        geometry = self.diagnostics.eval_finish()
         self.model.train()
-        return reduce_stats(reports, self.cfg.loop.num_loops)
+        return {**reduce_stats(reports, self.cfg.loop.num_loops), **geometry}
 
     def log_eval(self) -> None:
         if self.valid_iter is None:
             return
         r = self.evaluate()
         steps = " ".join(f"{v:.4f}" for v in r["step_losses"])
+        geometry = {k: r[k] for k in GEOMETRY_KEYS if k in r}
         self.logger.log({"iteration": self.iteration, "split": "valid", "loss": r["loss"],
-                         "step_losses": r["step_losses"], "exit_probs": r["exit_probs"]},
+                         "step_losses": r["step_losses"], "exit_probs": r["exit_probs"],
+                         **geometry},
                         line=f" validation at iteration {self.iteration} | loss {r['loss']:.5f} "
-                             f"| step losses [{steps}]")
+                             f"| step losses [{steps}]{format_geometry(geometry)}")
 
     def train(self) -> Optional[str]:
         """Train to --train-iters; returns why it stopped early (a save was made), else None."""
@@ -296,8 +302,12 @@ class Trainer:
         self.describe()
         window_start, window_iters = time.time(), 0
         while self.iteration < tr.train_iters:
+            self.diagnostics.before_step(
+                will_log=(self.iteration + 1) % log.log_interval == 0
+                or self.iteration + 1 == tr.train_iters)
             stats, grad_norm, _ = self.train_step()
             self.iteration += 1
+            diagnostics = self.diagnostics.after_step(stats, self.iteration)
             self.consumed_samples += self.gbs
             window_iters += 1
             if self.iteration % log.log_interval == 0 or self.iteration == tr.train_iters:
@@ -314,6 +324,7 @@ class Trainer:
                     "tokens_per_sec": self.gbs * tr.seq_length / elapsed,
                     "tflops_per_gpu": flops / elapsed / world / 1e12,
                     "skipped_iters": self.skipped, "mem_gib": peak_memory_gib(),
+                    **diagnostics,
                 }
                 self.logger.log(record, line=format_train_line(record))
                 window_start, window_iters = time.time(), 0

@@ -1,0 +1,274 @@
+"""Loop diagnostics (000 App. A/B, 003 App. C.4): what the LM loss does not show.
+
+- ``StepGradNorms``: the gradient norm of every core layer *per loop step* (000 Fig. 6). A shared
+  layer's gradient is the sum of T contributions, one per application; the contribution of step
+  t is the gradient with respect to the weights *as used at step t*. While active, every call of
+  the core runs on fresh views ``w.view_as(w)`` of its parameters (one per step, swapped in for
+  the call and swapped back after it); autograd passes the gradient of each view on to the shared
+  parameter unchanged (megatron DDP's accumulation is untouched), and a hook on the view adds it
+  to that step's buffer. Costs T x core-parameter fp32 buffers, so the trainer only turns it on
+  for the iterations it logs.
+- ``LoopGeometry``: on validation batches, per step t, between the core's input and output
+  states: angular distance ``arccos(cos(in, out)) / pi``, relative update norm
+  ``||out - in|| / ||in||``, and the state variance (over hidden dims) of ``out``, normalised
+  by that of the last step (the training horizon). Per-token values averaged over all tokens.
+- ``LossSpikeCounter`` and ``GateCollapseMonitor``: the stability counters of 000 (spike = loss
+  more than 0.5 above the rolling median of the previous 15 iterations; collapse = p0 above 0.95
+  for many iterations in a row).
+
+Both hooks need the core to be called once per loop step in one module (pipeline size 1) and
+the forward not to be re-run in the backward pass (no activation recomputation): the run
+configuration rejects the combinations that would make them wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+
+
+GEOMETRY_KEYS = ("angular_distance", "relative_update_norm", "state_variance")
+
+
+def unwrap(model):
+    """The LoopedGPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _accumulate_into(buffer: torch.Tensor):
+    def hook(grad):
+        buffer.add_(grad.float())  # returns None: the gradient flows on unchanged
+    return hook
+
+
+class StepGradNorms:
+    """Per core layer, per loop step: the norm of that step's gradient contribution."""
+
+    def __init__(self, model, num_loops: int):
+        self.model = unwrap(model)
+        self.core = self.model.core
+        self.num_loops = num_loops
+        self.layer_params = [list(layer.named_parameters()) for layer in self.core.layers]
+        self.handles, self.buffers, self.swapped = [], None, []
+        self.step = 0
+
+    # --- hooks ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Capture the next forward-backward passes (until ``finish``)."""
+        self.buffers = [[{n: torch.zeros_like(p, dtype=torch.float32) for n, p in params}
+                         for _ in range(self.num_loops)] for params in self.layer_params]
+        self.handles = [
+            self.model.register_forward_pre_hook(self._reset),
+            self.core.register_forward_pre_hook(self._swap_in),
+            self.core.register_forward_hook(self._swap_out),
+        ]
+
+    def _reset(self, *_):
+        self.step = 0
+
+    def _swap_in(self, *_):
+        self.step += 1
+        if self.step > self.num_loops:
+            raise RuntimeError(f"the core ran {self.step} times in one forward; "
+                               f"--log-grad-norm-per-step expects {self.num_loops}")
+        for i, layer in enumerate(self.core.layers):
+            for name, p in self.layer_params[i]:
+                if not p.requires_grad:
+                    continue
+                owner_name, _, leaf = name.rpartition(".")
+                owner = layer.get_submodule(owner_name) if owner_name else layer
+                view = p.view_as(p)
+                buffer = self.buffers[i][self.step - 1][name]
+                view.register_hook(_accumulate_into(buffer))
+                # _parameters is swapped directly: Module.__setattr__ refuses a non-leaf there.
+                owner._parameters[leaf] = view
+                self.swapped.append((owner, leaf, p))
+
+    def _swap_out(self, *_):
+        for owner, leaf, p in self.swapped:
+            owner._parameters[leaf] = p
+        self.swapped = []
+
+    # --- result -----------------------------------------------------------------------------
+    def finish(self, num_tokens: int) -> list:
+        """Stop capturing; returns norms[layer][step] of the gradient each step contributed,
+        reduced and scaled exactly like the main gradient (summed over data-parallel ranks,
+        divided by the tokens of the global batch), full-matrix norms under tensor parallelism."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        dp_group = parallel_state.get_data_parallel_group()
+        squares = torch.zeros(len(self.layer_params), self.num_loops, dtype=torch.float64)
+        for i, params in enumerate(self.layer_params):
+            for t in range(self.num_loops):
+                for name, p in params:
+                    g = self.buffers[i][t][name]
+                    torch.distributed.all_reduce(g, group=dp_group)
+                    if getattr(p, "sequence_parallel", False):  # a partial sum per TP rank
+                        torch.distributed.all_reduce(g, group=tp_group)
+                    if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                        squares[i, t] += g.double().pow(2).sum().item()
+        torch.distributed.all_reduce(squares, group=tp_group)
+        self.buffers = None
+        return (squares.sqrt() / max(num_tokens, 1)).tolist()
+
+
+class LoopGeometry:
+    """Geometry of the recurrence on validation batches (003 App. C.4), per loop step."""
+
+    def __init__(self, model, num_loops: int):
+        self.model = unwrap(model)
+        self.num_loops = num_loops
+        self.handles = []
+
+    def start(self) -> None:
+        # sums over tokens, per step: angular distance, relative update norm, state variance
+        self.sums = torch.zeros(3, self.num_loops, dtype=torch.float64)
+        self.tokens = torch.zeros(self.num_loops, dtype=torch.float64)
+        self.step = 0
+        self.handles = [
+            self.model.register_forward_pre_hook(self._reset),
+            self.model.core.register_forward_hook(self._measure, with_kwargs=True),
+        ]
+
+    def _reset(self, *_):
+        self.step = 0
+
+    def _measure(self, _module, args, kwargs, output):
+        state_in = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self.step += 1
+        if self.step > self.num_loops:  # evaluation at another loop count: ignore the extra
+            return
+        u, v = state_in.detach().float(), output.detach().float()
+        cos = torch.nn.functional.cosine_similarity(u, v, dim=-1, eps=1e-12)
+        angular = torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi
+        update = (v - u).norm(dim=-1) / u.norm(dim=-1).clamp_min(1e-12)
+        variance = v.var(dim=-1, unbiased=False)
+        t = self.step - 1
+        self.sums[0, t] += angular.double().sum().item()
+        self.sums[1, t] += update.double().sum().item()
+        self.sums[2, t] += variance.double().sum().item()
+        self.tokens[t] += angular.numel()
+
+    def finish(self) -> Optional[dict]:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        packed = torch.cat([self.sums.flatten(), self.tokens])
+        if self.model.config.sequence_parallel:  # each TP rank saw a slice of the tokens
+            torch.distributed.all_reduce(packed, group=parallel_state.get_tensor_model_parallel_group())
+        torch.distributed.all_reduce(packed, group=parallel_state.get_data_parallel_group())
+        sums = packed[:3 * self.num_loops].view(3, self.num_loops)
+        tokens = packed[3 * self.num_loops:]
+        if tokens.min().item() == 0:
+            return None
+        means = sums / tokens
+        horizon = means[2, -1].item()
+        return {"angular_distance": means[0].tolist(),
+                "relative_update_norm": means[1].tolist(),
+                "state_variance": (means[2] / horizon if horizon > 0 else means[2]).tolist()}
+
+
+class LossSpikeCounter:
+    """Counts loss spikes (000 App. A, Table 6): an iteration whose loss exceeds the median of
+    the previous ``window`` iterations by more than ``threshold``. A run of such iterations
+    counts once (a spike is one excursion, however many iterations it lasts)."""
+
+    def __init__(self, threshold: float = 0.5, window: int = 15):
+        self.threshold = threshold
+        self.history = deque(maxlen=window)
+        self.count = 0
+        self.in_spike = False
+
+    def update(self, loss: float) -> bool:
+        """Feed one iteration's loss; True if a new spike starts here."""
+        new = False
+        if not math.isfinite(loss):
+            spiking = True
+        elif len(self.history) == self.history.maxlen:
+            spiking = loss - statistics.median(self.history) > self.threshold
+        else:
+            spiking = False
+        if spiking and not self.in_spike:
+            self.count += 1
+            new = True
+        self.in_spike = spiking
+        if math.isfinite(loss):
+            self.history.append(loss)
+        return new
+
+
+class GateCollapseMonitor:
+    """Exit-gate collapse (000 Sec. 3.3, App. B): p0, the probability of exiting after the
+    first loop, above ``threshold`` for ``patience`` iterations in a row. The LM loss does not
+    show it, so the trainer warns once per episode."""
+
+    def __init__(self, threshold: float = 0.95, patience: int = 100):
+        self.threshold, self.patience = threshold, patience
+        self.run = 0  # consecutive iterations above the threshold
+
+    def update(self, p0: Optional[float]) -> bool:
+        """Feed one iteration's p0; True exactly when a collapse episode reaches ``patience``."""
+        if p0 is None or p0 <= self.threshold:
+            self.run = 0
+            return False
+        self.run += 1
+        return self.run == self.patience
+
+
+class LoopDiagnostics:
+    """What the trainer calls: the four diagnostics above, switched by the logging config."""
+
+    def __init__(self, cfg, model, logger):
+        log, self.logger = cfg.logging, logger
+        single_stage = cfg.parallel.pipeline_model_parallel_size == 1
+        T = cfg.loop.num_loops
+        self.step_grads = StepGradNorms(model, T) if log.log_grad_norm_per_step else None
+        self.geometry = LoopGeometry(model, T) if log.log_loop_geometry and single_stage else None
+        self.spikes = LossSpikeCounter(log.loss_spike_threshold, log.loss_spike_window)
+        self.collapse = GateCollapseMonitor(log.p0_collapse_threshold, log.p0_collapse_iters)
+        self.capturing = False
+
+    def before_step(self, will_log: bool) -> None:
+        self.capturing = self.step_grads is not None and will_log
+        if self.capturing:
+            self.step_grads.start()
+
+    def after_step(self, stats: dict, iteration: int) -> dict:
+        """Feed one iteration's stats; returns the fields for the log record."""
+        out = {}
+        if self.capturing:
+            out["grad_norm_per_step"] = self.step_grads.finish(stats["tokens"])
+            self.capturing = False
+        if self.spikes.update(stats["loss"]):
+            self.logger.print(f" WARNING: loss spike at iteration {iteration}: loss "
+                              f"{stats['loss']:.4f} is more than {self.spikes.threshold} above "
+                              f"the median of the previous {self.spikes.history.maxlen} iterations")
+        probs = stats["exit_probs"]
+        if self.collapse.update(probs[0] if probs else None):
+            self.logger.print(
+                f" WARNING: exit-gate collapse: p0 > {self.collapse.threshold} for "
+                f"{self.collapse.patience} iterations (at iteration {iteration}); the model trains "
+                f"as a one-step transformer and the LM loss does not show it. 000 Sec. 3.3: LR "
+                f"warmup prevents it, a larger --exit-kl-beta lets the gate recover")
+        out["loss_spikes"] = self.spikes.count
+        out["p0_collapse_iters"] = self.collapse.run
+        return out
+
+    def eval_start(self) -> None:
+        if self.geometry is not None:
+            self.geometry.start()
+
+    def eval_finish(self) -> dict:
+        if self.geometry is None:
+            return {}
+        return self.geometry.finish() or {}
