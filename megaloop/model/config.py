@@ -125,15 +125,23 @@ class LoopConfig:
     """`recurrent` (Ouro): the step norm output is the next step's input; `readout`: the step norm
     only feeds the gate and head, the un-normalized state continues the loop."""
 
-    exit_loss: Literal["expected", "smoothed", "last"] = "expected"
+    exit_loss: Literal["expected", "smoothed", "last", "adaptive-gate"] = "expected"
     """`expected`: sum_t p_t L_t + beta KL(p || uniform); `smoothed`: the expectation mixed with the
-    plain mean of step losses (000 Eq. 2); `last`: final step's loss only, no gate."""
+    plain mean of step losses (000 Eq. 2); `last`: final step's loss only, no gate;
+    `adaptive-gate`: Ouro's stage II, the LM frozen and only the exit gate trained, by BCE
+    towards the continue target sigmoid(k (I_t - gamma)), I_t = max(0, L_{t-1} - L_t)."""
 
     exit_kl_beta: float = 0.15
     """beta, the weight of KL(p || uniform) on the exit distribution (the 000 recipe's 0.15)."""
 
     exit_loss_smoothing: float = 0.05
     """epsilon of the smoothed exit loss (000 section 4.2 uses 0.05); KL uses the unsmoothed p."""
+
+    gate_bce_k: float = 50.0
+    """`adaptive-gate` only: steepness k of the continue target sigmoid(k (I_t - gamma))."""
+
+    gate_bce_gamma: float = 0.005
+    """`adaptive-gate` only: loss improvement gamma at which the continue target is 0.5."""
 
     step_norm: Literal["rms", "frms", "identity"] = "rms"
     """Norm after every loop step and the coda's final norm (000 App. A): `rms` (learnable, of
@@ -204,6 +212,9 @@ class LoopConfig:
                 f"raise --num-layers or lower the prelude/coda sizes")
         if self.exit_kl_beta < 0:
             raise ValueError(f"--exit-kl-beta {self.exit_kl_beta} must be >= 0")
+        if self.exit_loss == "adaptive-gate" and self.num_loops < 2:
+            raise ValueError("--exit-loss adaptive-gate trains the exit gate between steps: it "
+                             f"needs --num-loops >= 2 (got {self.num_loops})")
         if not 0.0 <= self.exit_loss_smoothing <= 1.0:
             raise ValueError(f"--exit-loss-smoothing {self.exit_loss_smoothing} must be in [0, 1]")
         if not 0.0 < self.injection_init_weight < 1.0:

@@ -214,7 +214,8 @@ class LoopedGPTModel(LanguageModule):
             rope = self.rotary_pos_emb(input_ids.size(1))
         h, source = self._embed(input_ids, position_ids, attention_mask, rope)
 
-        objective = ExitObjective(T, mode, self.loop.exit_kl_beta, self.loop.exit_loss_smoothing)
+        objective = ExitObjective(T, mode, self.loop.exit_kl_beta, self.loop.exit_loss_smoothing,
+                                  gate_k=self.loop.gate_bce_k, gate_gamma=self.loop.gate_bce_gamma)
         logits = None
         past = []  # completed states h_1 .. h_{t-2} for history injection (h_0 excluded)
         for t in range(1, T + 1):
@@ -227,7 +228,7 @@ class LoopedGPTModel(LanguageModule):
                     if labels is not None:
                         objective.add_step(None, None)
                     continue
-            gate = self.exit_gate is not None and t < T
+            gate = self.exit_gate is not None and (t < T or mode == "adaptive-gate")
             logits, gate_logit = self._readout(y, attention_mask, rope, gate)
             if labels is not None:
                 objective.add_step(self.compute_language_model_loss(labels, logits), gate_logit)

@@ -38,6 +38,12 @@ class ExitObjective:
     p_log_p: Optional[torch.Tensor] = None
     last: Optional[torch.Tensor] = None
     step: int = 0
+    gate_k: float = 50.0
+    """`adaptive-gate`: steepness of the continue target."""
+    gate_gamma: float = 0.005
+    """`adaptive-gate`: loss improvement at which the continue target is 0.5."""
+    bce: Optional[torch.Tensor] = None
+    previous_loss: Optional[torch.Tensor] = None
     step_losses: list = field(default_factory=list)
     """Per-step per-token losses (detached), for logging; None where a step was not read out."""
     exit_probs: list = field(default_factory=list)
@@ -56,6 +62,9 @@ class ExitObjective:
             return
         if loss is None:
             raise ValueError(f"exit loss {self.mode!r} needs the loss of every step")
+        if self.mode == "adaptive-gate":
+            self._adaptive_gate_step(t, loss, gate_logit)
+            return
         if self.log_survival is None:
             self.log_survival = torch.zeros_like(loss)
             self.weighted = torch.zeros_like(loss)
@@ -71,6 +80,27 @@ class ExitObjective:
         self.weighted = self.weighted + p * loss
         self.uniform = self.uniform + loss
         self.p_log_p = self.p_log_p + p * log_p
+
+    def _adaptive_gate_step(self, t: int, loss: torch.Tensor, gate_logit: torch.Tensor) -> None:
+        """Ouro stage II: I_t = max(0, L_{t-1} - L_t) (detached), continue target
+        w_t = sigmoid(k (I_t - gamma)), BCE -(w_t log(1 - lambda_t) + (1 - w_t) log lambda_t)
+        for t = 2..T, averaged over those steps. lambda_t is the exit probability of the gate
+        read at step t (every step, T included, has a gate in this mode)."""
+        loss = loss.detach()
+        if self.log_survival is None:
+            self.log_survival = torch.zeros_like(loss)
+            self.bce = torch.zeros_like(loss)
+        if t > 1:
+            improvement = (self.previous_loss - loss).clamp_min(0.0)
+            target = torch.sigmoid(self.gate_k * (improvement - self.gate_gamma))
+            self.bce = self.bce - (target * F.logsigmoid(-gate_logit)
+                                   + (1 - target) * F.logsigmoid(gate_logit))
+        self.previous_loss = loss
+        # The exit distribution the gate implies (for logging), as in the other modes.
+        log_p = self.log_survival + F.logsigmoid(gate_logit) if t < self.num_loops \
+            else self.log_survival
+        self.log_survival = self.log_survival + F.logsigmoid(-gate_logit)
+        self.exit_probs.append(log_p.exp().detach())
 
     @classmethod
     def resume(cls, num_loops: int, mode: str, beta: float, smoothing: float, *,
@@ -96,6 +126,8 @@ class ExitObjective:
         joins with the last step (``last`` mode: the final loss, None before step T)."""
         if self.mode == "last":
             return self.last
+        if self.mode == "adaptive-gate":
+            return self.bce / max(self.num_loops - 1, 1)
         kl = self.p_log_p  # sum_t p_t log(p_t / (1/T)) = sum_t p_t log p_t + log T
         if self.step == self.num_loops:
             kl = kl + math.log(self.num_loops)

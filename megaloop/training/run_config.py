@@ -62,6 +62,9 @@ class RunConfig:
                              "needs whole matrices; the distributed optimizer shards flat buffers "
                              "over data-parallel ranks): drop one of the two")
         self.logging.validate()
+        if self.loop.exit_loss == "adaptive-gate" and self.parallel.pipeline_model_parallel_size > 1:
+            raise ValueError("--exit-loss adaptive-gate (stage II) needs --pipeline-model-parallel-"
+                             "size 1: only the last stage would have a trainable parameter")
         if self.logging.log_grad_norm_per_step:
             if self.parallel.pipeline_model_parallel_size > 1:
                 raise ValueError("--log-grad-norm-per-step needs --pipeline-model-parallel-size 1 "

@@ -117,6 +117,9 @@ def build_training_model(cfg: RunConfig, vocab_size: int):
                             sequence_parallel=cfg.parallel.sequence_parallel,
                             bf16=cfg.training.bf16, recompute=cfg.recompute.transformer_kwargs())
         config = model.config
+    if cfg.loop.exit_loss == "adaptive-gate":  # Ouro stage II: only the exit gate trains
+        for name, p in model.named_parameters():
+            p.requires_grad = name.startswith("exit_gate.")
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if cfg.training.bf16:
