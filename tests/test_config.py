@@ -90,3 +90,14 @@ def test_help_lists_megatron_flags(capsys):
                  "--num-loops", "--num-prelude-layers", "--num-coda-layers", "--exit-loss",
                  "--exit-kl-beta", "--exit-loss-smoothing", "--log-jsonl", "--data-path"]:
         assert flag in text, flag
+
+
+def test_state_passing_variants_with_pipeline_fail_before_any_process_group():
+    from megaloop.training.run_config import parse_args
+
+    base = ["--num-layers", "4", "--num-loops", "3", "--pipeline-model-parallel-size", "2",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--global-batch-size", "4"]
+    for extra in (["--history-injection", "scalar"], ["--timestep-conditioning", "loop-gating"]):
+        with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1"):
+            parse_args(base + extra).validate(world_size=2)

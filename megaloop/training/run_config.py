@@ -73,6 +73,12 @@ class RunConfig:
                 raise ValueError("--log-grad-norm-per-step cannot be used with "
                                  "--recompute-granularity full (the recomputed forward bypasses the "
                                  "per-step weight views); drop one of the two")
+        if self.parallel.pipeline_model_parallel_size > 1 and (
+                self.loop.history_injection != "none"
+                or self.loop.timestep_conditioning == "loop-gating"):
+            raise ValueError("--history-injection and --timestep-conditioning loop-gating pass "
+                             "states between loop steps inside one stage: they need "
+                             "--pipeline-model-parallel-size 1")
         self.checkpoint.validate()
         self.tokenizer.validate()
         self.data.validate()
