@@ -85,3 +85,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
     if errors:
         raise AssertionError("distributed test failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def setup_parallel(tp: int = 1, seed: int = 7) -> None:
+    """megatron-core's parallel state (TP = ``tp``, the rest data parallel) and seeded RNG
+    streams, inside a rank forked by ``run_distributed``."""
+    from megaloop.parallel.config import ParallelConfig
+    from megaloop.parallel.initialize import initialize
+
+    initialize(ParallelConfig(tensor_model_parallel_size=tp), seed)

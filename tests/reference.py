@@ -101,3 +101,12 @@ def max_diff(a: dict, b: dict) -> float:
 def kl_uniform(p) -> float:
     T = len(p)
     return sum(x * math.log(x * T) for x in p if x > 0)
+
+
+def lm_batch(vocab: int, seq: int, batch: int, seed: int = 0):
+    """(token ids, position ids, labels) drawn from a private generator: the same on every rank
+    and in every test process, without touching the global RNG streams."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    return ids, torch.arange(seq).expand(batch, seq), labels

@@ -8,26 +8,12 @@ import math
 import pytest
 import torch
 
-from distributed import run_distributed
-from reference import full_grads
+from distributed import run_distributed, setup_parallel
+from reference import full_grads, lm_batch
 from test_norms import NAMES, _reference_layer, _rms
 
 VOCAB, SEQ, BATCH, HIDDEN = 256, 16, 2, 32
 FORMS = ["loop-gating", "branch-gating", "adaln"]
-
-
-def _setup(tp, seed=7):
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
-
-    initialize(ParallelConfig(tensor_model_parallel_size=tp), seed)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
 
 
 def _model(form="none", scheme="ouro", T=3, inference="rescaled", recompute=None, **model_kw):
@@ -53,13 +39,13 @@ def _psi(l, T):
 
 
 def _against_manual(rank, world, form, scheme, run_loops, inference):
-    _setup(world)
+    setup_parallel(world)
     model = _model(form, scheme, T=3, inference=inference, position_embedding_type="none")
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in _cond_params(model).values():
             p.add_(0.3 * torch.randn(p.shape, generator=g))
-    ids, pos, _ = _batch()
+    ids, pos, _ = lm_batch(VOCAB, SEQ, BATCH)
     logits = model(ids, pos, None, num_loops=run_loops)
 
     with torch.no_grad():
@@ -104,12 +90,12 @@ def test_inference_at_other_loop_counts(inference, run_loops):
 
 
 def _init_equals_plain(rank, world, form, scheme):
-    _setup(world)
+    setup_parallel(world)
     model = _model(form, scheme)
     plain = _model("none", scheme)
     missing, _ = plain.load_state_dict(model.state_dict(), strict=False)
     assert not missing, missing
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     ref = plain(ids, pos, None, labels=labels).objective.detach()
@@ -126,14 +112,14 @@ def test_identity_at_init_and_every_parameter_learns(form, scheme):
 
 
 def _grads(rank, world, form, recompute):
-    _setup(world)
+    setup_parallel(world)
     rc = {"recompute_granularity": "full", "recompute_method": "uniform",
           "recompute_num_layers": 1} if recompute else None
     model = _model(form, recompute=rc)
     with torch.no_grad():
         for p in _cond_params(model).values():
             p.add_(0.3)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     return out.objective.detach(), full_grads(model)
@@ -151,9 +137,9 @@ def test_full_recompute_gives_the_same_gradients(form):
 
 
 def _loss_and_grads(rank, world, form):
-    _setup(world)
+    setup_parallel(world)
     model = _model(form)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     return out.objective.detach(), full_grads(model)

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from distributed import run_distributed
-from test_model import _batch, _model, _setup
+from distributed import run_distributed, setup_parallel
+from reference import lm_batch
+from test_model import BATCH, SEQ, VOCAB, _model
 from test_training import BASE
 
 
@@ -40,9 +41,9 @@ def _layer_norms(block):
 def _step_norms_vs_unrolled(rank, world, T, norm_scheme):
     from megaloop.training.diagnostics import StepGradNorms
 
-    _setup(world)
+    setup_parallel(world)
     model = _model(T, norm_scheme, num_layers=3, coda=1)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     diag = StepGradNorms(model, T)
     diag.start()
     out = model(ids, pos, None, labels=labels)
@@ -87,9 +88,9 @@ def _depth_profile(rank, world, scheme):
     puts it in the first ~1K steps); at initialisation the two profiles look alike."""
     from megaloop.training.diagnostics import StepGradNorms
 
-    _setup(world)
+    setup_parallel(world)
     model = _model(4, scheme, num_layers=8)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     for _ in range(30):
         opt.zero_grad()
@@ -115,10 +116,10 @@ def test_post_norm_gradients_vanish_below_last_layer_pre_norm_does_not():
 def _geometry(rank, world):
     from megaloop.training.diagnostics import LoopGeometry
 
-    _setup(world)
+    setup_parallel(world)
     T = 3
     model = _model(T, "ouro")
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     states = []
     handle = model.core.register_forward_hook(
         lambda m, a, kw, out: states.append((kw["hidden_states"].clone(), out.clone())),

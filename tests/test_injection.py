@@ -5,24 +5,10 @@ import math
 import pytest
 import torch
 
-from distributed import run_distributed
-from reference import full_grads, reference_objective
+from distributed import run_distributed, setup_parallel
+from reference import full_grads, lm_batch, reference_objective
 
 VOCAB, SEQ, BATCH = 256, 16, 2
-
-
-def _setup(tp, seed=7):
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
-
-    initialize(ParallelConfig(tensor_model_parallel_size=tp), seed)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
 
 
 def _model(T, source="embedding", prelude=0, init_weight=0.7, placement="recurrent"):
@@ -38,9 +24,9 @@ def _model(T, source="embedding", prelude=0, init_weight=0.7, placement="recurre
 
 
 def _against_manual(rank, world, T, source, prelude, placement):
-    _setup(world)
+    setup_parallel(world)
     model = _model(T, source, prelude, placement=placement)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     grad_a = model.injection.logit.grad.clone()
@@ -79,11 +65,11 @@ def test_scalar_mix_equals_manual_recurrence(source, prelude, placement):
 
 
 def _weight_one(rank, world):
-    _setup(world)
+    setup_parallel(world)
     model = _model(3)
     with torch.no_grad():
         model.injection.logit.fill_(float("inf"))  # w = sigmoid(inf) = 1 exactly
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     return out.step_losses
 
@@ -96,9 +82,9 @@ def test_weight_one_feeds_the_embedding_to_every_step():
 
 
 def _loss_and_grads(rank, world):
-    _setup(world)
+    setup_parallel(world)
     model = _model(3, "prelude", 1)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     return out.objective.detach(), full_grads(model)

@@ -5,8 +5,8 @@ parameters), equal to the plain model at initialisation, every new parameter lea
 import pytest
 import torch
 
-from distributed import run_distributed
-from reference import full_grads, reference_objective
+from distributed import run_distributed, setup_parallel
+from reference import full_grads, lm_batch, reference_objective
 
 VOCAB, SEQ, BATCH, HIDDEN = 256, 16, 2, 32
 T = 4  # history window 2 needs T >= 4 to read both lags
@@ -16,20 +16,6 @@ HISTORY = ["scalar", "channel-wise", "dense"]
 # (input injection, history injection): every form alone, every history kind alone, combined
 VARIANTS = [(f, "none") for f in FORMS] + [("none", h) for h in HISTORY] + \
     [("channel-wise", "channel-wise"), ("dense", "scalar")]
-
-
-def _setup(tp, seed=7):
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
-
-    initialize(ParallelConfig(tensor_model_parallel_size=tp), seed)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
 
 
 def _model(injection="none", history="none", source="embedding", prelude=0, window=2):
@@ -71,13 +57,13 @@ def _history(kind, B, h, past, window):
 
 
 def _against_manual(rank, world, injection, history, source, prelude):
-    _setup(world)
+    setup_parallel(world)
     model = _model(injection, history, source, prelude)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # move every new parameter away from its identity initialisation
         for p in _new_params(model).values():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
 
     params = {n.split(".")[-1]: p.detach() for n, p in _new_params(model).items()
@@ -121,12 +107,12 @@ def test_prelude_source_equals_manual_recurrence(injection, history):
 
 
 def _init_equals_plain(rank, world, injection, history):
-    _setup(world)
+    setup_parallel(world)
     model = _model(injection, history)
     plain = _model()
     missing, _ = plain.load_state_dict(model.state_dict(), strict=False)
     assert not missing, missing
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     ref = plain(ids, pos, None, labels=labels).objective.detach()
@@ -149,9 +135,9 @@ def test_concat_linear_is_not_identity_and_learns():
 
 
 def _history_lags_learn(rank, world):
-    _setup(world)
+    setup_parallel(world)
     model = _model("none", "channel-wise")
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     model(ids, pos, None, labels=labels).objective.mean().backward()
     return model.history_injection.weight.grad.abs().amax(dim=1)
 
@@ -162,9 +148,9 @@ def test_every_history_lag_learns():
 
 
 def _loss_and_grads(rank, world, injection, history):
-    _setup(world)
+    setup_parallel(world)
     model = _model(injection, history, "prelude", 1)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     return out.objective.detach(), full_grads(model)

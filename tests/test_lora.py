@@ -2,24 +2,10 @@
 
 import torch
 
-from distributed import run_distributed
-from reference import full_grads, full_params, max_diff
+from distributed import run_distributed, setup_parallel
+from reference import full_grads, full_params, lm_batch, max_diff
 
 VOCAB, SEQ, BATCH, T = 256, 16, 2, 3
-
-
-def _setup(tp, seed=11):
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
-
-    initialize(ParallelConfig(tensor_model_parallel_size=tp), seed)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
 
 
 def _model(rank_r, recompute=None, seed=11, swiglu=True):
@@ -37,7 +23,7 @@ def _model(rank_r, recompute=None, seed=11, swiglu=True):
 
 
 def _loss(model):
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     return model(ids, pos, None, labels=labels).objective.mean()
 
 
@@ -46,7 +32,7 @@ def _lora_names(model):
 
 
 def _identity_at_init(rank, world):
-    _setup(world)
+    setup_parallel(world, 11)
     plain = _model(0)
     with_lora = _model(4)
     base = {k: v for k, v in full_params(with_lora).items() if "_lora." not in k}
@@ -61,7 +47,7 @@ def test_lora_starts_as_the_model_without_it():
 
 
 def _grads_reach_every_adapter(rank, world):
-    _setup(world)
+    setup_parallel(world, 11)
     model = _model(4)
     names = _lora_names(model)
     # 2 layers x 4 linears x T steps x (A, B)
@@ -91,7 +77,7 @@ def test_every_adapter_gets_gradient():
 
 
 def _two_steps(rank, world, recompute, swiglu=True):
-    _setup(world)
+    setup_parallel(world, 11)
     model = _model(4, recompute, swiglu=swiglu)
     _loss(model).backward()
     with torch.no_grad():
@@ -136,7 +122,7 @@ def test_lora_full_recompute_matches():
 def _save_trained(rank, world, path):
     from megaloop.training.checkpointing import save_checkpoint
 
-    _setup(world)
+    setup_parallel(world, 11)
     model = _model(4)
     _loss(model).backward()
     with torch.no_grad():
@@ -150,7 +136,7 @@ def _save_trained(rank, world, path):
 def _load(rank, world, path):
     from megaloop.training.checkpointing import load_checkpoint
 
-    _setup(world)
+    setup_parallel(world, 11)
     model = _model(4, seed=99)  # other initial weights: everything must come from the file
     load_checkpoint(path, model, load_optim=False, load_rng=False)
     return full_params(model)

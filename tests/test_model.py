@@ -3,24 +3,10 @@
 import pytest
 import torch
 
-from distributed import run_distributed
-from reference import full_grads, gather_tp, reference_objective
+from distributed import run_distributed, setup_parallel
+from reference import full_grads, gather_tp, lm_batch, reference_objective
 
 VOCAB, SEQ, BATCH = 256, 16, 2
-
-
-def _setup(tp, seed=7):
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
-
-    initialize(ParallelConfig(tensor_model_parallel_size=tp), seed)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
 
 
 def _model(T, norm_scheme="ouro", prelude=0, coda=0, exit_loss="expected", beta=0.15,
@@ -42,9 +28,9 @@ def _unrolled_vs_looped(rank, world, T, norm_scheme, prelude, coda):
     from megaloop.model.config import with_layers
     from megaloop.model.specs import build_norm, layer_spec
 
-    _setup(world)
+    setup_parallel(world)
     model = _model(T, norm_scheme, prelude, coda, num_layers=2 + prelude + coda)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     looped = full_grads(model)
@@ -102,9 +88,9 @@ def test_looped_equals_unrolled_with_prelude_coda_pre_norm():
 
 
 def _loss_and_grads(rank, world, T, untie):
-    _setup(world)
+    setup_parallel(world)
     model = _model(T, untie_embeddings_and_output_weights=untie, num_query_groups=2)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     return out.objective.detach(), full_grads(model)
@@ -124,7 +110,7 @@ def _vs_gpt_model(rank, world):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    _setup(world)
+    setup_parallel(world)
     model = _model(1, "pre", beta=0.0)
     gpt = GPTModel(config=model.config, transformer_layer_spec=get_gpt_layer_local_spec(
         normalization="RMSNorm"), vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -136,7 +122,7 @@ def _vs_gpt_model(rank, world):
         state[k] = v
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not [m for m in missing if not m.endswith("_extra_state")], missing
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     ours = model(ids, pos, None, labels=labels).objective
     theirs = gpt(ids, pos, None, labels=labels)
     logits_ours = model(ids, pos, None)
@@ -150,9 +136,9 @@ def test_dense_t1_equals_megatron_gpt_model():
 
 
 def _last_mode(rank, world):
-    _setup(world)
+    setup_parallel(world)
     model = _model(3, exit_loss="last")
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     assert model.exit_gate is None and out.exit_probs is None
     assert torch.isnan(out.step_losses[:2]).all()

@@ -5,19 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import run_distributed
-from reference import full_grads
+from distributed import run_distributed, setup_parallel
+from reference import full_grads, lm_batch
 
 VOCAB, SEQ, BATCH, HIDDEN, HEADS = 256, 16, 2, 32, 4
 EPS = 1e-5
 SCHEMES = ["ouro", "pre", "post", "sandwich", "magic"]
-
-
-def _setup(tp, seed=7):
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
-
-    initialize(ParallelConfig(tensor_model_parallel_size=tp), seed)
 
 
 def _rms(x, w=None):
@@ -77,7 +70,7 @@ def _one_layer(rank, world, scheme):
     from megaloop.model.config import ModelConfig, transformer_config
     from megaloop.model.specs import layer_spec
 
-    _setup(world)
+    setup_parallel(world)
     cfg = transformer_config(ModelConfig(num_layers=1, hidden_size=HIDDEN,
                                          num_attention_heads=HEADS, norm_epsilon=EPS), 1)
     block = TransformerBlock(config=cfg, spec=layer_spec(cfg, scheme, use_te=False),
@@ -116,13 +109,6 @@ def test_schemes_differ():
             assert (outs[i] - outs[j]).abs().max() > 1e-3
 
 
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, torch.arange(SEQ).expand(BATCH, SEQ), labels
-
-
 def _model(T, scheme="ouro", step_norm="rms", coda=0, exit_loss="expected"):
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.model.looped_gpt import build_model
@@ -135,10 +121,10 @@ def _model(T, scheme="ouro", step_norm="rms", coda=0, exit_loss="expected"):
 
 
 def _step_norm_manual(rank, world, step_norm, coda):
-    _setup(world)
+    setup_parallel(world)
     model = _model(3, step_norm=step_norm, coda=coda, exit_loss="last")
     names = {n for n, _ in model.named_parameters()}
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     with torch.no_grad():
         if step_norm == "rms":  # a learnable scale: make it visible
@@ -174,9 +160,9 @@ def test_step_norm_equals_manual_recurrence(step_norm, coda):
 
 
 def _loss_and_grads(rank, world, scheme, step_norm):
-    _setup(world)
+    setup_parallel(world)
     model = _model(3, scheme, step_norm, coda=1)
-    ids, pos, labels = _batch()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
     out = model(ids, pos, None, labels=labels)
     out.objective.mean().backward()
     return out.objective.detach(), full_grads(model)
