@@ -179,6 +179,34 @@ class LoopConfig:
     """Timestep features when running another loop count than trained: `rescaled` (t = l / T with
     the T being run) or `prefix` (the training T: the first steps of the trained schedule)."""
 
+    loop_resolutions: str = ""
+    """SpiralFormer (001) per-step resolution schedule r_t = 1/g_t, one per loop step, e.g.
+    `1/8,1/4,1/2,1`; `coarse-to-fine` derives r_t = 2 r_{t-1} ending at 1 from --num-loops; empty:
+    every step at full resolution (the plain loop). A coarse step needs --loop-topology anchor or
+    mesh. See megaloop/model/spiral.py."""
+
+    resolution_offset: Literal["half", "zero"] = "half"
+    """Chunk offset omega_t of --loop-resolutions: `half` floor(g_t/2) (001's default) or `zero`."""
+
+    resolution_shift: Literal["overlap", "parallel"] = "overlap"
+    """Causal right shift s_t of a coarse step's update: `overlap` g_t - 1 (001's default, one
+    token of overlap) or `parallel` g_t (a chunk reads earlier chunks only)."""
+
+    resolution_down: Literal["mean", "self-aggregation"] = "self-aggregation"
+    """Down-scaling of a coarse step: `mean` pooling or learned `self-aggregation` (per-step scorer,
+    softmax within the chunk)."""
+
+    resolution_up: Literal["broadcast", "allocation"] = "allocation"
+    """Up-scaling of a coarse step (gain sqrt(g_t)): uniform `broadcast` or output-dependent
+    `allocation` (per-step softmax over the g_t slots of a chunk)."""
+
+    loop_topology: Literal["plain", "anchor", "mesh"] = "plain"
+    """State update between loop steps (001 section 2.1): `plain` h_{t+1} = u~_t, `anchor`
+    h_{t+1} = u~_t + h_0, `mesh` a buffer of --mesh-slots slots with per-step write/read routers."""
+
+    mesh_slots: int = 0
+    """B, the MeSH buffer slots (0 = --num-loops + 3, as MeSH)."""
+
     lora_rank: int = 0
     """Stepwise LoRA (000 section 4.4): rank of one adapter per loop step on each core attention
     and MLP linear (0 = off). B starts at 0, so the model starts equal to the one without LoRA."""
@@ -186,6 +214,21 @@ class LoopConfig:
     lora_alpha: Optional[float] = None
     """LoRA scaling numerator: the adapter output is scaled by alpha / rank (default: alpha =
     rank, scale 1)."""
+
+    random_depth_mean: float = 0.0
+    """Huginn random depth (0 = off): every optimizer step runs T ~ Poisson(e^tau) + 1 loops,
+    tau ~ N(log(mean) - sigma^2/2, sigma), drawn from (seed, iteration), the same on every rank.
+    Validation keeps --num-loops."""
+
+    random_depth_sigma: float = 0.5
+    """sigma of the log-normal rate of --random-depth-mean (Huginn: 0.5)."""
+
+    random_depth_max: int = 0
+    """Cap on the drawn loop count (0 = no cap; the log-normal tail can draw large T)."""
+
+    truncated_backprop_steps: int = 0
+    """Truncated backpropagation: the first n loop steps of every training forward run without
+    gradient (at most T - 1, so the last step always trains); 0 = full backpropagation."""
 
     def num_core_layers(self, num_layers: int) -> int:
         return num_layers - self.num_prelude_layers - self.num_coda_layers
@@ -231,6 +274,9 @@ class LoopConfig:
         if self.lora_alpha is not None and self.lora_alpha <= 0:
             raise ValueError(f"--lora-alpha {self.lora_alpha} must be positive (or omit it for "
                              f"alpha = rank)")
+        from megaloop.model.spiral import validate_loop
+
+        validate_loop(self)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:

@@ -31,6 +31,7 @@ from megaloop.model.injection import build_history_injection, build_injection
 from megaloop.model.lora import StepwiseLoRA
 from megaloop.model.objective import ExitObjective
 from megaloop.model.specs import build_norm, layer_spec
+from megaloop.model.spiral import build_spiral
 
 
 @dataclass
@@ -141,6 +142,8 @@ class LoopedGPTModel(LanguageModule):
                              "support --pipeline-model-parallel-size > 1 yet; use 1")
         self.history_injection = build_history_injection(config, loop) if pre_process else None
         self.timestep = build_timestep_conditioning(config, loop, self.core, model_cfg.norm_scheme)
+        # SpiralFormer per-step resolutions and the Anchor / MeSH topologies (None: plain loop).
+        self.spiral = build_spiral(config, loop)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook (megatron schedules call it); with one stage there is nothing to take."""
@@ -150,7 +153,7 @@ class LoopedGPTModel(LanguageModule):
 
     # --- one loop step -------------------------------------------------------------------
     def _core_step(self, h, attention_mask, rotary_pos_emb, step: int = 1, source=None,
-                   past: Optional[list] = None, num_loops: Optional[int] = None):
+                   past: Optional[list] = None, num_loops: Optional[int] = None, state=None):
         """h_t = core(inject(h_{t-1} + history, source); step t of num_loops); returns (state for
         the next step, normalized state y_t). ``step`` (1-based) selects the stepwise LoRA
         adapters and the timestep features; ``past`` holds the completed states before h_{t-1}
@@ -165,8 +168,11 @@ class LoopedGPTModel(LanguageModule):
             self.lora.select(step)
         if self.timestep is not None:
             self.timestep.select(step, T)
-        out = self.core(hidden_states=z, attention_mask=attention_mask,
-                        rotary_pos_emb=rotary_pos_emb)
+        if self.spiral is None:
+            out = self.core(hidden_states=z, attention_mask=attention_mask,
+                            rotary_pos_emb=rotary_pos_emb)
+        else:  # down -> core at resolution r_t -> up -> shift, then Anchor / MeSH (``state``)
+            out = self.spiral.step(self.core, z, h, state, step, T, attention_mask, rotary_pos_emb)
         if self.timestep is not None:
             out = self.timestep.finish(out, h, step, T)
         if self.lora is not None:
@@ -201,8 +207,10 @@ class LoopedGPTModel(LanguageModule):
 
     # --- the recurrence ------------------------------------------------------------------
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
-                num_loops: Optional[int] = None):
-        """With labels: a LoopOutput. Without: the last step's logits [b, s, v/tp]."""
+                num_loops: Optional[int] = None, no_grad_steps: int = 0):
+        """With labels: a LoopOutput. Without: the last step's logits [b, s, v/tp].
+        ``no_grad_steps``: truncated backpropagation, the first n steps (core and readout) run
+        without gradient; their losses still enter the objective's value, as constants."""
         T = num_loops or self.loop.num_loops
         mode = self.loop.exit_loss if T > 1 else "expected"
         if mode != "last" and T > 1 and self.exit_gate is None:
@@ -213,25 +221,31 @@ class LoopedGPTModel(LanguageModule):
         if self.position_embedding_type == "rope":
             rope = self.rotary_pos_emb(input_ids.size(1))
         h, source = self._embed(input_ids, position_ids, attention_mask, rope)
+        state = None
+        if self.spiral is not None:  # Anchor keeps h_0; MeSH does its transitional write-read
+            h, state = self.spiral.begin(h)
 
         objective = ExitObjective(T, mode, self.loop.exit_kl_beta, self.loop.exit_loss_smoothing,
                                   gate_k=self.loop.gate_bce_k, gate_gamma=self.loop.gate_bce_gamma)
         logits = None
         past = []  # completed states h_1 .. h_{t-2} for history injection (h_0 excluded)
         for t in range(1, T + 1):
-            h_prev = h
-            h, y = self._core_step(h, attention_mask, rope, t, source, past, T)
-            if self.history_injection is not None and t > 1:
-                past = (past + [h_prev])[-self.loop.history_window:]
-            if labels is None or mode == "last":
-                if t < T:  # only the final step is read out
-                    if labels is not None:
-                        objective.add_step(None, None)
-                    continue
-            gate = self.exit_gate is not None and (t < T or mode == "adaptive-gate")
-            logits, gate_logit = self._readout(y, attention_mask, rope, gate)
-            if labels is not None:
-                objective.add_step(self.compute_language_model_loss(labels, logits), gate_logit)
+            # The state leaving a no-grad step is a constant for the steps after it.
+            grad = torch.is_grad_enabled() and t > no_grad_steps
+            with torch.set_grad_enabled(grad):
+                h_prev = h
+                h, y = self._core_step(h, attention_mask, rope, t, source, past, T, state)
+                if self.history_injection is not None and t > 1:
+                    past = (past + [h_prev])[-self.loop.history_window:]
+                if labels is None or mode == "last":
+                    if t < T:  # only the final step is read out
+                        if labels is not None:
+                            objective.add_step(None, None)
+                        continue
+                gate = self.exit_gate is not None and (t < T or mode == "adaptive-gate")
+                logits, gate_logit = self._readout(y, attention_mask, rope, gate)
+                if labels is not None:
+                    objective.add_step(self.compute_language_model_loss(labels, logits), gate_logit)
 
         if labels is None:
             return logits.transpose(0, 1).contiguous()

@@ -17,6 +17,7 @@ from megaloop.model.config import LoopConfig, ModelConfig
 from megaloop.parallel.config import ParallelConfig, RecomputeConfig
 from megaloop.training.config import (CheckpointConfig, LoggingConfig, OptimConfig,
                                       TrainingConfig)
+from megaloop.training.random_depth import validate_random_depth
 
 SECTIONS = {
     "model": ModelConfig,
@@ -62,6 +63,7 @@ class RunConfig:
                              "needs whole matrices; the distributed optimizer shards flat buffers "
                              "over data-parallel ranks): drop one of the two")
         self.logging.validate()
+        validate_random_depth(self)
         if self.loop.exit_loss == "adaptive-gate" and self.parallel.pipeline_model_parallel_size > 1:
             raise ValueError("--exit-loss adaptive-gate (stage II) needs --pipeline-model-parallel-"
                              "size 1: only the last stage would have a trainable parameter")

@@ -30,6 +30,7 @@ from megaloop.data.datasets import build_data_iterator, build_train_valid_test_d
 from megaloop.data.tokenizers import build_tokenizer
 from megaloop.model.looped_gpt import LoopOutput, build_model
 from megaloop.training import checkpointing
+from megaloop.training.random_depth import draw_depth, no_grad_steps
 from megaloop.training.exit_conditions import ExitConditions
 from megaloop.training.diagnostics import GEOMETRY_KEYS, LoopDiagnostics
 from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_geometry,
@@ -51,10 +52,10 @@ def loss_func(loss_mask: torch.Tensor, num_loops: int, out: LoopOutput):
     return objective, tokens.detach().to(torch.int), {"stats": stats}
 
 
-def forward_step(data_iterator, model, num_loops: int):
+def forward_step(data_iterator, model, num_loops: int, no_grad_steps: int = 0):
     batch = next(data_iterator)
     out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                labels=batch["labels"])
+                labels=batch["labels"], num_loops=num_loops, no_grad_steps=no_grad_steps)
     return out, partial(loss_func, batch["loss_mask"], num_loops)
 
 
@@ -233,13 +234,25 @@ class Trainer:
             f"PP {self.cfg.parallel.pipeline_model_parallel_size} "
             f"DP {self.dp_size} | micro-batches per step {self.num_microbatches}")
 
-    def _run(self, data_iterator, forward_only: bool):
+    def depth(self, iteration: int) -> int:
+        """Loop count of training iteration ``iteration`` (1-based): --num-loops, or the random
+        depth drawn from (seed, iteration), the same on every rank and after a resume."""
+        loop = self.cfg.loop
+        if loop.random_depth_mean <= 0:
+            return loop.num_loops
+        return draw_depth(loop.random_depth_mean, loop.random_depth_sigma,
+                          self.cfg.training.seed, iteration, loop.random_depth_max)
+
+    def _run(self, data_iterator, forward_only: bool, num_loops: Optional[int] = None):
         tr = self.cfg.training
         if self.pipeline is not None:
             return self.pipeline.run(data_iterator, self.num_microbatches, tr.seq_length,
                                      tr.micro_batch_size, forward_only)
+        T = num_loops or self.cfg.loop.num_loops
+        # Every micro-batch of one call runs the same T (and truncation) on every rank.
+        truncated = 0 if forward_only else no_grad_steps(self.cfg.loop.truncated_backprop_steps, T)
         return self.forward_backward(
-            forward_step_func=partial(forward_step, num_loops=self.cfg.loop.num_loops),
+            forward_step_func=partial(forward_step, num_loops=T, no_grad_steps=truncated),
             data_iterator=data_iterator, model=[self.model],
             num_microbatches=self.num_microbatches, seq_length=tr.seq_length,
             micro_batch_size=tr.micro_batch_size, forward_only=forward_only)
@@ -247,14 +260,16 @@ class Trainer:
     def train_step(self) -> tuple[dict, float, bool]:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._run(self.train_iter, forward_only=False)
+        depth = self.depth(self.iteration + 1)
+        reports = self._run(self.train_iter, forward_only=False, num_loops=depth)
         self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
         else:
             self.skipped += 1
-        return reduce_stats(reports, self.cfg.loop.num_loops), grad_norm, ok
+        # The stats hold the step losses of this iteration's T (the same on every DP rank).
+        return {**reduce_stats(reports, depth), "depth": depth}, grad_norm, ok
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -327,9 +342,13 @@ class Trainer:
                     "tokens_per_sec": self.gbs * tr.seq_length / elapsed,
                     "tflops_per_gpu": flops / elapsed / world / 1e12,
                     "skipped_iters": self.skipped, "mem_gib": peak_memory_gib(),
+                    "depth": stats["depth"],
                     **diagnostics,
                 }
-                self.logger.log(record, line=format_train_line(record))
+                line = format_train_line(record)
+                if self.cfg.loop.random_depth_mean > 0:
+                    line += f" | depth {record['depth']}"
+                self.logger.log(record, line=line)
                 window_start, window_iters = time.time(), 0
             if self.iteration % tr.eval_interval == 0 and self.iteration < tr.train_iters:
                 self.log_eval()
