@@ -1,0 +1,33 @@
+# Sourced by every recipe after it has filled ARGS (the model and schedule flags). Adds the data
+# and tokenizer flags, then either prints the whole command line's flags one per line
+# (PRINT_ARGS=1: the test that keeps the recipes parseable reads them) or starts torchrun.
+#
+#   bash examples/recipes/<recipe>.sh DATA_PREFIX TOKENIZER_MODEL [extra flags...]
+# Environment: SIZE=full (default) or cpu; NPROC ranks on this node (default: 8 full, 1 cpu);
+# TOKENIZER_TYPE (default HuggingFaceTokenizer full, SentencePieceTokenizer cpu); PYTHON.
+# Extra flags after the two paths are appended last, so they override the recipe's.
+
+DATA_PREFIX=${1:?usage: $0 DATA_PREFIX TOKENIZER_MODEL [extra flags]}
+TOKENIZER_MODEL=${2:?usage: $0 DATA_PREFIX TOKENIZER_MODEL [extra flags]}
+shift 2
+if [[ $SIZE == cpu ]]; then
+    TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
+    NPROC=${NPROC:-1}
+else
+    TOKENIZER_TYPE=${TOKENIZER_TYPE:-HuggingFaceTokenizer}
+    NPROC=${NPROC:-8}
+fi
+ARGS+=(--data-path "$DATA_PREFIX" --tokenizer-type "$TOKENIZER_TYPE"
+       --tokenizer-model "$TOKENIZER_MODEL" "$@")
+
+if [[ ${PRINT_ARGS:-0} == 1 ]]; then
+    printf '%s\n' "${ARGS[@]}"
+    exit 0
+fi
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+[[ $SIZE == cpu ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+cd "$ROOT"
+exec $PY -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "$PORT" \
+    pretrain_looplm.py "${ARGS[@]}"
