@@ -62,6 +62,11 @@ def check_exportable(model: ModelConfig, loop: LoopConfig | None = None) -> None
         if value not in supported:
             raise ValueError(f"export-hf supports {flag} {' or '.join(supported)} only; this "
                              f"checkpoint has {flag} {value}")
+    if (getattr(loop, "loop_resolutions", "") or "").strip() or \
+            getattr(loop, "loop_topology", "plain") != "plain":
+        raise ValueError("export-hf does not implement SpiralFormer multi-resolution steps or the "
+                         "Anchor / MeSH topologies; this checkpoint has --loop-resolutions "
+                         f"{loop.loop_resolutions!r} --loop-topology {loop.loop_topology}")
 
 
 def is_ouro_style(model: ModelConfig, loop: LoopConfig) -> bool:

@@ -27,19 +27,55 @@ def flops_per_iteration(model: ModelConfig, loop: LoopConfig, vocab_size: int,
                         seq_length: int, global_batch: int) -> float:
     """Model FLOPs of one training iteration (forward + backward = 3 x forward matmul FLOPs)."""
     h = model.hidden_size
+    per_layer = layer_flops_per_token(model, seq_length)
+    r = readouts_per_forward(loop)
+    layer_apps = loop.num_prelude_layers + loop.num_coda_layers * r
+    head = r * (2 * h * vocab_size + (2 * h if loop.gated else 0))
+    return 3.0 * global_batch * seq_length * (
+        layer_apps * per_layer + core_flops_per_token(model, loop, seq_length) + head)
+
+
+def layer_flops_per_token(model: ModelConfig, seq_length: int) -> float:
+    """Forward matmul FLOPs of one transformer layer per token of a sequence of seq_length."""
+    h = model.hidden_size
     heads = model.num_attention_heads
     head_dim = model.kv_channels or h // heads
     kv = (model.num_query_groups or heads) * head_dim
     ffn = model.ffn_hidden_size or 4 * h
-    per_layer = (2 * h * (heads * head_dim + 2 * kv)      # QKV projection
-                 + 2 * heads * head_dim * h                # output projection
-                 + 2 * 2 * seq_length * heads * head_dim   # scores and weighted sum (full square)
-                 + 2 * (3 if model.swiglu else 2) * h * ffn)
-    r = readouts_per_forward(loop)
-    core = loop.num_core_layers(model.num_layers)
-    layer_apps = loop.num_prelude_layers + core * loop.num_loops + loop.num_coda_layers * r
-    head = r * (2 * h * vocab_size + (2 * h if loop.gated else 0))
-    return 3.0 * global_batch * seq_length * (layer_apps * per_layer + head)
+    return (2 * h * (heads * head_dim + 2 * kv)      # QKV projection
+            + 2 * heads * head_dim * h                # output projection
+            + 2 * 2 * seq_length * heads * head_dim   # scores and weighted sum (full square)
+            + 2 * (3 if model.swiglu else 2) * h * ffn)
+
+
+def core_step_flops_per_token(model: ModelConfig, loop: LoopConfig, seq_length: int) -> list:
+    """Forward FLOPs of each loop step's core pass, per token of the full sequence. A step at
+    chunk size g (SpiralFormer, --loop-resolutions) runs the K core layers on L_t = L // g latents
+    (attention on an L_t square), plus its matmul operators (scorer d -> 1 per token, allocation
+    d -> g per latent); MeSH adds its d -> B routers (elementwise pooling, mixing and norms are
+    not counted, as nowhere else)."""
+    from megaloop.model.spiral import chunk_sizes, is_active
+
+    h, K = model.hidden_size, loop.num_core_layers(model.num_layers)
+    steps = []
+    for g in chunk_sizes(loop):
+        L_t = seq_length // g
+        flops = K * layer_flops_per_token(model, L_t) * L_t / seq_length
+        if g > 1:
+            flops += (2 * h if loop.resolution_down == "self-aggregation" else 0) + \
+                (2 * h * g * L_t / seq_length if loop.resolution_up == "allocation" else 0)
+        steps.append(flops)
+    if is_active(loop) and loop.loop_topology == "mesh":
+        B = loop.mesh_slots or loop.num_loops + 3
+        steps = [f + 2 * (2 * h * B) for f in steps]          # write and read router per step
+        steps[0] += 2 * (2 * h * B)                            # transitional write-read
+        steps[-1] += 2 * h * B                                 # final read
+    return steps
+
+
+def core_flops_per_token(model: ModelConfig, loop: LoopConfig, seq_length: int) -> float:
+    """All loop steps' core FLOPs per token (K x T layer applications for the plain loop)."""
+    return sum(core_step_flops_per_token(model, loop, seq_length))
 
 
 def peak_memory_gib() -> float:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from megaloop.arguments import add_dataclass_args, dataclass_from_args
 from megaloop.data.config import DataConfig, TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
+from megaloop.model.spiral import validate_parallel as validate_spiral_parallel
 from megaloop.parallel.config import ParallelConfig, RecomputeConfig
 from megaloop.training.config import (CheckpointConfig, LoggingConfig, OptimConfig,
                                       TrainingConfig)
@@ -81,6 +82,7 @@ class RunConfig:
             raise ValueError("--history-injection and --timestep-conditioning loop-gating pass "
                              "states between loop steps inside one stage: they need "
                              "--pipeline-model-parallel-size 1")
+        validate_spiral_parallel(self)
         self.checkpoint.validate()
         self.tokenizer.validate()
         self.data.validate()

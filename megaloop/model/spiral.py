@@ -1,0 +1,347 @@
+"""SpiralFormer multi-resolution recursion (paper 001) and its state topologies (Anchor, MeSH).
+
+Layout ``P + K x {r_0, ..., r_{T-1}} + C``: loop step t runs the shared core on a sequence
+compressed by the resolution r_t = 1 / g_t (``--loop-resolutions``). One step, for token states
+h [L, b, d] (megatron layout, sequence first):
+
+    z      = down(h)        [L_t, b, d]   chunks of g_t tokens, offset omega_t, L_t = floor(L / g_t)
+    z_hat  = core(z)        [L_t, b, d]   the same K layers as every other step
+    u      = up(z_hat)      [L, b, d]     gain lambda_t = sqrt(g_t)
+    u~     = shift(u, s_t)  [L, b, d]     u~[i] = u[i - s_t], zero for i < s_t
+    h_next = topology(u~)                  plain | anchor (u~ + h_0) | mesh (buffer write/read)
+
+Chunk map (001 Eq. 12): token i belongs to chunk pi(i) = floor((i + omega) / g) at slot
+rho(i) = i + omega - g pi(i). We realise it by padding omega zeros in front of the sequence and
+cutting the padded sequence into L_t whole chunks; tokens after the last whole chunk (the
+incomplete chunk) are dropped and receive no update. The first chunk then holds g - omega real
+tokens; mean pooling divides by g as the paper's formula does (the padding counts as zeros),
+self-aggregation takes its softmax over the real tokens only.
+
+Operators (per step, own parameters; a full-resolution step g = 1 has none and is the identity):
+
+- down ``mean``: z_j = (1/g) sum_{i in chunk j} h_i;
+  ``self-aggregation``: z_j = sum_i alpha_ji h_i, alpha_j = softmax over the chunk of A_t(h_i),
+  A_t a linear scorer d -> 1 (initialised to 0: it starts as an average over the chunk);
+- up ``broadcast``: u_i = (lambda/g) z_hat_pi(i);
+  ``allocation``: u_i = lambda beta_{pi(i), rho(i)} z_hat_pi(i), beta_j = softmax(B_t(z_hat_j))
+  over the g slots, B_t a linear d -> g (initialised to 0: it starts as the broadcast).
+- shift ``overlap`` s_t = g_t - 1 (the smallest causal shift, 001 Proposition 1) or ``parallel``
+  s_t = g_t (no overlap: a chunk only reads earlier chunks). Full-resolution steps are never
+  shifted (they are on the decoding critical path, 001 App. D).
+
+Decisions that 001 leaves open, made here:
+
+- **RoPE of latents**: latent j gets position j, its index in the compressed sequence (the core
+  sees an ordinary sequence of length L_t; the rotary table is the full one cut to L_t). Distances
+  between latents are measured in chunks, so one rotary wavelength covers g_t times more tokens at
+  a coarse step, which matches the chunk-level receptive field the step is meant to have.
+- **Attention mask**: the core keeps its causal mask, applied to the latents (latent j attends to
+  latents <= j). Latent j summarises tokens up to the last token of chunk j; the shift s_t >=
+  g_t - 1 moves its update to tokens at or after that last token, so token causality holds for any
+  operator pair (tests/test_spiral.py checks it by gradient, and that s_t = g_t - 2 breaks it).
+  An explicit (non-causal-default) attention mask is only valid at full resolution and is dropped
+  at coarse steps; megaloop's training path passes none.
+- **Sequence parallelism**: refused with a coarse step. A chunk may straddle two SP shards and the
+  latents L_t would need their own split; doing it right means gathering the sequence around every
+  coarse step, which erases what SP saves. ``--sequence-parallel`` with a schedule of all 1s works.
+- **Pipeline parallelism**: refused with a coarse step or a topology. Each loop step is a virtual
+  pipeline chunk, and inside a split core the activations that cross stages have length L_t, which
+  changes per step, while megatron-core's schedule uses one p2p tensor shape; MeSH also carries a
+  B-slot buffer between steps. What remains: pad latents to L in p2p (or pass a per-chunk shape)
+  and carry the buffer/anchor with the activation as the exit accumulators are carried.
+
+Topologies (001 section 2.1; MeSH from arXiv 2510.07739, restated in seeds/README.md):
+
+- ``plain``: h_next = u~ (the loop megaloop always had; only full resolution is allowed, since a
+  coarse step's u~ is zero on the first s_t tokens);
+- ``anchor``: h_next = u~ + h_0, h_0 the loop input (prelude output);
+- ``mesh``: B slots m_b [L, b, d], m_0 = h_0, others 0. Before the loop a transitional write-read
+  with routers of its own reads h_0: m_b += h_0 w_b, h^(0) = sum_b m_b r_b. Step t computes
+  w = softmax(Write_t(h^(t))), r = softmax(Read_t(h^(t))) from the state entering the step, writes
+  the shifted update m_b += u~ w_b and reads h^(t+1) = sum_b m_b r_b. After the last step a final
+  read with its own router (fed by h^(T)) gives the state the coda and head see. Routers are
+  d -> B linears, replicated on TP ranks like the exit gate. B defaults to T + 3 (as MeSH).
+
+All parameters here are replicated over tensor-parallel ranks (the hidden state is whole on every
+rank without SP, and every rank computes the same gradient), as the exit gate and injections are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import List, Optional
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+
+# --- schedule --------------------------------------------------------------------------------
+def parse_resolutions(text: str, num_loops: int) -> List[int]:
+    """``--loop-resolutions`` -> chunk sizes g_t (1 = full resolution), one per loop step.
+
+    Empty: none (the plain loop). ``coarse-to-fine``: r_t = 2 r_{t-1} ending at 1 over
+    --num-loops steps (T=4: 1/8,1/4,1/2,1). Otherwise a comma list of fractions 1/g."""
+    text = (text or "").strip()
+    if not text:
+        return []
+    if text == "coarse-to-fine":
+        return [2 ** (num_loops - 1 - t) for t in range(num_loops)]
+    sizes = []
+    for part in text.split(","):
+        try:
+            r = Fraction(part.strip())
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"--loop-resolutions: cannot read {part.strip()!r}; write fractions "
+                             f"such as 1/8,1/4,1/2,1") from None
+        if r <= 0 or r > 1 or r.numerator != 1:
+            raise ValueError(f"--loop-resolutions: {part.strip()} is not of the form 1/g with an "
+                             f"integer chunk size g >= 1; write e.g. 1/8,1/4,1/2,1")
+        sizes.append(r.denominator)
+    return sizes
+
+
+def chunk_sizes(loop) -> List[int]:
+    """g_t for every step of a LoopConfig (all 1 without a schedule)."""
+    return parse_resolutions(loop.loop_resolutions, loop.num_loops) or [1] * loop.num_loops
+
+
+def offset(g: int, kind: str) -> int:
+    """omega_t: ``half`` floor(g/2) (001's default) or ``zero``."""
+    return g // 2 if kind == "half" else 0
+
+
+def shift(g: int, kind: str) -> int:
+    """s_t: ``overlap`` g - 1 (001's default) or ``parallel`` g; 0 at full resolution."""
+    if g == 1:
+        return 0
+    return g - 1 if kind == "overlap" else g
+
+
+def is_active(loop) -> bool:
+    """Whether a model needs the spiral machinery (any schedule or a topology)."""
+    return bool((loop.loop_resolutions or "").strip()) or loop.loop_topology != "plain"
+
+
+def validate_loop(loop) -> None:
+    """LoopConfig checks (no process group needed); ValueError names the flag and the fix."""
+    sizes = parse_resolutions(loop.loop_resolutions, loop.num_loops)
+    if sizes and len(sizes) != loop.num_loops:
+        raise ValueError(f"--loop-resolutions gives {len(sizes)} resolutions but --num-loops is "
+                         f"{loop.num_loops}: give one per loop step, or `coarse-to-fine`")
+    if any(g > 1 for g in sizes) and loop.loop_topology == "plain":
+        raise ValueError("--loop-resolutions with a coarse step (r < 1) needs --loop-topology "
+                         "anchor or mesh: the shifted update is zero on its first tokens, the "
+                         "topology supplies the state it is added to")
+    if loop.mesh_slots < 0 or (loop.loop_topology == "mesh" and loop.mesh_slots == 1):
+        raise ValueError(f"--mesh-slots {loop.mesh_slots}: use 0 (T + 3) or at least 2")
+    if is_active(loop) and getattr(loop, "random_depth_mean", 0):
+        raise ValueError("--loop-resolutions / --loop-topology fix one operator per loop step: "
+                         "they cannot be combined with --random-depth-mean; drop one")
+
+
+def validate_parallel(run) -> None:
+    """RunConfig checks: SP and PP with a coarse step or a topology (see the module doc)."""
+    loop, par = run.loop, run.parallel
+    coarse = any(g > 1 for g in chunk_sizes(loop))
+    if coarse and par.sequence_parallel:
+        raise ValueError("--sequence-parallel splits the token sequence over TP ranks, which "
+                         "coarse --loop-resolutions steps would have to gather back; drop "
+                         "--sequence-parallel (TP without SP works)")
+    if is_active(loop) and par.pipeline_model_parallel_size > 1:
+        raise ValueError("--loop-resolutions / --loop-topology anchor|mesh need "
+                         "--pipeline-model-parallel-size 1: per-step sequence lengths and the "
+                         "MeSH buffer do not travel through the pipeline schedule yet")
+    if coarse and run.training.seq_length < max(chunk_sizes(loop)):
+        raise ValueError(f"--seq-length {run.training.seq_length} is shorter than the coarsest "
+                         f"chunk ({max(chunk_sizes(loop))} tokens) of --loop-resolutions")
+
+
+# --- the operators (functional, sequence-first [s, b, ...]) ---------------------------------
+def num_chunks(length: int, g: int) -> int:
+    """L_t = floor(L / g): whole chunks kept (the last incomplete chunk is dropped)."""
+    return length // g
+
+
+def _chunked(x: torch.Tensor, g: int, omega: int, fill: float = 0.0) -> torch.Tensor:
+    """[L, ...] -> [L_t, g, ...]: omega fill values in front, then L_t whole chunks."""
+    L_t = num_chunks(x.size(0), g)
+    pad = x.new_full((omega,) + tuple(x.shape[1:]), fill)
+    return torch.cat([pad, x])[: L_t * g].reshape((L_t, g) + tuple(x.shape[1:]))
+
+
+def downscale(h: torch.Tensor, g: int, omega: int, scores: Optional[torch.Tensor] = None):
+    """Token states [L, b, d] -> chunk latents [L_t, b, d]: mean pooling (scores None) or
+    self-aggregation with per-token scores [L, b] (softmax within each chunk)."""
+    chunks = _chunked(h, g, omega)                                   # [L_t, g, b, d]
+    if scores is None:
+        return chunks.sum(1) / g
+    alpha = _softmax(_chunked(scores, g, omega, float("-inf")), 1).to(h.dtype)  # [L_t, g, b]
+    return (alpha.unsqueeze(-1) * chunks).sum(1)
+
+
+def _softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Softmax in at least fp32 (bf16 logits are promoted)."""
+    return torch.softmax(x, dim=dim, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+def upscale(z_hat: torch.Tensor, g: int, omega: int, length: int,
+            alloc_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Chunk outputs [L_t, b, d] -> token updates [L, b, d], gain sqrt(g): uniform broadcast
+    (alloc_logits None) or output-dependent allocation (logits [L_t, b, g], softmax over g)."""
+    L_t = z_hat.size(0)
+    gain = math.sqrt(g)
+    if alloc_logits is None:
+        u = (gain / g) * z_hat.unsqueeze(1).expand(L_t, g, *z_hat.shape[1:])
+    else:
+        beta = _softmax(alloc_logits, -1).to(z_hat.dtype)  # [L_t, b, g]
+        u = gain * beta.permute(0, 2, 1).unsqueeze(-1) * z_hat.unsqueeze(1)  # [L_t, g, b, d]
+    u = u.reshape((L_t * g,) + tuple(z_hat.shape[1:]))[omega:]     # padded index -> token index
+    tail = u.new_zeros((length - u.size(0),) + tuple(u.shape[1:]))  # the dropped chunk's tokens
+    return torch.cat([u, tail])
+
+
+def shift_right(u: torch.Tensor, s: int) -> torch.Tensor:
+    """u~[i] = u[i - s] for i >= s, 0 before (001 Eq. 22)."""
+    if s == 0:
+        return u
+    s = min(s, u.size(0))
+    return torch.cat([u.new_zeros((s,) + tuple(u.shape[1:])), u[: u.size(0) - s]])
+
+
+# --- modules --------------------------------------------------------------------------------
+def _replicated_linear(config, d_in: int, d_out: int, generator=None) -> torch.nn.Linear:
+    """A TP-replicated linear: zero (generator None) or normal(std) from a private generator."""
+    lin = torch.nn.Linear(d_in, d_out, dtype=config.params_dtype)
+    with torch.no_grad():
+        if generator is None:
+            lin.weight.zero_()
+        else:
+            w = torch.empty(d_out, d_in).normal_(0.0, config.init_method_std, generator=generator)
+            lin.weight.copy_(w)
+        lin.bias.zero_()
+    for p in lin.parameters():
+        p.sequence_parallel = config.sequence_parallel
+    return lin
+
+
+class ResolutionStep(MegatronModule):
+    """One loop step's down/up operators at chunk size g (no parameters at g = 1)."""
+
+    def __init__(self, config, g: int, omega: int, s: int, down: str, up: str):
+        super().__init__(config=config)
+        self.g, self.omega, self.s = g, omega, s
+        d = config.hidden_size
+        self.scorer = _replicated_linear(config, d, 1) \
+            if g > 1 and down == "self-aggregation" else None
+        self.allocator = _replicated_linear(config, d, g) if g > 1 and up == "allocation" else None
+
+    def forward(self, core, h, attention_mask, rotary_pos_emb):
+        """The shifted update u~ [L, b, d] of one core pass at this resolution."""
+        if self.g == 1:
+            return core(hidden_states=h, attention_mask=attention_mask,
+                        rotary_pos_emb=rotary_pos_emb)
+        scores = None if self.scorer is None else self.scorer(h).squeeze(-1)
+        z = downscale(h, self.g, self.omega, scores)
+        rope = None if rotary_pos_emb is None else rotary_pos_emb[: z.size(0)]
+        # Latents keep the core's own causal mask; an explicit token mask does not apply here.
+        z_hat = core(hidden_states=z, attention_mask=None, rotary_pos_emb=rope)
+        logits = None if self.allocator is None else self.allocator(z_hat)
+        u = upscale(z_hat, self.g, self.omega, h.size(0), logits)
+        return shift_right(u, self.s)
+
+
+@dataclass
+class LoopState:
+    """What travels between loop steps besides h: the anchor h_0 or the MeSH buffer."""
+
+    anchor: Optional[torch.Tensor] = None
+    memory: Optional[List[torch.Tensor]] = None
+    extra: dict = field(default_factory=dict)
+
+
+class MeSH(MegatronModule):
+    """Memory-as-state-highways: B slots, a write and a read router per step (own parameters),
+    a transitional write-read before the loop and a final read after it."""
+
+    def __init__(self, config, num_loops: int, slots: int, generator):
+        super().__init__(config=config)
+        d, self.B, self.T = config.hidden_size, slots, num_loops
+        # index 0: transitional (t = -1); 1..T: loop steps; the final read is separate.
+        self.write = torch.nn.ModuleList(
+            [_replicated_linear(config, d, slots, generator) for _ in range(num_loops + 1)])
+        self.read = torch.nn.ModuleList(
+            [_replicated_linear(config, d, slots, generator) for _ in range(num_loops + 1)])
+        self.final_read = _replicated_linear(config, d, slots, generator)
+
+    @staticmethod
+    def _weights(router, h):
+        return _softmax(router(h), -1).to(h.dtype)  # [L, b, B]
+
+    @staticmethod
+    def _read(memory, r):
+        return sum(m * r[..., b:b + 1] for b, m in enumerate(memory))
+
+    def begin(self, x):
+        """m_0 = x, others 0; transitional write of x and read: (h^(0), memory)."""
+        w, r = self._weights(self.write[0], x), self._weights(self.read[0], x)
+        memory = [x] + [torch.zeros_like(x) for _ in range(self.B - 1)]
+        memory = [m + x * w[..., b:b + 1] for b, m in enumerate(memory)]
+        return self._read(memory, r), memory
+
+    def step(self, u_tilde, h, memory, t: int):
+        """Step t (1-based): routers read h^(t); write u~, read h^(t+1)."""
+        w, r = self._weights(self.write[t], h), self._weights(self.read[t], h)
+        memory = [m + u_tilde * w[..., b:b + 1] for b, m in enumerate(memory)]
+        return self._read(memory, r), memory
+
+    def finish(self, h, memory):
+        """The final read, routed by h^(T)."""
+        return self._read(memory, self._weights(self.final_read, h))
+
+
+class SpiralLoop(MegatronModule):
+    """Per-step resolution operators and the state topology of a LoopedGPTModel."""
+
+    def __init__(self, config, loop, seed: int):
+        super().__init__(config=config)
+        if config.pipeline_model_parallel_size > 1:
+            raise ValueError("--loop-resolutions / --loop-topology anchor|mesh need "
+                             "--pipeline-model-parallel-size 1")
+        self.sizes = chunk_sizes(loop)
+        if config.sequence_parallel and any(g > 1 for g in self.sizes):
+            raise ValueError("coarse --loop-resolutions steps do not support --sequence-parallel")
+        self.topology = loop.loop_topology
+        self.steps = torch.nn.ModuleList([
+            ResolutionStep(config, g, offset(g, loop.resolution_offset),
+                           shift(g, loop.resolution_shift), loop.resolution_down,
+                           loop.resolution_up) for g in self.sizes])
+        gen = torch.Generator().manual_seed(seed)  # private: other weights stay as without MeSH
+        self.mesh = MeSH(config, loop.num_loops, loop.mesh_slots or loop.num_loops + 3, gen) \
+            if self.topology == "mesh" else None
+
+    def begin(self, h0):
+        """Before step 1: (loop input h, LoopState)."""
+        if self.mesh is not None:
+            h, memory = self.mesh.begin(h0)
+            return h, LoopState(memory=memory)
+        return h0, LoopState(anchor=h0)
+
+    def step(self, core, z, h, state: LoopState, t: int, T: int, attention_mask, rope):
+        """Step t of T: the core at resolution r_t on the injected z, then the topology; returns
+        the new state h^(t) (after the final read at t = T for MeSH)."""
+        if T != len(self.steps):
+            raise ValueError(f"this model has a per-step schedule of {len(self.steps)} loop steps "
+                             f"(--loop-resolutions / --loop-topology); it cannot run {T} loops")
+        u_tilde = self.steps[t - 1](core, z, attention_mask, rope)
+        if self.topology == "anchor":
+            return u_tilde + state.anchor
+        if self.topology == "mesh":
+            h_next, state.memory = self.mesh.step(u_tilde, h, state.memory, t)
+            return self.mesh.finish(h_next, state.memory) if t == T else h_next
+        return u_tilde
+
+
+def build_spiral(config, loop) -> Optional[SpiralLoop]:
+    return SpiralLoop(config, loop, seed=torch.initial_seed() + 2) if is_active(loop) else None
