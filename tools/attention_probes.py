@@ -1,0 +1,100 @@
+"""Attention probes of a saved looped model (001 section 4), per loop step and core head.
+
+Loads the latest checkpoint of --load at TP = 1 (whatever TP/PP saved it; dist_checkpointing
+reshards) through megaloop/training/checkpointing.py, runs validation sequences through it and
+writes key-marginal entropy and local attention mass (LAM) per (loop step, layer, head) as a
+Markdown table (<output>.md, per-step means first) and a plot (<output>.png). Definitions in
+megaloop/eval/probes.py.
+
+Sequences: --num-batches x --batch-size windows of --seq-length tokens (default: the trained
+length) cut from the *last* documents of --data-path, i.e. the validation part of a split such
+as 98,2,0 that trains on the first documents.
+
+    python tools/attention_probes.py --load ckpt --data-path demo/corpus_text_document \\
+        --output demo/spiral_probes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def validation_windows(prefix: str, num: int, length: int):
+    """num windows of length tokens from the last documents of an indexed dataset."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    need, parts, i = num * length, [], len(ds) - 1
+    while need > 0 and i >= 0:
+        doc = np.asarray(ds[i], dtype=np.int64)
+        parts.insert(0, doc)
+        need -= len(doc)
+        i -= 1
+    tokens = np.concatenate(parts)[-num * length:]
+    if len(tokens) < num * length:
+        raise ValueError(f"{prefix} has fewer than {num * length} tokens")
+    return tokens.reshape(num, length)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--load", required=True, help="checkpoint folder (its latest iteration)")
+    p.add_argument("--data-path", required=True, help="indexed dataset prefix (.bin/.idx)")
+    p.add_argument("--output", required=True, help="output prefix: writes .md and .png")
+    p.add_argument("--num-batches", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-length", type=int, default=None, help="default: the trained length")
+    p.add_argument("--gamma", type=float, default=32.0, help="LAM window M_t = ceil(gamma r_t)")
+    args = p.parse_args(argv)
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+    import torch
+
+    from megaloop import cpu_shim
+
+    cpu_shim.enable()
+    from megaloop.convert.hf_export import load_model
+    from megaloop.eval.probes import AttentionProbe, write_plot, write_table
+    from megaloop.parallel.config import ParallelConfig
+    from megaloop.parallel.initialize import initialize
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    initialize(ParallelConfig(tensor_model_parallel_size=1), 1234)
+    model, _, _, run = load_model(args.load)
+    model.eval()
+    seq = args.seq_length or run["training"]["seq_length"]
+    windows = torch.from_numpy(validation_windows(args.data_path,
+                                                  args.num_batches * args.batch_size, seq))
+    probe = AttentionProbe(model, gamma=args.gamma)
+    with torch.no_grad():
+        for ids in windows.split(args.batch_size):
+            probe.reset_sequence()
+            model(ids, torch.arange(seq).expand_as(ids), None)
+    probe.close()
+    rows = probe.results()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    write_table(rows, args.output + ".md")
+    write_plot(rows, args.output + ".png")
+    print(open(args.output + ".md").read().split("\n\n")[0])
+    print(f"wrote {args.output}.md and {args.output}.png")
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
