@@ -97,6 +97,9 @@ def test_schedule_parsing_and_errors():
     with pytest.raises(ValueError, match="--loop-topology"):
         LoopConfig(num_loops=2, loop_resolutions="1/2,1").validate(2)
     LoopConfig(num_loops=2, loop_resolutions="1,1").validate(2)
+    with pytest.raises(ValueError, match="--random-depth-mean"):
+        LoopConfig(num_loops=2, loop_topology="mesh", exit_loss="last",
+                   random_depth_mean=2.0).validate(2)
 
 
 def test_parallel_refusals():
@@ -337,3 +340,4 @@ def test_attention_probe_rows_per_step_layer_head():
     for r in rows:
         L_t = SEQ // {"1/8": 8, "1/4": 4, "1/2": 2, "1": 1}[r["resolution"]]
         assert 0.0 <= r["entropy"] <= math.log(L_t) + 1e-6 and 0.0 < r["lam"] <= 1.0 + 1e-6
+        assert abs(r["entropy_norm"] - r["entropy"] / math.log(L_t)) < 1e-6

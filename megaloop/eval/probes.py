@@ -10,7 +10,8 @@ sequence is the L_t chunk latents, so the metrics are those of the latent attent
 For loop step t, layer l, head h and one sequence of length L_t:
 
 - key-marginal entropy: p(k) = (1/L_t) sum_q A(q, k) (a distribution over keys, since every row
-  sums to 1), H = -sum_k p(k) log p(k) in nats (log L_t would be uniform over all keys);
+  sums to 1), H = -sum_k p(k) log p(k) in nats; also H / log L_t (1 = uniform over all keys),
+  which compares steps whose sequences have different lengths;
 - LAM: M_t = ceil(gamma r_t) with gamma = 32 (001), LAM = (1/L_t) sum_q sum_{q - M_t < k <= q}
   A(q, k): the mass on the M_t most recent keys, a window of about gamma tokens at any resolution.
 
@@ -58,7 +59,7 @@ class AttentionProbe:
         self.model, self.gamma = model, gamma
         self.sizes = chunk_sizes(model.loop)
         self.step = 0
-        self.sums = defaultdict(lambda: torch.zeros(2, dtype=torch.float64))  # (t, l, h)
+        self.sums = defaultdict(lambda: torch.zeros(3, dtype=torch.float64))  # (t, l, h)
         self.count = defaultdict(int)
         self.handles = [model.core.register_forward_pre_hook(self._next_step)]
         for l, layer in enumerate(model.core.layers):
@@ -82,9 +83,10 @@ class AttentionProbe:
             g = self.sizes[t - 1] if t - 1 < len(self.sizes) else 1
             window = math.ceil(self.gamma / g)
             ent, lam = key_marginal_entropy(probs), local_attention_mass(probs, window)
+            norm = ent / max(math.log(probs.size(-1)), 1e-30)
             for h in range(ent.size(1)):
                 self.sums[(t, layer, h)] += torch.stack(
-                    [ent[:, h].sum(), lam[:, h].sum()]).double()
+                    [ent[:, h].sum(), lam[:, h].sum(), norm[:, h].sum()]).double()
                 self.count[(t, layer, h)] += ent.size(0)
         return hook
 
@@ -95,6 +97,7 @@ class AttentionProbe:
             g = self.sizes[t - 1] if t - 1 < len(self.sizes) else 1
             rows.append({"step": t, "resolution": f"1/{g}" if g > 1 else "1", "layer": l,
                          "head": h, "entropy": tot[0].item() / n, "lam": tot[1].item() / n,
+                         "entropy_norm": tot[2].item() / n,
                          "window": math.ceil(self.gamma / g)})
         return rows
 
@@ -106,17 +109,18 @@ class AttentionProbe:
 def write_table(rows: list[dict], path: str) -> None:
     """Markdown: per-step means, then every (step, layer, head)."""
     steps = sorted({r["step"] for r in rows})
-    lines = ["| step | resolution | LAM window | mean entropy (nats) | mean LAM |",
-             "|---|---|---|---|---|"]
+    lines = ["| step | resolution | LAM window | mean entropy (nats) | mean entropy / log L_t | "
+             "mean LAM |", "|---|---|---|---|---|---|"]
     for t in steps:
         sel = [r for r in rows if r["step"] == t]
         lines.append(f"| {t} | {sel[0]['resolution']} | {sel[0]['window']} | "
                      f"{sum(r['entropy'] for r in sel) / len(sel):.4f} | "
+                     f"{sum(r['entropy_norm'] for r in sel) / len(sel):.4f} | "
                      f"{sum(r['lam'] for r in sel) / len(sel):.4f} |")
-    lines += ["", "| step | resolution | layer | head | key-marginal entropy | LAM |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| step | resolution | layer | head | key-marginal entropy | / log L_t | LAM |",
+              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['step']} | {r['resolution']} | {r['layer']} | {r['head']} | "
-              f"{r['entropy']:.4f} | {r['lam']:.4f} |" for r in rows]
+              f"{r['entropy']:.4f} | {r['entropy_norm']:.4f} | {r['lam']:.4f} |" for r in rows]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -131,9 +135,10 @@ def write_plot(rows: list[dict], path: str) -> None:
     steps = sorted({r["step"] for r in rows})
     labels = [next(r["resolution"] for r in rows if r["step"] == t) for t in steps]
     heads = sorted({(r["layer"], r["head"]) for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, key, title in ((axes[0], "entropy", "key-marginal entropy (nats)"),
-                           (axes[1], "lam", "local attention mass")):
+                           (axes[1], "entropy_norm", "key-marginal entropy / log L_t"),
+                           (axes[2], "lam", "local attention mass")):
         for lh in heads:
             ys = [next(r[key] for r in rows if r["step"] == t and (r["layer"], r["head"]) == lh)
                   for t in steps]
