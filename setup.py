@@ -26,6 +26,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "hf": ["transformers", "safetensors", "tokenizers"],
         "log": ["tensorboard", "wandb"],
+        # The attention-probe plot (tools/attention_probes.py); the table needs nothing extra.
+        "eval": ["matplotlib"],
         "test": ["pytest", "tokenizers", "transformers", "safetensors"],
     },
 )

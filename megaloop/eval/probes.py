@@ -127,7 +127,11 @@ def write_table(rows: list[dict], path: str) -> None:
 
 def write_plot(rows: list[dict], path: str) -> None:
     """PNG: entropy and LAM against loop step, one thin line per head, the mean in black."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the attention-probe plot needs matplotlib: pip install -e '.[eval]' "
+                          "(the table is written without it)") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
