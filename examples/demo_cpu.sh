@@ -10,15 +10,8 @@ OUT=${1:-demo}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
 
-echo "== 1/4 generate the demo corpus"
-$PY tools/make_demo_corpus.py --output "$OUT/corpus.jsonl" --num-docs 20000 --seed 1
-echo "== 2/4 train a sentencepiece BPE tokenizer"
-$PY tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --output-prefix "$OUT/tokenizer" \
-    --vocab-size 512
-echo "== 3/4 preprocess to Megatron .bin/.idx"
-$PY tools/preprocess_data.py --input "$OUT/corpus.jsonl" --output-prefix "$OUT/corpus" \
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/tokenizer.model" \
-    --append-eod --workers 2
+echo "== 1-3/4 generate the demo corpus, train a 512-token sentencepiece BPE, preprocess to .bin/.idx"
+PYTHON=$PY bash examples/recipes/make_demo_data.sh "$OUT"
 echo "== 4/4 pretrain a looped model: 0 + 2 x 4 + 0, TP=2 on 2 CPU ranks"
 PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 $PY -m torch.distributed.run --nproc_per_node 2 --master_port "$PORT" pretrain_looplm.py \

@@ -16,12 +16,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
 if [ ! -f "$OUT/corpus_text_document.bin" ]; then
     echo "== corpus, tokenizer, .bin/.idx (as examples/demo_cpu.sh)"
-    $PY tools/make_demo_corpus.py --output "$OUT/corpus.jsonl" --num-docs 20000 --seed 1
-    $PY tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --output-prefix "$OUT/tokenizer" \
-        --vocab-size 512
-    $PY tools/preprocess_data.py --input "$OUT/corpus.jsonl" --output-prefix "$OUT/corpus" \
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/tokenizer.model" \
-        --append-eod --workers 2
+    PYTHON=$PY bash examples/recipes/make_demo_data.sh "$OUT"
 fi
 
 echo "== pretrain SpiralFormer-B-style 1 + 2 x {1/8,1/4,1/2,1} + 1, MeSH (1 CPU rank)"
