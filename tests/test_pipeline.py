@@ -147,6 +147,37 @@ def test_pp2_stepwise_lora_with_recompute():
     _check(MB2 + ["--num-layers", "4", "--lora-rank", "2"], extra + PP2, 2)
 
 
+@pytest.mark.parametrize("spiral", [
+    # Anchor; the coarse steps' latents cross the stage boundary padded to L.
+    ["--loop-resolutions", "1/4,1/2,1", "--loop-topology", "anchor"],
+    # MeSH (slots, entering state and routers split over stages), learned operators, injection.
+    ["--loop-resolutions", "coarse-to-fine", "--loop-topology", "mesh", "--input-injection",
+     "scalar-mix", "--injection-init-weight", "0.7"],
+    # Fine-to-coarse with mean / broadcast, prelude and coda, a 2 + 1 split of the core.
+    ["--loop-resolutions", "1,1/2,1/4", "--loop-topology", "mesh", "--mesh-slots", "3",
+     "--resolution-down", "mean", "--resolution-up", "broadcast", "--num-layers", "5",
+     "--num-prelude-layers", "1", "--num-coda-layers", "1",
+     "--decoder-first-pipeline-num-layers", "2"],
+])
+def test_pp2_spiralformer_equals_pp1(spiral):
+    extra = MB2 + spiral
+    ref = extra[:]
+    if "--decoder-first-pipeline-num-layers" in ref:  # a pipeline-only flag
+        i = ref.index("--decoder-first-pipeline-num-layers")
+        del ref[i:i + 2]
+    _check(ref, extra + PP2, 2)
+    # The comparison covered the spiral's own parameters, each with a nonzero gradient.
+    grads = _reference(tuple(ref))[2]
+    names = [k for k in grads if k.startswith("spiral.")]
+    if "mesh" in spiral:
+        assert {"spiral.mesh.write.0.weight", "spiral.mesh.read.3.weight",
+                "spiral.mesh.final_read.weight"} <= set(names)
+    if "--resolution-down" not in spiral:
+        assert {"spiral.steps.0.scorer.weight", "spiral.steps.0.allocator.weight"} <= set(names)
+    # (weights only: a scorer's bias shifts a softmax and has no gradient.)
+    assert all(grads[k].abs().max() > 0 for k in names if k.endswith("weight"))
+
+
 def _train_then_eval(rank, world, extra):
     from megaloop.parallel.initialize import initialize
     from megaloop.training.run_config import parse_args

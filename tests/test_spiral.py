@@ -109,8 +109,8 @@ def test_parallel_refusals():
             "--num-layers", "4", "--tensor-model-parallel-size", "2"]
     with pytest.raises(ValueError, match="--sequence-parallel"):
         spiral.validate_parallel(parse_args(base + ["--sequence-parallel"]))
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size"):
-        spiral.validate_parallel(parse_args(base + ["--pipeline-model-parallel-size", "2"]))
+    # Pipeline parallelism is supported (tests/test_pipeline.py checks P = 2 == P = 1).
+    spiral.validate_parallel(parse_args(base + ["--pipeline-model-parallel-size", "2"]))
 
 
 # --- MeSH against a loop over slots ----------------------------------------------------------

@@ -143,7 +143,8 @@ class LoopedGPTModel(LanguageModule):
         self.history_injection = build_history_injection(config, loop) if pre_process else None
         self.timestep = build_timestep_conditioning(config, loop, self.core, model_cfg.norm_scheme)
         # SpiralFormer per-step resolutions and the Anchor / MeSH topologies (None: plain loop).
-        self.spiral = build_spiral(config, loop)
+        # Under PP a step is down-scaled where it starts and up-scaled where it ends.
+        self.spiral = build_spiral(config, loop, first=pre_process, last=post_process)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook (megatron schedules call it); with one stage there is nothing to take."""
@@ -153,11 +154,13 @@ class LoopedGPTModel(LanguageModule):
 
     # --- one loop step -------------------------------------------------------------------
     def _core_step(self, h, attention_mask, rotary_pos_emb, step: int = 1, source=None,
-                   past: Optional[list] = None, num_loops: Optional[int] = None, state=None):
+                   past: Optional[list] = None, num_loops: Optional[int] = None, state=None,
+                   length: Optional[int] = None):
         """h_t = core(inject(h_{t-1} + history, source); step t of num_loops); returns (state for
         the next step, normalized state y_t). ``step`` (1-based) selects the stepwise LoRA
         adapters and the timestep features; ``past`` holds the completed states before h_{t-1}
-        (h_1 .. h_{t-2}) for history injection."""
+        (h_1 .. h_{t-2}) for history injection. ``state``: the spiral's LoopState; ``length``:
+        the token count L on a pipeline stage whose h is a coarse step's latents."""
         T = num_loops or self.loop.num_loops
         z = h
         if self.history_injection is not None and past:
@@ -172,7 +175,14 @@ class LoopedGPTModel(LanguageModule):
             out = self.core(hidden_states=z, attention_mask=attention_mask,
                             rotary_pos_emb=rotary_pos_emb)
         else:  # down -> core at resolution r_t -> up -> shift, then Anchor / MeSH (``state``)
-            out = self.spiral.step(self.core, z, h, state, step, T, attention_mask, rotary_pos_emb)
+            # A pipeline stage runs its share: the first down-scales (h: the entering state),
+            # later ones receive latents; only the last knows the step's output (length: L).
+            if self.pre_process:
+                z = self.spiral.down(z, h, state, step)
+            out = self.spiral.core_pass(self.core, z, step, T, attention_mask, rotary_pos_emb)
+            if self.post_process:
+                length = h.size(0) if length is None else length  # one stage: h is whole
+                out = self.spiral.up(out, state, length, step, T)
         if self.timestep is not None:
             out = self.timestep.finish(out, h, step, T)
         if self.lora is not None:

@@ -44,11 +44,17 @@ Decisions that 001 leaves open, made here:
 - **Sequence parallelism**: refused with a coarse step. A chunk may straddle two SP shards and the
   latents L_t would need their own split; doing it right means gathering the sequence around every
   coarse step, which erases what SP saves. ``--sequence-parallel`` with a schedule of all 1s works.
-- **Pipeline parallelism**: refused with a coarse step or a topology. Each loop step is a virtual
-  pipeline chunk, and inside a split core the activations that cross stages have length L_t, which
-  changes per step, while megatron-core's schedule uses one p2p tensor shape; MeSH also carries a
-  B-slot buffer between steps. What remains: pad latents to L in p2p (or pass a per-chunk shape)
-  and carry the buffer/anchor with the activation as the exit accumulators are carried.
+- **Pipeline parallelism**: a step is split where the core is split. The stage that starts a
+  loop step (the first) injects, records the state entering the step and down-scales; every stage
+  runs its core layers on the L_t latents; the stage that ends it (the last) up-scales, shifts and
+  applies the topology (``down`` / ``core_pass`` / ``up``; the single-stage model runs the three
+  on one stage). megatron-core's schedule sends one p2p shape, so latents cross stages padded with
+  zeros at the end to length L, and each stage cuts them back to L_t before its layers (the pad
+  never enters a layer). Anchor's h_0, MeSH's B slots and the state entering the step (read by
+  the step's MeSH routers on the last stage) travel with the activation as extra [L, b, d] blocks
+  of the ring (megaloop/parallel/pipeline.py), as the injection source does. Each parameter has
+  one owner: scorers and the transitional MeSH routers on the first stage; allocators, the step
+  routers and the final read on the last.
 
 Topologies (001 section 2.1; MeSH from arXiv 2510.07739, restated in seeds/README.md):
 
@@ -142,17 +148,13 @@ def validate_loop(loop) -> None:
 
 
 def validate_parallel(run) -> None:
-    """RunConfig checks: SP and PP with a coarse step or a topology (see the module doc)."""
+    """RunConfig checks: SP with a coarse step (see the module doc)."""
     loop, par = run.loop, run.parallel
     coarse = any(g > 1 for g in chunk_sizes(loop))
     if coarse and par.sequence_parallel:
         raise ValueError("--sequence-parallel splits the token sequence over TP ranks, which "
                          "coarse --loop-resolutions steps would have to gather back; drop "
                          "--sequence-parallel (TP without SP works)")
-    if is_active(loop) and par.pipeline_model_parallel_size > 1:
-        raise ValueError("--loop-resolutions / --loop-topology anchor|mesh need "
-                         "--pipeline-model-parallel-size 1: per-step sequence lengths and the "
-                         "MeSH buffer do not travel through the pipeline schedule yet")
     if coarse and run.training.seq_length < max(chunk_sizes(loop)):
         raise ValueError(f"--seq-length {run.training.seq_length} is shorter than the coarsest "
                          f"chunk ({max(chunk_sizes(loop))} tokens) of --loop-resolutions")
@@ -226,46 +228,90 @@ def _replicated_linear(config, d_in: int, d_out: int, generator=None) -> torch.n
     return lin
 
 
-class ResolutionStep(MegatronModule):
-    """One loop step's down/up operators at chunk size g (no parameters at g = 1)."""
+class _OnAnotherStage(torch.nn.Module):
+    """Stands in for a router another pipeline stage owns (no parameters; never called)."""
 
-    def __init__(self, config, g: int, omega: int, s: int, down: str, up: str):
+    def forward(self, *_):
+        raise RuntimeError("this MeSH router lives on another pipeline stage")
+
+
+class ResolutionStep(MegatronModule):
+    """One loop step's down/up operators at chunk size g (no parameters at g = 1). Under pipeline
+    parallelism the scorer lives on the first stage (``down``), the allocator on the last
+    (``up``): each parameter has exactly one owner."""
+
+    def __init__(self, config, g: int, omega: int, s: int, down: str, up: str,
+                 first: bool = True, last: bool = True):
         super().__init__(config=config)
         self.g, self.omega, self.s = g, omega, s
+        self.first, self.last = first, last
         d = config.hidden_size
         self.scorer = _replicated_linear(config, d, 1) \
-            if g > 1 and down == "self-aggregation" else None
-        self.allocator = _replicated_linear(config, d, g) if g > 1 and up == "allocation" else None
+            if g > 1 and down == "self-aggregation" and first else None
+        self.allocator = _replicated_linear(config, d, g) \
+            if g > 1 and up == "allocation" and last else None
+
+    def down(self, h):
+        """Token states [L, b, d] -> latents [L_t, b, d] (h itself at g = 1)."""
+        assert self.first, "down-scaling runs on the first pipeline stage"
+        if self.g == 1:
+            return h
+        scores = None if self.scorer is None else self.scorer(h).squeeze(-1)
+        return downscale(h, self.g, self.omega, scores)
+
+    def core_pass(self, core, z, attention_mask, rotary_pos_emb):
+        """This stage's core layers on the latents z [L_t, b, d]."""
+        if self.g == 1:
+            return core(hidden_states=z, attention_mask=attention_mask,
+                        rotary_pos_emb=rotary_pos_emb)
+        rope = None if rotary_pos_emb is None else rotary_pos_emb[: z.size(0)]
+        # Latents keep the core's own causal mask; an explicit token mask does not apply here.
+        return core(hidden_states=z, attention_mask=None, rotary_pos_emb=rope)
+
+    def up(self, z_hat, length: int):
+        """Core outputs [L_t, b, d] -> the shifted update u~ [L, b, d]."""
+        assert self.last, "up-scaling runs on the last pipeline stage"
+        if self.g == 1:
+            return z_hat
+        logits = None if self.allocator is None else self.allocator(z_hat)
+        u = upscale(z_hat, self.g, self.omega, length, logits)
+        return shift_right(u, self.s)
 
     def forward(self, core, h, attention_mask, rotary_pos_emb):
         """The shifted update u~ [L, b, d] of one core pass at this resolution."""
-        if self.g == 1:
-            return core(hidden_states=h, attention_mask=attention_mask,
-                        rotary_pos_emb=rotary_pos_emb)
-        scores = None if self.scorer is None else self.scorer(h).squeeze(-1)
-        z = downscale(h, self.g, self.omega, scores)
-        rope = None if rotary_pos_emb is None else rotary_pos_emb[: z.size(0)]
-        # Latents keep the core's own causal mask; an explicit token mask does not apply here.
-        z_hat = core(hidden_states=z, attention_mask=None, rotary_pos_emb=rope)
-        logits = None if self.allocator is None else self.allocator(z_hat)
-        u = upscale(z_hat, self.g, self.omega, h.size(0), logits)
-        return shift_right(u, self.s)
+        return self.up(self.core_pass(core, self.down(h), attention_mask, rotary_pos_emb),
+                       h.size(0))
 
 
 @dataclass
 class LoopState:
-    """What travels between loop steps besides h: the anchor h_0 or the MeSH buffer."""
+    """What travels between loop steps besides h: the anchor h_0 or the MeSH buffer, and (for
+    the MeSH routers, which run where the step ends) the state entering the current step."""
 
     anchor: Optional[torch.Tensor] = None
     memory: Optional[List[torch.Tensor]] = None
+    entering: Optional[torch.Tensor] = None
     extra: dict = field(default_factory=dict)
+
+    def carried(self) -> List[torch.Tensor]:
+        """The [L, b, d] blocks a pipeline stage hands on (layout of ``from_carried``)."""
+        if self.memory is not None:
+            return [self.entering] + list(self.memory)
+        return [self.anchor] if self.anchor is not None else []
+
+    @staticmethod
+    def from_carried(topology: str, blocks: List[torch.Tensor]) -> "LoopState":
+        if topology == "mesh":
+            return LoopState(entering=blocks[0], memory=list(blocks[1:]))
+        return LoopState(anchor=blocks[0]) if topology == "anchor" else LoopState()
 
 
 class MeSH(MegatronModule):
     """Memory-as-state-highways: B slots, a write and a read router per step (own parameters),
     a transitional write-read before the loop and a final read after it."""
 
-    def __init__(self, config, num_loops: int, slots: int, generator):
+    def __init__(self, config, num_loops: int, slots: int, generator,
+                 first: bool = True, last: bool = True):
         super().__init__(config=config)
         d, self.B, self.T = config.hidden_size, slots, num_loops
         # index 0: transitional (t = -1); 1..T: loop steps; the final read is separate.
@@ -274,6 +320,15 @@ class MeSH(MegatronModule):
         self.read = torch.nn.ModuleList(
             [_replicated_linear(config, d, slots, generator) for _ in range(num_loops + 1)])
         self.final_read = _replicated_linear(config, d, slots, generator)
+        # Pipeline ownership (all drawn first, so the kept weights do not depend on the split):
+        # the transitional write-read runs on the first stage, the step routers and the final
+        # read where each step's state is formed, on the last.
+        if not first:
+            self.write[0], self.read[0] = _OnAnotherStage(), _OnAnotherStage()
+        if not last:
+            for t in range(1, num_loops + 1):
+                self.write[t], self.read[t] = _OnAnotherStage(), _OnAnotherStage()
+            self.final_read = _OnAnotherStage()
 
     @staticmethod
     def _weights(router, h):
@@ -302,13 +357,13 @@ class MeSH(MegatronModule):
 
 
 class SpiralLoop(MegatronModule):
-    """Per-step resolution operators and the state topology of a LoopedGPTModel."""
+    """Per-step resolution operators and the state topology of a LoopedGPTModel.
 
-    def __init__(self, config, loop, seed: int):
+    A step is ``down`` (first stage) -> ``core_pass`` (every stage, on its core layers) -> ``up``
+    (last stage); with one stage all three run in order in ``LoopedGPTModel._core_step``."""
+
+    def __init__(self, config, loop, seed: int, first: bool = True, last: bool = True):
         super().__init__(config=config)
-        if config.pipeline_model_parallel_size > 1:
-            raise ValueError("--loop-resolutions / --loop-topology anchor|mesh need "
-                             "--pipeline-model-parallel-size 1")
         self.sizes = chunk_sizes(loop)
         if config.sequence_parallel and any(g > 1 for g in self.sizes):
             raise ValueError("coarse --loop-resolutions steps do not support --sequence-parallel")
@@ -316,10 +371,16 @@ class SpiralLoop(MegatronModule):
         self.steps = torch.nn.ModuleList([
             ResolutionStep(config, g, offset(g, loop.resolution_offset),
                            shift(g, loop.resolution_shift), loop.resolution_down,
-                           loop.resolution_up) for g in self.sizes])
+                           loop.resolution_up, first, last) for g in self.sizes])
         gen = torch.Generator().manual_seed(seed)  # private: other weights stay as without MeSH
-        self.mesh = MeSH(config, loop.num_loops, loop.mesh_slots or loop.num_loops + 3, gen) \
-            if self.topology == "mesh" else None
+        self.mesh = MeSH(config, loop.num_loops, loop.mesh_slots or loop.num_loops + 3, gen,
+                         first, last) if self.topology == "mesh" else None
+
+    def num_carried(self) -> int:
+        """How many [L, b, d] blocks of LoopState cross pipeline stages (``LoopState.carried``)."""
+        if self.mesh is not None:
+            return 1 + self.mesh.B
+        return 1 if self.topology == "anchor" else 0
 
     def begin(self, h0):
         """Before step 1: (loop input h, LoopState)."""
@@ -328,20 +389,36 @@ class SpiralLoop(MegatronModule):
             return h, LoopState(memory=memory)
         return h0, LoopState(anchor=h0)
 
-    def step(self, core, z, h, state: LoopState, t: int, T: int, attention_mask, rope):
-        """Step t of T: the core at resolution r_t on the injected z, then the topology; returns
-        the new state h^(t) (after the final read at t = T for MeSH)."""
+    def latent_length(self, length: int, t: int) -> Optional[int]:
+        """L_t of a coarse step t for a sequence of ``length`` tokens; None at full resolution
+        (and for a step this schedule lacks, which ``core_pass`` refuses)."""
+        g = self.sizes[t - 1] if t <= len(self.sizes) else 1
+        return num_chunks(length, g) if g > 1 else None
+
+    def down(self, z, h, state: LoopState, t: int):
+        """First stage of step t: remember the entering state h, down-scale the injected z."""
+        state.entering = h
+        return self.steps[t - 1].down(z)
+
+    def core_pass(self, core, z, t: int, T: int, attention_mask, rope):
         if T != len(self.steps):
             raise ValueError(f"this model has a per-step schedule of {len(self.steps)} loop steps "
                              f"(--loop-resolutions / --loop-topology); it cannot run {T} loops")
-        u_tilde = self.steps[t - 1](core, z, attention_mask, rope)
+        return self.steps[t - 1].core_pass(core, z, attention_mask, rope)
+
+    def up(self, z_hat, state: LoopState, length: int, t: int, T: int):
+        """Last stage of step t: up-scale, shift, then the topology; returns the new state h^(t)
+        (after the final read at t = T for MeSH)."""
+        u_tilde = self.steps[t - 1].up(z_hat, length)
         if self.topology == "anchor":
             return u_tilde + state.anchor
         if self.topology == "mesh":
-            h_next, state.memory = self.mesh.step(u_tilde, h, state.memory, t)
+            h_next, state.memory = self.mesh.step(u_tilde, state.entering, state.memory, t)
             return self.mesh.finish(h_next, state.memory) if t == T else h_next
         return u_tilde
 
 
-def build_spiral(config, loop) -> Optional[SpiralLoop]:
-    return SpiralLoop(config, loop, seed=torch.initial_seed() + 2) if is_active(loop) else None
+def build_spiral(config, loop, first: bool = True, last: bool = True) -> Optional[SpiralLoop]:
+    """``first`` / ``last``: whether this pipeline stage starts / ends each loop step."""
+    return SpiralLoop(config, loop, seed=torch.initial_seed() + 2, first=first, last=last) \
+        if is_active(loop) else None

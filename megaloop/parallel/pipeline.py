@@ -13,7 +13,8 @@ sends each micro-batch round the ring T times. All T chunks of a stage run the s
   T times (DESIGN.md).
 - What a step needs from the steps before it travels with the activation as one tensor (the
   ``Ring`` layout): the recurrent state, the injection source when injection is on, and the
-  per-token running log-survival of the exit distribution.
+  per-token running log-survival of the exit distribution; with SpiralFormer also Anchor's h_0
+  or MeSH's entering state and slots (a coarse step's latents travel zero-padded to length L).
 - The schedule calls its loss function on the last chunk only. The objective share of every
   earlier step (computed on the last stage, where gate and head live) is attached to the
   activation leaving that chunk by ``_AttachLoss``, an autograd function that feeds the share
@@ -41,6 +42,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import MegatronModule
 
+from megaloop.model import spiral
 from megaloop.model.looped_gpt import LoopedGPTModel, LoopOutput
 from megaloop.model.objective import ExitObjective
 
@@ -186,7 +188,11 @@ class PipelineStage(LoopedGPTModel):
     def ring(self, batch: int, seq: int, num_loops: int) -> Ring:
         sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
         injection = self.loop.input_injection != "none"
-        return Ring(num_hidden=2 if injection and num_loops > 1 else 1, seq_local=seq // sp,
+        # Anchor's h_0 / MeSH's entering state and slots are needed by the last stage of every
+        # step, so they travel even at T = 1.
+        carried = self.spiral.num_carried() if self.spiral is not None else 0
+        return Ring(num_hidden=(2 if injection and num_loops > 1 else 1) + carried,
+                    seq_local=seq // sp,
                     seq_full=seq, hidden_size=self.config.hidden_size,
                     dtype=self.config.pipeline_dtype, sp_size=sp,
                     carries_survival=_mode(self.loop, num_loops) != "last" and num_loops > 1)
@@ -206,15 +212,34 @@ class PipelineStage(LoopedGPTModel):
         rope = None
         if self.position_embedding_type == "rope":
             rope = self.rotary_pos_emb(input_ids.size(1))
+        state = None  # SpiralFormer: Anchor's h_0 or MeSH's slots (spiral.LoopState)
+        num_state = self.spiral.num_carried() if self.spiral is not None else 0
+        has_source = ring.num_hidden - num_state > 1
         if self.pre_process and t == 1:
             h, source = self._embed(input_ids, position_ids, attention_mask, rope)
+            if self.spiral is not None:
+                h, state = self.spiral.begin(h)
             log_survival = torch.zeros(input_ids.shape, dtype=torch.float32,
                                        device=h.device) if ring.carries_survival else None
         else:
             hiddens, log_survival = ring.unpack(input_tensor)
-            h, source = hiddens[0], (hiddens[1] if len(hiddens) > 1 else None)
-        h, y = self._core_step(h, attention_mask, rope, t, source, num_loops=T)
-        carried = [h] + ([source] if ring.num_hidden > 1 else [])
+            h, source = hiddens[0], (hiddens[1] if has_source else None)
+            if self.spiral is not None:
+                state = spiral.LoopState.from_carried(self.spiral.topology,
+                                                      hiddens[ring.num_hidden - num_state:])
+        length = input_ids.size(1)
+        latents = None if self.spiral is None else self.spiral.latent_length(length, t)
+        if latents is not None and not self.pre_process:
+            # Inside a split core a coarse step's activation is L_t latents, sent zero-padded at
+            # the end to the one p2p length L; the pad is cut off before any layer sees it.
+            h = h[:latents]
+        h, y = self._core_step(h, attention_mask, rope, t, source, num_loops=T, state=state,
+                               length=length)
+        if latents is not None and not self.post_process:
+            h = torch.nn.functional.pad(h, (0, 0, 0, 0, 0, length - h.size(0)))
+        carried = [h] + ([source] if has_source else [])
+        if state is not None:
+            carried += state.carried()
         if not self.post_process or (mode == "last" and t < T):
             return StepResult(ring.pack(carried, log_survival), None)
 
