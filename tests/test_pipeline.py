@@ -261,10 +261,14 @@ def _checkpoint_roundtrip(rank, world, extra, save_dir, save):
     return params, stats, float(grad_norm), full_params(trainer.model)
 
 
-def test_pp2_checkpoint_loads_at_pp1(tmp_path):
-    pytest.importorskip("megaloop.training.checkpointing")
-    saved = run_distributed(_checkpoint_roundtrip, 2, MB2 + PP2, str(tmp_path), True)
-    loaded = run_distributed(_checkpoint_roundtrip, 1, MB2, str(tmp_path), False)[0]
+@pytest.mark.parametrize("variant", [
+    [],
+    # SpiralFormer + MeSH: operators and routers live on different stages at P=2.
+    ["--loop-resolutions", "coarse-to-fine", "--loop-topology", "mesh"],
+])
+def test_pp2_checkpoint_loads_at_pp1(tmp_path, variant):
+    saved = run_distributed(_checkpoint_roundtrip, 2, MB2 + PP2 + variant, str(tmp_path), True)
+    loaded = run_distributed(_checkpoint_roundtrip, 1, MB2 + variant, str(tmp_path), False)[0]
     params_pp, stats_pp, gn_pp, after_pp = saved[0]
     params_1, stats_1, gn_1, after_1 = loaded
     # One key per parameter, core layers by global number: the single-stage model gets them all.
@@ -276,3 +280,9 @@ def test_pp2_checkpoint_loads_at_pp1(tmp_path):
     assert abs(gn_pp - gn_1) < 1e-4 * max(1.0, gn_1)
     for k in after_pp:
         assert torch.allclose(after_pp[k], after_1[k], atol=1e-6, rtol=1e-4), k
+
+
+def test_tp2_pp2_and_pp2_dp2_spiralformer_mesh_equal_one_rank():
+    spiral = ["--loop-resolutions", "coarse-to-fine", "--loop-topology", "mesh"]
+    _check(MB2 + spiral, MB2 + spiral + PP2 + ["--tensor-model-parallel-size", "2"], 4)
+    _check(MB2 + spiral, ["--micro-batch-size", "1"] + spiral + PP2, 4)
