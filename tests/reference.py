@@ -110,3 +110,17 @@ def lm_batch(vocab: int, seq: int, batch: int, seed: int = 0):
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
     return ids, torch.arange(seq).expand(batch, seq), labels
+
+
+def against_plain(model, plain, batch, new_params: dict):
+    """A variant at initialisation against the plain model given the variant's shared weights:
+    (max |objective difference|, {new parameter: max |gradient|} after backward of the mean)."""
+    missing, _ = plain.load_state_dict(model.state_dict(), strict=False)
+    assert not missing, missing
+    ids, pos, labels = batch
+    out = model(ids, pos, None, labels=labels)
+    out.objective.mean().backward()
+    ref = plain(ids, pos, None, labels=labels).objective.detach()
+    grads = {n: p.grad.abs().max().item() for n, p in new_params.items()}
+    return (out.objective.detach() - ref).abs().max().item(), grads
+

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_distributed, setup_parallel
-from reference import full_grads, lm_batch
+from reference import against_plain, full_grads, lm_batch
 from test_norms import NAMES, _reference_layer, _rms
 
 VOCAB, SEQ, BATCH, HIDDEN = 256, 16, 2, 32
@@ -93,14 +93,7 @@ def _init_equals_plain(rank, world, form, scheme):
     setup_parallel(world)
     model = _model(form, scheme)
     plain = _model("none", scheme)
-    missing, _ = plain.load_state_dict(model.state_dict(), strict=False)
-    assert not missing, missing
-    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
-    out = model(ids, pos, None, labels=labels)
-    out.objective.mean().backward()
-    ref = plain(ids, pos, None, labels=labels).objective.detach()
-    grads = {n: p.grad.abs().max().item() for n, p in _cond_params(model).items()}
-    return (out.objective.detach() - ref).abs().max().item(), grads
+    return against_plain(model, plain, lm_batch(VOCAB, SEQ, BATCH), _cond_params(model))
 
 
 @pytest.mark.parametrize("form", FORMS)

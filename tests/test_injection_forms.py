@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distributed import run_distributed, setup_parallel
-from reference import full_grads, lm_batch, reference_objective
+from reference import against_plain, full_grads, lm_batch, reference_objective
 
 VOCAB, SEQ, BATCH, HIDDEN = 256, 16, 2, 32
 T = 4  # history window 2 needs T >= 4 to read both lags
@@ -110,14 +110,7 @@ def _init_equals_plain(rank, world, injection, history):
     setup_parallel(world)
     model = _model(injection, history)
     plain = _model()
-    missing, _ = plain.load_state_dict(model.state_dict(), strict=False)
-    assert not missing, missing
-    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
-    out = model(ids, pos, None, labels=labels)
-    out.objective.mean().backward()
-    ref = plain(ids, pos, None, labels=labels).objective.detach()
-    grads = {n: p.grad.abs().max().item() for n, p in _new_params(model).items()}
-    return (out.objective.detach() - ref).abs().max().item(), grads
+    return against_plain(model, plain, lm_batch(VOCAB, SEQ, BATCH), _new_params(model))
 
 
 @pytest.mark.parametrize("injection,history", [v for v in VARIANTS if v[0] != "concat-linear"])
