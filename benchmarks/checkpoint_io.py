@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -26,12 +25,6 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dir_bytes(path: str) -> int:
@@ -54,12 +47,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(torch_threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
     from megaloop import cpu_shim
 
     cpu_shim.enable()
-    from megaloop.parallel.initialize import destroy, initialize
+    from megaloop.parallel.initialize import destroy, initialize_single_process
     from megaloop.training import checkpointing
     from megaloop.training.run_config import parse_args
     from megaloop.training.trainer import Trainer, count_parameters
@@ -72,7 +63,7 @@ def main() -> None:
         "--train-iters", "10", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", str(args.vocab_size), "--eval-iters", "0"])
     cfg.validate(world_size=1)
-    initialize(cfg.parallel, cfg.training.seed)
+    initialize_single_process(cfg.parallel, cfg.training.seed)
     trainer = Trainer(cfg)
     params = count_parameters(trainer.model)
     trainer.train_step()  # Adam moments exist from here on

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -142,20 +141,11 @@ def num_params(model) -> int:
 
 
 # --- process group -----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_group() -> None:
     """Size-1 gloo group + megatron-core parallel state (vocab-parallel CE needs the TP group)."""
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
+    from megaloop.parallel.initialize import initialize_single_process
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    initialize(ParallelConfig(), 1234)
+    initialize_single_process()
 
 
 # --- memory: one fresh forked process per variant ----------------------------------------------

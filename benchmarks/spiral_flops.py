@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -87,15 +86,9 @@ def step_time_report(seq, steps, micro_batch):
 
     cpu_shim.enable()
     from megaloop.model.looped_gpt import build_model
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
+    from megaloop.parallel.initialize import initialize_single_process
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    initialize(ParallelConfig(tensor_model_parallel_size=1), 1)
+    initialize_single_process(seed=1)
     variants = {}
     for name, res in (("spiral {1/8,1/4,1/2,1}", "1/8,1/4,1/2,1"), ("looped {1,1}", "1,1"),
                       ("looped {1,1,1,1}", "1,1,1,1")):

@@ -124,3 +124,12 @@ def against_plain(model, plain, batch, new_params: dict):
     grads = {n: p.grad.abs().max().item() for n, p in new_params.items()}
     return (out.objective.detach() - ref).abs().max().item(), grads
 
+
+def embed_by_hand(model, ids, position_ids):
+    """RoPE, the embedding e and h_0 (e through the prelude, if any), module by module."""
+    rope = model.rotary_pos_emb(ids.size(1))
+    e = model.embedding(input_ids=ids, position_ids=position_ids)
+    h = e if model.prelude is None else model.prelude(hidden_states=e, attention_mask=None,
+                                                      rotary_pos_emb=rope)
+    return rope, e, h
+

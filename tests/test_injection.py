@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distributed import run_distributed, setup_parallel
-from reference import full_grads, lm_batch, reference_objective
+from reference import embed_by_hand, full_grads, lm_batch, reference_objective
 
 VOCAB, SEQ, BATCH = 256, 16, 2
 
@@ -35,10 +35,7 @@ def _against_manual(rank, world, T, source, prelude, placement):
     w = 1.0 / (1.0 + math.exp(-model.injection.logit.item()))
     assert abs(w - 0.7) < 1e-6
     with torch.no_grad():
-        rope = model.rotary_pos_emb(SEQ)
-        e = model.embedding(input_ids=ids, position_ids=pos)
-        h = e if model.prelude is None else model.prelude(hidden_states=e, attention_mask=None,
-                                                          rotary_pos_emb=rope)
+        rope, e, h = embed_by_hand(model, ids, pos)
         src = e if source == "embedding" else h
         losses, lambdas = [], []
         weight = model.shared_embedding_or_output_weight()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distributed import run_distributed, setup_parallel
-from reference import against_plain, full_grads, lm_batch, reference_objective
+from reference import against_plain, embed_by_hand, full_grads, lm_batch, reference_objective
 
 VOCAB, SEQ, BATCH, HIDDEN = 256, 16, 2, 32
 T = 4  # history window 2 needs T >= 4 to read both lags
@@ -70,10 +70,7 @@ def _against_manual(rank, world, injection, history, source, prelude):
               if n.startswith("injection.")}
     B = model.history_injection.weight.detach() if history != "none" else None
     with torch.no_grad():
-        rope = model.rotary_pos_emb(SEQ)
-        e = model.embedding(input_ids=ids, position_ids=pos)
-        h = e if model.prelude is None else model.prelude(hidden_states=e, attention_mask=None,
-                                                          rotary_pos_emb=rope)
+        rope, e, h = embed_by_hand(model, ids, pos)
         src = e if source == "embedding" else h
         states, losses, lambdas = [h], [], []  # states: h_0, h_1, ...
         weight = model.shared_embedding_or_output_weight()

@@ -61,13 +61,9 @@ def main(argv=None) -> None:
     cpu_shim.enable()
     from megaloop.convert.hf_export import load_model
     from megaloop.eval.probes import AttentionProbe, write_plot, write_table
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
+    from megaloop.parallel.initialize import initialize_single_process
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    initialize(ParallelConfig(tensor_model_parallel_size=1), 1234)
+    initialize_single_process()
     model, _, _, run = load_model(args.load)
     model.eval()
     seq = args.seq_length or run["training"]["seq_length"]
@@ -86,14 +82,6 @@ def main(argv=None) -> None:
     print(open(args.output + ".md").read().split("\n\n")[0])
     print(f"wrote {args.output}.md and {args.output}.png")
     torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

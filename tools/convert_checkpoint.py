@@ -84,24 +84,11 @@ def main(argv=None) -> int:
 
 
 def _world(seed: int):
-    import socket
-
     from megaloop import cpu_shim
-    from megaloop.parallel.config import ParallelConfig
-    from megaloop.parallel.initialize import initialize
+    from megaloop.parallel.initialize import initialize_single_process
 
     cpu_shim.enable()
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    if os.environ["WORLD_SIZE"] != "1":
-        raise ValueError("convert_checkpoint.py runs as one process; launch it with python, "
-                         "not torchrun")
-    initialize(ParallelConfig(distributed_backend="gloo"), seed)
+    initialize_single_process(seed=seed)
 
 
 def _import(args, loop: LoopConfig) -> int:

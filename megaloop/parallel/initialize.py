@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from datetime import timedelta
 
 import numpy as np
@@ -30,6 +31,22 @@ def initialize(parallel: ParallelConfig, seed: int) -> None:
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
     set_seed(seed)
+
+
+def initialize_single_process(parallel: ParallelConfig | None = None, seed: int = 1234) -> None:
+    """A world of one process for tools and benchmarks (converter, probes, timing scripts):
+    env:// on a free local port unless a launcher already set one, then ``initialize``."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if os.environ["WORLD_SIZE"] != "1":
+        raise ValueError("this script runs as one process; launch it with python, not torchrun")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    initialize(parallel or ParallelConfig(distributed_backend="gloo"), seed)
 
 
 def set_seed(seed: int) -> None:
