@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from megaloop.model.lora import _ReselectStep, _Step
+from megaloop.model.loop_step import ReselectStep, StepHolder
 
 NUM_FEATURES = 8
 FORMS = ("loop-gating", "branch-gating", "adaln")
@@ -61,7 +61,7 @@ def _zeros(shape, config) -> torch.nn.Parameter:
 class LayerConditioning(MegatronModule):
     """Branch gates (``gate`` [2, 8]) or AdaLN maps (``adaln`` [2, 2d, 8]) of one core layer."""
 
-    def __init__(self, config, form: str, clock: _Step):
+    def __init__(self, config, form: str, clock: StepHolder):
         super().__init__(config=config)
         self.form, self.clock, d = form, clock, config.hidden_size
         if form == "branch-gating":
@@ -115,7 +115,7 @@ class TimestepConditioning(MegatronModule):
             raise ValueError(f"unknown --timestep-conditioning {form!r}; choose one of none, "
                              f"{', '.join(FORMS)}")
         self.form, self.train_loops, self.inference = form, train_loops, inference
-        self.clock = _Step()
+        self.clock = StepHolder()
         self.clock.value = timestep_features(0, train_loops)
         if form == "loop-gating":
             self.loop_gate = _zeros((NUM_FEATURES,), config)
@@ -152,7 +152,7 @@ class TimestepConditioning(MegatronModule):
             return out + g1 * (out - h)
         if not torch.is_grad_enabled() or not out.requires_grad:
             return out
-        return _ReselectStep.apply(out, self.clock, psi)
+        return ReselectStep.apply(out, self.clock, psi)
 
 
 def build_timestep_conditioning(config, loop, core, norm_scheme: str

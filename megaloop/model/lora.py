@@ -22,10 +22,8 @@ Tensor parallelism mirrors the base linear, and the rank-r bottleneck carries th
 Replicated LoRA parameters that see only a slice of the tokens under SP carry megatron-core's
 ``sequence_parallel`` tag so their gradients are summed over the TP group.
 
-The step is set by the recurrence (``select``) before each core pass. Activation recomputation
-re-runs the core during the backward pass, long after the forward moved on to later steps, so
-``mark`` puts an autograd node on the core's output whose backward re-selects that step just
-before the core's backward (and recomputation) runs.
+The step is set by the recurrence (``select``) before each core pass; ``mark`` keeps it right under
+activation recomputation (megaloop.model.loop_step).
 """
 
 from __future__ import annotations
@@ -39,6 +37,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
                                              make_sharded_tensors_for_checkpoint)
 
+from megaloop.model.loop_step import ReselectStep, StepHolder
+
 # target linear -> (parent attribute, tensor-parallel kind)
 TARGETS = {
     "linear_qkv": ("self_attention", "column"),
@@ -48,18 +48,11 @@ TARGETS = {
 }
 
 
-class _Step:
-    """The loop step every adapter of one model reads (1-based; clamped to the adapters)."""
-
-    def __init__(self):
-        self.value = 1
-
-
 class LoRAAdapter(MegatronModule):
     """Per-step A_t [r, in], B_t [out, r] for one base linear, sharded like that linear."""
 
     def __init__(self, config, base: torch.nn.Module, kind: str, num_steps: int, rank: int,
-                 alpha: float, step: _Step, generator: torch.Generator, stride: int = 1):
+                 alpha: float, step: StepHolder, generator: torch.Generator, stride: int = 1):
         super().__init__(config=config)
         self.kind, self.rank, self.scale, self.step = kind, rank, alpha / rank, step
         self.stride = stride
@@ -155,26 +148,12 @@ def _fused_input_norm(base, config):
     return norm
 
 
-class _ReselectStep(torch.autograd.Function):
-    """Identity whose backward sets the adapters' step before the core's backward runs."""
-
-    @staticmethod
-    def forward(ctx, h, step_holder, step):
-        ctx.holder, ctx.step = step_holder, step
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.holder.value = ctx.step
-        return grad, None, None
-
-
 class StepwiseLoRA:
     """Adds per-step adapters to every layer of a core ``TransformerBlock`` (not a module itself:
     the adapters are registered inside the layers, next to the linears they adapt)."""
 
     def __init__(self, core, config, num_steps: int, rank: int, alpha: float, seed: int):
-        self.step = _Step()
+        self.step = StepHolder()
         self.num_steps = num_steps
         self.adapters: list[LoRAAdapter] = []
         # A private generator: drawing A must not shift the global RNG stream (dropout, the init
@@ -200,4 +179,4 @@ class StepwiseLoRA:
         """Make the backward pass re-select ``step`` before it reaches the core (recompute-safe)."""
         if not torch.is_grad_enabled() or not h.requires_grad:
             return h
-        return _ReselectStep.apply(h, self.step, step)
+        return ReselectStep.apply(h, self.step, step)
