@@ -6,25 +6,27 @@ options. ``python pretrain_looplm.py --help`` lists them all.
 """
 
 import sys
-import warnings
 
 
 def main(argv=None) -> int:
+    # Only the standard library and the config dataclasses load before argparse: `--help` and a
+    # bad flag answer without importing torch or megatron-core.
+    from megaloop import runtime
     from megaloop.training.run_config import parse_args
 
     cfg = parse_args(argv)
+    runtime.quiet_megatron()  # validate() may import megatron-core; filter its warnings first
     try:
         cfg.validate()  # before any process group starts: a bad flag fails fast on every rank
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
     from megaloop import cpu_shim
 
     if cpu_shim.enable():
-        print("> CPU development mode: megatron-core's CUDA calls run on CPU (megaloop.cpu_shim)",
-              flush=True)
+        runtime.print_rank_0("> CPU development mode: megatron-core's CUDA calls run on CPU "
+                             "(megaloop.cpu_shim)")
     from megaloop.parallel import initialize
     from megaloop.training.trainer import Trainer
 
@@ -33,7 +35,7 @@ def main(argv=None) -> int:
         Trainer(cfg).train()
     finally:
         if cpu_shim.is_enabled() and cpu_shim.call_sites():
-            print("> CPU shim call sites:\n" + cpu_shim.format_call_sites(), flush=True)
+            runtime.print_rank_0("> CPU shim call sites:\n" + cpu_shim.format_call_sites())
         initialize.destroy()
     return 0
 

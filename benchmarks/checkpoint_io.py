@@ -21,10 +21,11 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore")
+from megaloop import runtime  # noqa: E402
+
+runtime.quiet_megatron()
 
 
 def _dir_bytes(path: str) -> int:

@@ -39,11 +39,11 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
-warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron-core config noise
+from megaloop import runtime  # noqa: E402
+
+runtime.quiet_megatron()
 
 import torch  # noqa: E402
 

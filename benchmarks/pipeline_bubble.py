@@ -29,13 +29,13 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the fork-per-rank launcher of the test suite
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
-warnings.filterwarnings("ignore", message="full scope is deprecated")
+from megaloop import runtime  # noqa: E402
+
+runtime.quiet_megatron()
 
 import torch  # noqa: E402
 

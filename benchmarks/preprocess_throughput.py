@@ -20,10 +20,11 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+from megaloop import runtime  # noqa: E402
+
+runtime.quiet_megatron()
 
 from megaloop.data.config import TokenizerConfig  # noqa: E402
 from megaloop.data.tokenizers import build_tokenizer, train_sentencepiece  # noqa: E402

@@ -22,10 +22,11 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+from megaloop import runtime  # noqa: E402
+
+runtime.quiet_megatron()
 
 from megaloop.model.config import LoopConfig, ModelConfig  # noqa: E402
 from megaloop.training.metrics import core_step_flops_per_token, flops_per_iteration  # noqa

@@ -2,13 +2,14 @@
 
 import os
 import sys
-import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+from megaloop import runtime  # noqa: E402
+
+runtime.quiet_megatron()  # the entry points' filter, so tests see what a run prints
 
 import torch  # noqa: E402
 

@@ -37,6 +37,22 @@ def test_torchrun_tp2_trains_and_logs_per_step(tmp_path):
     assert last < first - 0.05, (first, last)
     assert len(valid) == 1 and len(valid[0]["step_losses"]) == 4
     assert "effective depth 8" in proc.stdout
+    _assert_quiet(proc, train_lines=16)
+
+
+def _assert_quiet(proc, train_lines):
+    """The console of a 2-rank run: each banner once (rank 0), one line per log interval, one per
+    evaluation, and no Python warning on either stream (megaloop.runtime.quiet_megatron)."""
+    out = proc.stdout.splitlines()
+    for line in out:
+        assert line.startswith(("> CPU development mode", "> LoopedGPT layout", " iteration ",
+                                " validation at iteration ")), ("unexpected line", line, out)
+    assert sum(line.startswith("> LoopedGPT layout") for line in out) == 1, out
+    assert sum(line.startswith("> CPU development mode") for line in out) <= 1, out
+    assert sum(line.startswith(" iteration ") for line in out) == train_lines, out
+    noisy = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if "Warning" in line or "warn" in line]
+    assert not noisy, noisy
 
 
 def _single_stage_run(rank, world, args):
@@ -68,6 +84,7 @@ def test_torchrun_pp2_matches_single_stage(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PP 2" in proc.stdout and "effective depth 8" in proc.stdout
+    _assert_quiet(proc, train_lines=16)
 
     from distributed import run_distributed
 
@@ -78,6 +95,8 @@ def test_torchrun_pp2_matches_single_stage(tmp_path):
     assert abs(pp[0]["loss"] - ref[0]["loss"]) < 1e-4  # the done-when figure
     for a, b in zip(pp, ref):
         assert abs(a["loss"] - b["loss"]) < 1e-4, (a["iteration"], a["loss"], b["loss"])
+        assert len(a["step_losses"]) == len(b["step_losses"]) == 4
+        assert len(a["exit_probs"]) == len(b["exit_probs"])
         for x, y in zip(a["step_losses"] + a["exit_probs"], b["step_losses"] + b["exit_probs"]):
             assert abs(x - y) < 1e-4, (a["iteration"], a["step_losses"], b["step_losses"])
     train = [r for r in pp if r["split"] == "train"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,7 +52,9 @@ def main(argv=None) -> None:
     p.add_argument("--gamma", type=float, default=32.0, help="LAM window M_t = ceil(gamma r_t)")
     args = p.parse_args(argv)
 
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+    from megaloop import runtime
+
+    runtime.quiet_megatron()  # before the first megatron-core import
     import torch
 
     from megaloop import cpu_shim

@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 # Scripts run from a checkout without installation too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megaloop import runtime  # noqa: E402
 from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
 from megaloop.model.config import LoopConfig  # noqa: E402
 
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed.*")
+    runtime.quiet_megatron()  # before the first megatron-core import (both commands)
     try:
         if args.command == "import-hf":
             loop = dataclass_from_args(LoopConfig, args)

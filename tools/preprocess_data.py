@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 # Scripts run from a checkout without installation too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,8 +70,9 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    # megatron.core warns at import about optional GPU libraries preprocessing never uses.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    from megaloop import runtime
+
+    runtime.quiet_megatron()  # preprocess imports megatron-core (the indexed dataset writer)
     from megaloop.data.preprocess import BadInputError, preprocess
 
     try:

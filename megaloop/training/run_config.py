@@ -14,11 +14,9 @@ from dataclasses import dataclass, field
 from megaloop.arguments import add_dataclass_args, dataclass_from_args
 from megaloop.data.config import DataConfig, TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
-from megaloop.model.spiral import validate_parallel as validate_spiral_parallel
 from megaloop.parallel.config import ParallelConfig, RecomputeConfig
 from megaloop.training.config import (CheckpointConfig, LoggingConfig, OptimConfig,
                                       TrainingConfig)
-from megaloop.training.random_depth import validate_random_depth
 
 SECTIONS = {
     "model": ModelConfig,
@@ -49,6 +47,11 @@ class RunConfig:
 
     def validate(self, world_size: int | None = None) -> None:
         """Every check that needs no process group; raises ValueError with the flag to change."""
+        # Imported here, not at module level: both modules import torch (spiral also megatron-core),
+        # and `pretrain_looplm.py --help` builds the parser from this module without either.
+        from megaloop.model.spiral import validate_parallel as validate_spiral_parallel
+        from megaloop.training.random_depth import validate_random_depth
+
         self.model.validate()
         self.loop.validate(self.model.num_layers)
         self.parallel.validate(self.model.num_attention_heads, self.model.num_query_groups,

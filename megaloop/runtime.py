@@ -1,0 +1,75 @@
+"""Process setup shared by every entry point that imports megatron-core.
+
+``quiet_megatron()`` runs once, before the first megatron-core import (the warnings below fire at
+import time or on first use, one copy per rank), so a run's output is its configuration and its log
+lines. ``is_rank_zero()`` / ``print_rank_0()`` keep banners to one copy on a multi-rank launch, also
+before the process group exists (torchrun's ``RANK`` then decides).
+
+This module imports only the standard library: ``pretrain_looplm.py --help`` loads it without
+torch or megatron-core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+# megatron-core messages that say nothing about a megaloop run, as (message regex, category).
+KNOWN_WARNINGS = (
+    # Printed by four modules at import where TE/apex are absent (every CPU run): megatron-core
+    # then uses its torch implementations, which megaloop's CPU mode relies on.
+    (r".*(Transformer Engine|Apex) .*not installed", UserWarning),
+    # TransformerConfig's own default cuda_graph_scope="full" warns in __post_init__ on every
+    # config megatron-core builds; megaloop never captures CUDA graphs.
+    (r"full scope is deprecated", UserWarning),
+    # The first TP linear backward advises CUDA_DEVICE_MAX_CONNECTIONS=1 (comm/compute overlap
+    # ordering on GPU); it fires on CPU too, where the variable means nothing.
+    (r"When using (async grad allreduce|sequence parallelism) it is recommended to set the "
+     r"environment variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
+)
+
+# megatron-core logging records (logger name, message substring) dropped the same way. GPTDataset
+# leaves path_to_cache None only for the mock dataset (--mock-data), which has nothing to cache,
+# yet logs that at WARNING on every rank.
+KNOWN_LOG_RECORDS = (
+    ("megatron.core.datasets.gpt_dataset", "indexes because path_to_cache is None"),
+)
+
+
+class _DropRecords(logging.Filter):
+    def __init__(self, substring: str):
+        super().__init__()
+        self.substring = substring
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.substring not in record.getMessage()
+
+
+_quieted = False
+
+
+def quiet_megatron() -> None:
+    """Filter megatron-core's known warnings and log records; idempotent, cheap, stdlib only."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    for message, category in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name, substring in KNOWN_LOG_RECORDS:
+        logging.getLogger(name).addFilter(_DropRecords(substring))
+
+
+def is_rank_zero() -> bool:
+    """Global rank 0: from the process group once it exists, from torchrun's RANK before."""
+    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def print_rank_0(text: str) -> None:
+    if is_rank_zero():
+        print(text, flush=True)

@@ -1,0 +1,103 @@
+"""The command line: `--help` without torch or megatron-core; megatron-core's known noise filtered
+once by megaloop.runtime (the 2-rank console itself is checked in test_functional.py)."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from megaloop import runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs an entry point's --help in a fresh interpreter and reports which heavy packages it loaded.
+_PROBE = """
+import runpy, sys
+sys.argv = [{script!r}, "--help"]
+try:
+    runpy.run_path({script!r}, run_name="__main__")
+except SystemExit as exc:
+    assert exc.code in (0, None), exc.code
+loaded = sorted({{name.split(".")[0] for name in sys.modules}} & {{"megatron", "torch", "numpy"}})
+print("LOADED:" + ",".join(loaded))
+"""
+
+
+@pytest.mark.parametrize("script", ["pretrain_looplm.py", "tools/convert_checkpoint.py",
+                                    "tools/preprocess_data.py"])
+def test_help_imports_neither_megatron_nor_torch(script):
+    path = os.path.join(ROOT, script)
+    proc = subprocess.run([sys.executable, "-c", _PROBE.format(script=path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage:" in proc.stdout
+    loaded = proc.stdout.rsplit("LOADED:", 1)[1].strip()
+    assert loaded == "", f"{script} --help imported {loaded}"
+    assert proc.stderr == ""
+
+
+def test_help_lists_the_loop_flags():
+    from megaloop.training.run_config import build_parser
+
+    text = build_parser().format_help()
+    for flag in ("--num-loops", "--tensor-model-parallel-size", "--make-vocab-size-divisible-by"):
+        assert flag in text
+
+
+MEGATRON_NOISE = [
+    "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+    "Transformer Engine and Apex are not installed. Falling back to local implementations of "
+    "multi_tensor_applier and multi_tensor_scale",
+    "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+    "When using async grad allreduce it is recommended to set the environment variable "
+    "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
+    "When using sequence parallelism it is recommended to set the environment variable "
+    "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
+]
+
+
+def _shown(message, category=UserWarning):
+    """Whether `message` gets through after quiet_megatron() on a clean filter list."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        runtime._quieted = False
+        try:
+            runtime.quiet_megatron()
+        finally:
+            runtime._quieted = True
+        warnings.warn(message, category)
+    return bool(caught)
+
+
+@pytest.mark.parametrize("message", MEGATRON_NOISE)
+def test_known_megatron_warnings_are_filtered(message):
+    assert not _shown(message)
+
+
+def test_other_warnings_still_show():
+    assert _shown("something megaloop should hear about")
+    assert _shown("full scope is deprecated", DeprecationWarning)  # the category must match too
+
+
+def test_mock_dataset_cache_record_is_dropped(caplog):
+    import logging
+
+    runtime.quiet_megatron()
+    caplog.set_level(logging.WARNING)
+    log = logging.getLogger("megatron.core.datasets.gpt_dataset")
+    log.warning("Unable to save MockGPTDataset indexes because path_to_cache is None")
+    log.warning("another GPTDataset message")
+    assert [r.getMessage() for r in caplog.records] == ["another GPTDataset message"]
+
+
+def test_rank_zero_before_the_process_group(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert not runtime.is_rank_zero()
+    runtime.print_rank_0("banner")
+    monkeypatch.setenv("RANK", "0")
+    assert runtime.is_rank_zero()
+    runtime.print_rank_0("banner")
+    assert capsys.readouterr().out == "banner\n"
