@@ -101,3 +101,14 @@ def test_rank_zero_before_the_process_group(monkeypatch, capsys):
     assert runtime.is_rank_zero()
     runtime.print_rank_0("banner")
     assert capsys.readouterr().out == "banner\n"
+
+
+def test_vocab_padding_help_says_what_the_code_does():
+    from megaloop.model.config import padded_vocab_size
+    from megaloop.training.run_config import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "only where the tensor-parallel size does not divide that" in text
+    # 1100 tokens, divisible-by 128 -> 1152 at TP 1, 2 and 3 (Megatron-LM: 1280 at TP 2);
+    # TP 5 does not divide 1152, so the multiple becomes 128 x 5.
+    assert [padded_vocab_size(1100, 128, tp) for tp in (1, 2, 3, 5)] == [1152, 1152, 1152, 1280]

@@ -75,7 +75,9 @@ class ModelConfig:
     """Dropout on attention probabilities."""
 
     make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this times the tensor-parallel size (Megatron-LM rule)."""
+    """Pad the vocabulary to a multiple of this; only where the tensor-parallel size does not divide
+    that, pad to a multiple of this times the TP size. (Megatron-LM always multiplies by the TP size;
+    megaloop does not, so the same run at TP=1 and TP=2 has the same vocabulary rows.)"""
 
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer backend: megatron-core's local modules, Transformer Engine, or auto (TE iff TE
