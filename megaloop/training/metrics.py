@@ -7,6 +7,7 @@ looped model by about T times.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,8 +25,15 @@ def readouts_per_forward(loop: LoopConfig) -> int:
 
 
 def flops_per_iteration(model: ModelConfig, loop: LoopConfig, vocab_size: int,
-                        seq_length: int, global_batch: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward = 3 x forward matmul FLOPs)."""
+                        seq_length: int, global_batch: int,
+                        num_loops: Optional[int] = None) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3 x forward matmul FLOPs).
+
+    ``num_loops``: the loop count the iteration ran, when it is not ``loop.num_loops`` (random
+    depth draws T per step, and the core, coda and head run that many times).
+    """
+    if num_loops is not None and num_loops != loop.num_loops:
+        loop = dataclasses.replace(loop, num_loops=num_loops)
     h = model.hidden_size
     per_layer = layer_flops_per_token(model, seq_length)
     r = readouts_per_forward(loop)

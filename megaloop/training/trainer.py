@@ -315,10 +315,8 @@ class Trainer:
     def _train_loop(self, exits: ExitConditions) -> Optional[str]:
         tr, log, ck = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
         world = torch.distributed.get_world_size()
-        flops = flops_per_iteration(self.cfg.model, self.cfg.loop, self.tokenizer.vocab_size,
-                                    tr.seq_length, self.gbs)
         self.describe()
-        window_start, window_iters = time.time(), 0
+        window_start, window_iters, window_flops = time.time(), 0, 0.0
         while self.iteration < tr.train_iters:
             self.diagnostics.before_step(
                 will_log=(self.iteration + 1) % log.log_interval == 0
@@ -328,6 +326,10 @@ class Trainer:
             diagnostics = self.diagnostics.after_step(stats, self.iteration)
             self.consumed_samples += self.gbs
             window_iters += 1
+            # Each iteration counts at the loop count it ran (random depth draws it per step).
+            window_flops += flops_per_iteration(self.cfg.model, self.cfg.loop,
+                                                self.tokenizer.vocab_size, tr.seq_length, self.gbs,
+                                                num_loops=stats["depth"])
             if self.iteration % log.log_interval == 0 or self.iteration == tr.train_iters:
                 elapsed = (time.time() - window_start) / window_iters
                 probs = stats["exit_probs"]
@@ -340,7 +342,7 @@ class Trainer:
                     "lr": self.lr,
                     "ms_per_iter": elapsed * 1000.0,
                     "tokens_per_sec": self.gbs * tr.seq_length / elapsed,
-                    "tflops_per_gpu": flops / elapsed / world / 1e12,
+                    "tflops_per_gpu": window_flops / window_iters / elapsed / world / 1e12,
                     "skipped_iters": self.skipped, "mem_gib": peak_memory_gib(),
                     "depth": stats["depth"],
                     **diagnostics,
@@ -349,7 +351,7 @@ class Trainer:
                 if self.cfg.loop.random_depth_mean > 0:
                     line += f" | depth {record['depth']}"
                 self.logger.log(record, line=line)
-                window_start, window_iters = time.time(), 0
+                window_start, window_iters, window_flops = time.time(), 0, 0.0
             if self.iteration % tr.eval_interval == 0 and self.iteration < tr.train_iters:
                 self.log_eval()
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
