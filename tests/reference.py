@@ -12,6 +12,8 @@ from megatron.core import parallel_state
 def reference_objective(losses, lambdas, mode="expected", beta=0.0, eps=0.0):
     """Per-token objective from step losses [T, N] and halting probabilities [T-1, N]."""
     T = losses.shape[0]
+    assert lambdas.shape[0] == T - 1 and lambdas.shape[1:] == losses.shape[1:], \
+        (lambdas.shape, losses.shape)
     p, survival = [], torch.ones_like(losses[0])
     for t in range(T - 1):
         p.append(survival * lambdas[t])
@@ -95,6 +97,8 @@ def full_params(model) -> dict:
 
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    for k in a:  # a broadcast difference would compare the wrong elements
+        assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 

@@ -95,7 +95,7 @@ def test_reprocessing_in_place_never_reuses_stale_indices(tmp_path, tokenizer):
     reference, _, _ = build_train_valid_test_datasets(reference_cfg, tokenizer, 16, 3,
                                                       (30, 0, 0))
     assert len(fresh) == len(reference)
-    for got, want in zip(samples(fresh), samples(reference)):
+    for got, want in zip(samples(fresh), samples(reference), strict=True):
         assert torch.equal(got, want)
     assert len(os.listdir(cache)) == 2  # one cache folder per content
 
@@ -144,8 +144,8 @@ def test_resume_equals_skip_and_dp_partition(tmp_path, tokenizer):
     assert torch.equal(interleaved, global_order[: n // 6 * 6])
     for rank, ref in ((0, r0), (1, r1)):
         resumed = stream(12, 3, rank, 2)
-        assert all(torch.equal(x, y) for x, y in zip(resumed, ref[2:]))
         assert len(resumed) == len(ref) - 2
+        assert all(torch.equal(x, y) for x, y in zip(resumed, ref[2:], strict=True))
 
 
 def test_cyclic_iterator_wraps(tmp_path, tokenizer):

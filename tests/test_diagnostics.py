@@ -140,7 +140,7 @@ def test_geometry_matches_hand_computation():
     for u, v in states:  # [s, b, h], written out per token
         u, v = u.reshape(-1, u.shape[-1]).double(), v.reshape(-1, v.shape[-1]).double()
         a, r, w = [], [], []
-        for x, y in zip(u, v):
+        for x, y in zip(u, v, strict=True):
             c = float(x @ y / (x.norm() * y.norm()))
             a.append(math.acos(max(-1.0, min(1.0, c))) / math.pi)
             r.append(float((y - x).norm() / x.norm()))
@@ -213,9 +213,10 @@ def test_trainer_logs_diagnostics(tmp_path, capsys, tp):
     test_trainer_logs_diagnostics.results[tp] = train
     if len(test_trainer_logs_diagnostics.results) == 2:  # TP=2 == TP=1
         a, b = (test_trainer_logs_diagnostics.results[k] for k in (1, 2))
-        for ra, rb in zip(a, b):
-            for row_a, row_b in zip(ra["grad_norm_per_step"], rb["grad_norm_per_step"]):
-                for x, y in zip(row_a, row_b):
+        for ra, rb in zip(a, b, strict=True):
+            for row_a, row_b in zip(ra["grad_norm_per_step"], rb["grad_norm_per_step"],
+                                    strict=True):
+                for x, y in zip(row_a, row_b, strict=True):
                     assert abs(x - y) <= 1e-4 * x
 
 

@@ -93,11 +93,10 @@ def test_torchrun_pp2_matches_single_stage(tmp_path):
     ref = [json.loads(line) for line in ref_log.read_text().splitlines()]
     assert [(r["split"], r["iteration"]) for r in pp] == [(r["split"], r["iteration"]) for r in ref]
     assert abs(pp[0]["loss"] - ref[0]["loss"]) < 1e-4  # the done-when figure
-    for a, b in zip(pp, ref):
+    for a, b in zip(pp, ref, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-4, (a["iteration"], a["loss"], b["loss"])
-        assert len(a["step_losses"]) == len(b["step_losses"]) == 4
-        assert len(a["exit_probs"]) == len(b["exit_probs"])
-        for x, y in zip(a["step_losses"] + a["exit_probs"], b["step_losses"] + b["exit_probs"]):
-            assert abs(x - y) < 1e-4, (a["iteration"], a["step_losses"], b["step_losses"])
+        for key in ("step_losses", "exit_probs"):
+            for x, y in zip(a[key], b[key], strict=True):
+                assert abs(x - y) < 1e-4, (a["iteration"], key, a[key], b[key])
     train = [r for r in pp if r["split"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"] - 0.05

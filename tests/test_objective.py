@@ -29,7 +29,7 @@ def test_hand_computed_single_token():
     losses = torch.tensor([[2.0], [1.0], [0.5]], dtype=torch.float64)
     lambdas = torch.tensor([[0.5], [0.25]], dtype=torch.float64)
     p = [0.5, 0.125, 0.375]
-    expected = sum(pi * li for pi, li in zip(p, [2.0, 1.0, 0.5]))
+    expected = sum(pi * li for pi, li in zip(p, [2.0, 1.0, 0.5], strict=True))
     obj = _fold(losses, lambdas, "expected", beta=0.15)
     assert obj.per_token().item() == pytest.approx(expected + 0.15 * kl_uniform(p), abs=1e-12)
     assert [x.item() for x in obj.exit_probs] == pytest.approx(p)

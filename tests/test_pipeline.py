@@ -195,42 +195,62 @@ def _train_then_eval(rank, world, extra):
 def test_pp2_evaluation_equals_pp1():
     ref = run_distributed(_train_then_eval, 1, MB2)[0]
     for result in run_distributed(_train_then_eval, 2, MB2 + PP2):
-        for a, b in zip(ref, result):
+        for a, b in zip(ref, result, strict=True):
             assert abs(a["loss"] - b["loss"]) < 2e-5
-            for x, y in zip(a["step_losses"] + a["exit_probs"], b["step_losses"] + b["exit_probs"]):
-                assert abs(x - y) < 2e-5
+            for key in ("step_losses", "exit_probs"):
+                for x, y in zip(a[key], b[key], strict=True):
+                    assert abs(x - y) < 2e-5, key
 
 
-# --- the ring's side channel (no processes needed) -----------------------------------------
+# --- the carry's p2p layout (no processes needed) -------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ring_carries_fp32_log_survival_bit_exactly(dtype):
-    """The per-token fp32 state and its gradient cross the ring unchanged in any pipeline dtype,
-    while the hidden blocks go through as ordinary tensors."""
-    from megaloop.parallel.pipeline import Ring
+def test_carry_crosses_stages_exactly(dtype):
+    """Every field of the carry crosses a stage boundary unchanged, in any pipeline dtype: the
+    hidden blocks as ordinary tensors, the fp32 per-token accumulators (log-survival, previous
+    loss) bit for bit; their gradients take the same way back. Unfilled history slots travel as
+    zeros and are dropped on arrival; coarse latents are padded to L and cut back."""
+    from megaloop.model.carry import Carry, CarryLayout
 
     s, b, h = 8, 2, 16
-    ring = Ring(num_hidden=2, seq_local=s, seq_full=s, hidden_size=h, dtype=dtype,
-                carries_survival=True)
-    state = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
-    source = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+    layout = CarryLayout(seq_local=s, seq_full=s, hidden_size=h, dtype=dtype, source=True,
+                         history=2, entering=True, memory=2, survival=True, previous_loss=True)
+
+    def block(rows=s):
+        return torch.randn(rows, b, h, dtype=dtype, requires_grad=True)
+
+    state, source, past, entering = block(5), block(), block(), block()
+    memory = [block(), block()]
     # Values whose bit halves are NaN / denormal patterns when read as bf16.
     survival = torch.tensor([[-1e-30, -3.0e38, -7.1e-39, -0.0] * 2,
                              [-12.5, -1.17549435e-38, -2.0 ** -20, -5.0] * 2],
                             requires_grad=True)
-    payload = ring.pack([state, source], survival)
-    assert payload.shape == (ring.seq_length, b, h) and payload.dtype == dtype
+    previous = torch.tensor([[3.4e38, 1e-40, 2.5, 0.0] * 2, [1.0, -2.0, 6e-39, 9.0] * 2],
+                            requires_grad=True)
+    carry = Carry(h=state, source=source, history=[past], entering=entering, memory=memory,
+                  log_survival=survival, previous_loss=previous)
+    payload = layout.pack(carry)
+    assert payload.shape == (layout.seq_length, b, h) and payload.dtype == dtype
+    assert layout.seq_length == 7 * s + layout.side_rows
     received = payload.detach().requires_grad_()  # what the next stage's buffer holds
-    (got_state, got_source), got_survival = ring.unpack(received)
-    assert torch.equal(got_survival.view(torch.int32), survival.detach().view(torch.int32))
-    assert torch.equal(got_state, state) and torch.equal(got_source, source)
+    got = layout.unpack(received, history=1, h_rows=5)
+    for x, y in ((got.log_survival, survival), (got.previous_loss, previous)):
+        assert torch.equal(x.view(torch.int32), y.detach().view(torch.int32))
+    pairs = [(got.h, state), (got.source, source), (got.entering, entering)]
+    pairs += list(zip(got.history, [past], strict=True))
+    pairs += list(zip(got.memory, memory, strict=True))
+    for x, y in pairs:
+        assert torch.equal(x, y)
 
-    g_state, g_source = torch.randn_like(state), torch.randn_like(source)
-    g_survival = torch.tensor([[3.0e38, -1e-30, 1.0, 2.0] * 2, [7e-39, 0.5, -0.25, 1e-3] * 2])
-    torch.autograd.backward([got_state, got_source, got_survival],
-                            [g_state, g_source, g_survival])
+    grads = [torch.randn_like(y) for _, y in pairs]
+    g_side = [torch.tensor([[3.0e38, -1e-30, 1.0, 2.0] * 2, [7e-39, 0.5, -0.25, 1e-3] * 2]),
+              torch.tensor([[1.0, 2.0, -1e-39, 4.0] * 2, [0.0, -0.5, 8.0, 1e30] * 2])]
+    torch.autograd.backward([x for x, _ in pairs] + [got.log_survival, got.previous_loss],
+                            grads + g_side)
     payload.backward(received.grad)  # the gradient travels back to the sending stage
-    assert torch.equal(survival.grad.view(torch.int32), g_survival.view(torch.int32))
-    assert torch.equal(state.grad, g_state) and torch.equal(source.grad, g_source)
+    assert torch.equal(survival.grad.view(torch.int32), g_side[0].view(torch.int32))
+    assert torch.equal(previous.grad.view(torch.int32), g_side[1].view(torch.int32))
+    for (_, y), g in zip(pairs, grads, strict=True):
+        assert torch.equal(y.grad, g)
 
 
 # --- checkpoints across pipeline sizes -----------------------------------------------------

@@ -36,9 +36,9 @@ def _compare(ref, other, tol=2e-5):
     stats1, gn1, g1, p1, next1 = ref
     stats2, gn2, g2, p2, next2 = other
     assert abs(stats1["loss"] - stats2["loss"]) < tol
-    for a, b in zip(stats1["step_losses"] + stats1["exit_probs"],
-                    stats2["step_losses"] + stats2["exit_probs"]):
-        assert abs(a - b) < tol
+    for key in ("step_losses", "exit_probs"):  # strict: a missing step fails, not passes
+        for a, b in zip(stats1[key], stats2[key], strict=True):
+            assert abs(a - b) < tol, key
     assert abs(gn1 - gn2) < 1e-4 * max(1.0, gn1)
     if g1 is not None and g2 is not None:
         assert g1.keys() == g2.keys()
@@ -76,8 +76,7 @@ def test_dp2_distributed_optimizer_equals_dp1(single_rank):
 
 def _loss_mask_weighting(rank, world):
     """Masked tokens carry no weight: the logged loss is the per-token mean over kept tokens."""
-    from megaloop.model.looped_gpt import LoopOutput
-    from megaloop.training.trainer import loss_func
+    from megaloop.model.loss import LoopOutput, loss_func
 
     T, b, s = 2, 2, 3
     obj = torch.arange(b * s, dtype=torch.float32).view(b, s)
@@ -87,7 +86,9 @@ def _loss_mask_weighting(rank, world):
     total, tokens, report = loss_func(mask, T, LoopOutput(obj, step, probs))
     kept = [0.0, 2.0, 5.0]
     assert tokens.item() == 3 and total.item() == sum(kept)
-    assert report["stats"][2].item() == sum(k + 1 for k in kept)
+    assert report["stats"]["step_losses"][0].item() == sum(k + 1 for k in kept)
+    assert report["stats"]["step_losses"][1].item() == sum(k + 2 for k in kept)
+    assert report["stats"]["exit_probs"].tolist() == [0.5 * len(kept)] * T
     return True
 
 

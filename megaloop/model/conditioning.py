@@ -25,8 +25,8 @@ t = 1).
 Branch and AdaLN parameters live inside the core layers (``core.layers.k.timestep_conditioning``)
 and act through forward hooks, as stepwise LoRA does, so they follow the layers over pipeline
 stages and checkpoints and no megatron-core class is forked. The pass currently running is set by
-the recurrence (``select``); ``mark`` makes the backward pass re-select it before activation
-recomputation re-runs the core. All parameters are replicated over TP ranks (the hidden vectors
+the recurrence's ``around_core`` hook, which also marks the core's output so that the backward pass
+re-selects it before activation recomputation re-runs the core. All parameters are replicated over TP ranks (the hidden vectors
 they scale are full on every rank; under sequence parallelism they carry the ``sequence_parallel``
 tag so their gradients are summed over the TP group).
 """
@@ -40,6 +40,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megaloop.model.loop_step import ReselectStep, StepHolder
+from megaloop.model.recurrence import LoopVariant
 
 NUM_FEATURES = 8
 FORMS = ("loop-gating", "branch-gating", "adaln")
@@ -105,7 +106,7 @@ class LayerConditioning(MegatronModule):
         return hook
 
 
-class TimestepConditioning(MegatronModule):
+class TimestepConditioning(MegatronModule, LoopVariant):
     """The model-level part: the clock, loop gating's q, and the per-layer modules it installed."""
 
     def __init__(self, config, form: str, core, norm_scheme: str, train_loops: int,
@@ -138,21 +139,24 @@ class TimestepConditioning(MegatronModule):
         T = num_loops if self.inference == "rescaled" else self.train_loops
         return timestep_features(step - 1, T)
 
-    def select(self, step: int, num_loops: int) -> None:
-        """Condition the next core pass on step ``step`` of ``num_loops``."""
-        self.clock.value = self.features(step, num_loops)
-
-    def finish(self, out: torch.Tensor, h: torch.Tensor, step: int, num_loops: int):
-        """After the core: loop gating on (F(z), h), and the recompute-safe re-select mark."""
-        psi = self.features(step, num_loops)
-        if self.form == "loop-gating":
-            g1 = self.loop_gate.to(out.dtype) @ torch.tensor(psi, dtype=out.dtype,
-                                                             device=out.device)
-            # h + g (F - h) written as F + (g - 1)(F - h): exactly F while q = 0.
-            return out + g1 * (out - h)
-        if not torch.is_grad_enabled() or not out.requires_grad:
+    def around_core(self, run, z, attention_mask, rotary_pos_emb, t, ctx):
+        """Condition this core pass on step t of T; mark its output so that activation
+        recomputation re-selects step t before it re-runs the core."""
+        psi = self.features(t, ctx.num_loops)
+        self.clock.value = psi
+        out = run(z, attention_mask, rotary_pos_emb)
+        if self.form == "loop-gating" or not torch.is_grad_enabled() or not out.requires_grad:
             return out
         return ReselectStep.apply(out, self.clock, psi)
+
+    def after_core(self, out, carry, t, ctx):
+        """Loop gating on (F(z), h), h the state that entered the step (before injection)."""
+        if self.form != "loop-gating":
+            return out
+        psi = self.features(t, ctx.num_loops)
+        g1 = self.loop_gate.to(out.dtype) @ torch.tensor(psi, dtype=out.dtype, device=out.device)
+        # h + g (F - h) written as F + (g - 1)(F - h): exactly F while q = 0.
+        return out + g1 * (out - carry.entering)
 
 
 def build_timestep_conditioning(config, loop, core, norm_scheme: str

@@ -1,6 +1,6 @@
 """Input injection: what enters the core before each loop step, and the history of past states.
 
-The recurrence (``LoopedGPTModel.forward``) computes the injected *source* once -- the token
+The recurrence (megaloop/model/recurrence.py) computes the injected *source* once -- the token
 embedding e or the prelude output h_0 (``--injection-source``) -- and before a core pass hands
 the injection module the current state and that source:
 
@@ -20,8 +20,9 @@ source), while 003's initial-state forms and Huginn's adapter run before *every*
   random normal initialisation (std --init-method-std), so *not* the identity at start.
 
 The 003 forms are initialised to the identity on h, so a model with them starts equal to the
-plain model. History-state injection (003, ``HistoryInjection``) takes the window of completed
-states from the recurrence instead of storing it, so the module stays stateless.
+plain model. History-state injection (003, ``HistoryInjection``) keeps its window of completed
+states in the loop's carry (megaloop/model/carry.py), so the module stays stateless and the window
+travels between pipeline stages with the state.
 
 Tensor parallelism: every injection parameter (including the [d, 2d] matrices) is *replicated*
 on all TP ranks, not sharded: the hidden state entering the core is full on every rank, the
@@ -40,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from megaloop.model.recurrence import LoopVariant
+
 
 def _replicated(param: torch.nn.Parameter, config) -> torch.nn.Parameter:
     """Tag a TP-replicated parameter: summed over the TP group under sequence parallelism."""
@@ -47,7 +50,19 @@ def _replicated(param: torch.nn.Parameter, config) -> torch.nn.Parameter:
     return param
 
 
-class ScalarMix(MegatronModule):
+class _Injection(MegatronModule, LoopVariant):
+    """The loop-variant side of every input injection: ``z = inject(z, source)`` before the core
+    (before every pass, or from the second on when ``every_step`` is False)."""
+
+    every_step = True
+
+    def before_core(self, z, carry, t, ctx):
+        if t > 1 or self.every_step:
+            return self(z, carry.source)
+        return z
+
+
+class ScalarMix(_Injection):
     """000 Eq. 1: ``z = w * src + (1 - w) * h`` with ``w = sigmoid(a)``, a single learned scalar.
 
     The scalar is replicated on every tensor-parallel rank (each rank holds the full hidden
@@ -78,7 +93,7 @@ class ScalarMix(MegatronModule):
         return w * source + (1.0 - w) * h
 
 
-class InitialStateInjection(MegatronModule):
+class InitialStateInjection(_Injection):
     """003's element-wise initial-state forms: ``a * h + b * src`` with a and b scalars or
     vectors over the hidden size; ``residual`` stores a as ``1 + da``. Starts as the identity."""
 
@@ -102,7 +117,7 @@ class InitialStateInjection(MegatronModule):
         return z + self.b * source
 
 
-class ConcatLinear(MegatronModule):
+class ConcatLinear(_Injection):
     """``W [h; src]`` with W [d, 2d] replicated over TP ranks: 003's dense form (W = [I 0] at
     init, i.e. ``W_h h + W_0 src`` with W_h = I, W_0 = 0) or Huginn's adapter (random W)."""
 
@@ -147,7 +162,7 @@ def build_injection(config, loop, seed: int = 0) -> Optional[MegatronModule]:
     return INJECTIONS[loop.input_injection](config, loop, seed)
 
 
-class HistoryInjection(MegatronModule):
+class HistoryInjection(MegatronModule, LoopVariant):
     """003 history-state injection: ``z_l = h_l + sum_{j=1..m_l} B_j (h_{l-j} - h_l)``.
 
     ``m_l = min(w, max(l - 1, 0))``: the window holds the completed states h_1 .. h_{l-1} (h_0,
@@ -167,6 +182,15 @@ class HistoryInjection(MegatronModule):
         self.kind, self.window = kind, window
         self.weight = _replicated(torch.nn.Parameter(
             torch.zeros(shapes[kind], dtype=config.params_dtype)), config)
+
+    def before_core(self, z, carry, t, ctx):
+        """Mix the window into z, then add h_{t-1} (the state entering step t) to the window the
+        next step reads."""
+        if carry.history:
+            z = self(z, carry.history)
+        if t > 1:
+            carry.history = (carry.history + [carry.h])[-self.window:]
+        return z
 
     def forward(self, h: torch.Tensor, past: list) -> torch.Tensor:
         """``past``: completed states before h, oldest first (h_1 .. h_{l-1})."""

@@ -6,14 +6,14 @@ Built only from megatron-core parts: a vocab-parallel ``LanguageModelEmbedding``
 are never gathered over the vocabulary). Looping calls the *same* core block T times, so every
 tensor-parallel shard and communicator is reused and autograd sums the T gradient contributions.
 
-The recurrence lives in one place, ``forward``; a step is ``_core_step`` followed by
-``_readout``, which is the unit a pipeline-parallel virtual chunk will run.
+The recurrence lives in one place, megaloop/model/recurrence.py: ``forward`` is its fold over T
+steps, and a pipeline-parallel virtual chunk runs one of its steps. The loop variants (injections,
+timestep conditioning, stepwise LoRA, SpiralFormer) are modules listed in ``variants``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,22 +28,11 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megaloop.model.config import LoopConfig, ModelConfig, with_layers
 from megaloop.model.conditioning import build_timestep_conditioning
 from megaloop.model.injection import build_history_injection, build_injection
+from megaloop.model import recurrence
 from megaloop.model.lora import StepwiseLoRA
-from megaloop.model.objective import ExitObjective
+from megaloop.model.loss import LoopOutput  # noqa: F401  (the forward's return type)
 from megaloop.model.specs import build_norm, layer_spec
 from megaloop.model.spiral import build_spiral
-
-
-@dataclass
-class LoopOutput:
-    """What a training forward returns: the per-token objective and detached per-step stats."""
-
-    objective: torch.Tensor
-    """[b, s] per-token objective (not yet masked)."""
-    step_losses: torch.Tensor
-    """[T, b, s] per-step LM loss, NaN where a step was not read out (`last` mode)."""
-    exit_probs: Optional[torch.Tensor]
-    """[T, b, s] exit distribution p_t, None without a gate."""
 
 
 class ExitGate(MegatronModule):
@@ -135,16 +124,17 @@ class LoopedGPTModel(LanguageModule):
         self.lora = StepwiseLoRA(
             self.core, config, loop.num_loops, loop.lora_rank, loop.lora_alpha or loop.lora_rank,
             seed=torch.initial_seed() + 1) if loop.lora_rank else None
-        # History injection and loop gating pass states between steps on one stage.
-        if config.pipeline_model_parallel_size > 1 and (
-                loop.history_injection != "none" or loop.timestep_conditioning == "loop-gating"):
-            raise ValueError("--history-injection and --timestep-conditioning loop-gating do not "
-                             "support --pipeline-model-parallel-size > 1 yet; use 1")
         self.history_injection = build_history_injection(config, loop) if pre_process else None
         self.timestep = build_timestep_conditioning(config, loop, self.core, model_cfg.norm_scheme)
         # SpiralFormer per-step resolutions and the Anchor / MeSH topologies (None: plain loop).
         # Under PP a step is down-scaled where it starts and up-scaled where it ends.
         self.spiral = build_spiral(config, loop, first=pre_process, last=post_process)
+        # The loop variants, in hook order (megaloop.model.recurrence.LoopVariant): history and
+        # input injection feed the core, the spiral down-scales, timestep features and LoRA
+        # adapters are selected around the core pass, the spiral up-scales and loop gating mixes
+        # after it. A plain list: the modules are registered above under their own names.
+        self.variants = [v for v in (self.history_injection, self.injection, self.spiral,
+                                     self.timestep, self.lora) if v is not None]
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook (megatron schedules call it); with one stage there is nothing to take."""
@@ -152,48 +142,7 @@ class LoopedGPTModel(LanguageModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    # --- one loop step -------------------------------------------------------------------
-    def _core_step(self, h, attention_mask, rotary_pos_emb, step: int = 1, source=None,
-                   past: Optional[list] = None, num_loops: Optional[int] = None, state=None,
-                   length: Optional[int] = None):
-        """h_t = core(inject(h_{t-1} + history, source); step t of num_loops); returns (state for
-        the next step, normalized state y_t). ``step`` (1-based) selects the stepwise LoRA
-        adapters and the timestep features; ``past`` holds the completed states before h_{t-1}
-        (h_1 .. h_{t-2}) for history injection. ``state``: the spiral's LoopState; ``length``:
-        the token count L on a pipeline stage whose h is a coarse step's latents."""
-        T = num_loops or self.loop.num_loops
-        z = h
-        if self.history_injection is not None and past:
-            z = self.history_injection(z, past)
-        if self.injection is not None and (step > 1 or self.injection.every_step):
-            z = self.injection(z, source)
-        if self.lora is not None:
-            self.lora.select(step)
-        if self.timestep is not None:
-            self.timestep.select(step, T)
-        if self.spiral is None:
-            out = self.core(hidden_states=z, attention_mask=attention_mask,
-                            rotary_pos_emb=rotary_pos_emb)
-        else:  # down -> core at resolution r_t -> up -> shift, then Anchor / MeSH (``state``)
-            # A pipeline stage runs its share: the first down-scales (h: the entering state),
-            # later ones receive latents; only the last knows the step's output (length: L).
-            if self.pre_process:
-                z = self.spiral.down(z, h, state, step)
-            out = self.spiral.core_pass(self.core, z, step, T, attention_mask, rotary_pos_emb)
-            if self.post_process:
-                length = h.size(0) if length is None else length  # one stage: h is whole
-                out = self.spiral.up(out, state, length, step, T)
-        if self.timestep is not None:
-            out = self.timestep.finish(out, h, step, T)
-        if self.lora is not None:
-            out = self.lora.mark(out, step)
-        h = out
-        if self.step_norm is None:  # a pipeline stage before the last: the step goes on there
-            return h, None
-        y = self.step_norm(h)
-        return (y if self.loop.step_norm_placement == "recurrent" else h), y
-
-    def _readout(self, y, attention_mask, rotary_pos_emb, gate: bool):
+    def readout(self, y, attention_mask, rotary_pos_emb, gate: bool):
         """Coda, head and gate on y_t: (vocab-parallel logits [s, b, v/tp], gate logit or None)."""
         r = y
         if self.coda is not None:
@@ -204,65 +153,14 @@ class LoopedGPTModel(LanguageModule):
         logits, _ = self.output_layer(r, weight=weight)
         return logits, (self.exit_gate(r) if gate else None)
 
-    def _embed(self, input_ids, position_ids, attention_mask, rotary_pos_emb):
-        """Embedding and prelude: (h_0, the injection source)."""
-        h = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        source = h  # the injected source (--injection-source embedding)
-        if self.prelude is not None:
-            h = self.prelude(hidden_states=h, attention_mask=attention_mask,
-                             rotary_pos_emb=rotary_pos_emb)
-            if self.loop.injection_source == "prelude":
-                source = h
-        return h, source
-
-    # --- the recurrence ------------------------------------------------------------------
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
                 num_loops: Optional[int] = None, no_grad_steps: int = 0):
         """With labels: a LoopOutput. Without: the last step's logits [b, s, v/tp].
         ``no_grad_steps``: truncated backpropagation, the first n steps (core and readout) run
         without gradient; their losses still enter the objective's value, as constants."""
-        T = num_loops or self.loop.num_loops
-        mode = self.loop.exit_loss if T > 1 else "expected"
-        if mode != "last" and T > 1 and self.exit_gate is None:
-            raise ValueError(f"running {T} loops needs an exit gate, but this model was built "
-                             f"with --num-loops {self.loop.num_loops} and --exit-loss "
-                             f"{self.loop.exit_loss} (no gate); use --exit-loss last")
-        rope = None
-        if self.position_embedding_type == "rope":
-            rope = self.rotary_pos_emb(input_ids.size(1))
-        h, source = self._embed(input_ids, position_ids, attention_mask, rope)
-        state = None
-        if self.spiral is not None:  # Anchor keeps h_0; MeSH does its transitional write-read
-            h, state = self.spiral.begin(h)
-
-        objective = ExitObjective(T, mode, self.loop.exit_kl_beta, self.loop.exit_loss_smoothing,
-                                  gate_k=self.loop.gate_bce_k, gate_gamma=self.loop.gate_bce_gamma)
-        logits = None
-        past = []  # completed states h_1 .. h_{t-2} for history injection (h_0 excluded)
-        for t in range(1, T + 1):
-            # The state leaving a no-grad step is a constant for the steps after it.
-            grad = torch.is_grad_enabled() and t > no_grad_steps
-            with torch.set_grad_enabled(grad):
-                h_prev = h
-                h, y = self._core_step(h, attention_mask, rope, t, source, past, T, state)
-                if self.history_injection is not None and t > 1:
-                    past = (past + [h_prev])[-self.loop.history_window:]
-                if labels is None or mode == "last":
-                    if t < T:  # only the final step is read out
-                        if labels is not None:
-                            objective.add_step(None, None)
-                        continue
-                gate = self.exit_gate is not None and (t < T or mode == "adaptive-gate")
-                logits, gate_logit = self._readout(y, attention_mask, rope, gate)
-                if labels is not None:
-                    objective.add_step(self.compute_language_model_loss(labels, logits), gate_logit)
-
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()
-        nan = torch.full_like(labels, float("nan"), dtype=torch.float32)
-        step_losses = torch.stack([nan if l is None else l for l in objective.step_losses])
-        probs = torch.stack(objective.exit_probs) if objective.exit_probs else None
-        return LoopOutput(objective.per_token(), step_losses, probs)
+        ctx = recurrence.context(self, input_ids, attention_mask, labels, num_loops)
+        carry = recurrence.begin(self, input_ids, position_ids, ctx)
+        return recurrence.fold(self, carry, ctx, no_grad_steps)
 
 
 def build_model(model_cfg: ModelConfig, loop: LoopConfig, vocab_size: int, *, tp_size: int = 1,

@@ -22,8 +22,8 @@ Tensor parallelism mirrors the base linear, and the rank-r bottleneck carries th
 Replicated LoRA parameters that see only a slice of the tokens under SP carry megatron-core's
 ``sequence_parallel`` tag so their gradients are summed over the TP group.
 
-The step is set by the recurrence (``select``) before each core pass; ``mark`` keeps it right under
-activation recomputation (megaloop.model.loop_step).
+The step is set around each core pass by the recurrence's ``around_core`` hook, which also keeps it
+right under activation recomputation (megaloop.model.loop_step).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
                                              make_sharded_tensors_for_checkpoint)
 
 from megaloop.model.loop_step import ReselectStep, StepHolder
+from megaloop.model.recurrence import LoopVariant
 
 # target linear -> (parent attribute, tensor-parallel kind)
 TARGETS = {
@@ -148,7 +149,7 @@ def _fused_input_norm(base, config):
     return norm
 
 
-class StepwiseLoRA:
+class StepwiseLoRA(LoopVariant):
     """Adds per-step adapters to every layer of a core ``TransformerBlock`` (not a module itself:
     the adapters are registered inside the layers, next to the linears they adapt)."""
 
@@ -170,13 +171,12 @@ class StepwiseLoRA:
                 base.register_forward_hook(adapter.hook, with_kwargs=True)
                 self.adapters.append(adapter)
 
-    def select(self, step: int) -> None:
-        """Use step ``step``'s adapters (1-based) in the next core pass; steps beyond the trained
-        count reuse the last adapter (inference at more loops than trained)."""
-        self.step.value = step
-
-    def mark(self, h: torch.Tensor, step: int) -> torch.Tensor:
-        """Make the backward pass re-select ``step`` before it reaches the core (recompute-safe)."""
-        if not torch.is_grad_enabled() or not h.requires_grad:
-            return h
-        return ReselectStep.apply(h, self.step, step)
+    def around_core(self, run, z, attention_mask, rotary_pos_emb, t, ctx):
+        """Use step t's adapters (1-based) in this core pass; steps beyond the trained count
+        reuse the last adapter (inference at more loops than trained). The output is marked so
+        that the backward pass re-selects step t before it recomputes the core."""
+        self.step.value = t
+        out = run(z, attention_mask, rotary_pos_emb)
+        if not torch.is_grad_enabled() or not out.requires_grad:
+            return out
+        return ReselectStep.apply(out, self.step, t)

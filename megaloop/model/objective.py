@@ -104,15 +104,20 @@ class ExitObjective:
 
     @classmethod
     def resume(cls, num_loops: int, mode: str, beta: float, smoothing: float, *,
-               steps_done: int, log_survival: Optional[torch.Tensor]) -> "ExitObjective":
-        """Continue a fold whose first ``steps_done`` steps ran elsewhere (an earlier pipeline
-        chunk). Going on needs only the running log-survival; the summed terms restart at zero,
-        so ``share()`` of the result is the part of the objective owed to the steps folded here,
-        and the shares of all chunks add up to ``per_token()`` of one uninterrupted fold."""
-        obj = cls(num_loops, mode, beta, smoothing, step=steps_done)
+               steps_done: int, log_survival: Optional[torch.Tensor],
+               previous_loss: Optional[torch.Tensor] = None, gate_k: float = 50.0,
+               gate_gamma: float = 0.005) -> "ExitObjective":
+        """Continue a fold whose first ``steps_done`` steps ran before (an earlier loop step,
+        maybe on another pipeline stage). Going on needs only the running log-survival (and, for
+        adaptive-gate training, the previous step's loss); the summed terms restart at zero, so
+        ``share()`` of the result is the part of the objective owed to the steps folded here,
+        and the shares of all steps add up to ``per_token()`` of one uninterrupted fold."""
+        obj = cls(num_loops, mode, beta, smoothing, step=steps_done, gate_k=gate_k,
+                  gate_gamma=gate_gamma, previous_loss=previous_loss)
         if log_survival is not None:
             zero = torch.zeros_like(log_survival)
             obj.log_survival, obj.weighted, obj.uniform, obj.p_log_p = log_survival, zero, zero, zero
+            obj.bce = zero
         return obj
 
     def per_token(self) -> torch.Tensor:

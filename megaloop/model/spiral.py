@@ -47,16 +47,16 @@ Decisions that 001 leaves open, made here:
 - **Pipeline parallelism**: a step is split where the core is split. The stage that starts a
   loop step (the first) injects, records the state entering the step and down-scales; every stage
   runs its core layers on the L_t latents; the stage that ends it (the last) up-scales, shifts and
-  applies the topology (``down`` / ``core_pass`` / ``up``; the single-stage model runs the three
-  on one stage). megatron-core's schedule sends one p2p shape, so latents cross stages padded with
+  applies the topology (the ``before_core`` / ``around_core`` / ``after_core`` hooks of the
+  recurrence; the single-stage model runs the three on one stage). megatron-core's schedule sends one p2p shape, so latents cross stages padded with
   zeros at the end to length L, and each stage cuts them back to L_t before its layers (the pad
   never enters a layer). Anchor's h_0, MeSH's B slots and the state entering the step (read by
   the step's MeSH routers on the last stage) travel with the activation as extra [L, b, d] blocks
-  of the ring (megaloop/parallel/pipeline.py), as the injection source does. Each parameter has
+  of the carry (megaloop/model/carry.py), as the injection source does. Each parameter has
   one owner: scorers and the transitional MeSH routers on the first stage; allocators, the step
   routers and the final read on the last.
 
-Topologies (001 section 2.1; MeSH from arXiv 2510.07739, restated in seeds/README.md):
+Topologies (001 section 2.1; MeSH from arXiv 2510.07739):
 
 - ``plain``: h_next = u~ (the loop megaloop always had; only full resolution is allowed, since a
   coarse step's u~ is zero on the first s_t tokens);
@@ -75,12 +75,13 @@ rank without SP, and every rank computes the same gradient), as the exit gate an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import List, Optional
 
 import torch
 from megatron.core.transformer.module import MegatronModule
+
+from megaloop.model.recurrence import LoopVariant
 
 
 # --- schedule --------------------------------------------------------------------------------
@@ -259,15 +260,6 @@ class ResolutionStep(MegatronModule):
         scores = None if self.scorer is None else self.scorer(h).squeeze(-1)
         return downscale(h, self.g, self.omega, scores)
 
-    def core_pass(self, core, z, attention_mask, rotary_pos_emb):
-        """This stage's core layers on the latents z [L_t, b, d]."""
-        if self.g == 1:
-            return core(hidden_states=z, attention_mask=attention_mask,
-                        rotary_pos_emb=rotary_pos_emb)
-        rope = None if rotary_pos_emb is None else rotary_pos_emb[: z.size(0)]
-        # Latents keep the core's own causal mask; an explicit token mask does not apply here.
-        return core(hidden_states=z, attention_mask=None, rotary_pos_emb=rope)
-
     def up(self, z_hat, length: int):
         """Core outputs [L_t, b, d] -> the shifted update u~ [L, b, d]."""
         assert self.last, "up-scaling runs on the last pipeline stage"
@@ -276,34 +268,6 @@ class ResolutionStep(MegatronModule):
         logits = None if self.allocator is None else self.allocator(z_hat)
         u = upscale(z_hat, self.g, self.omega, length, logits)
         return shift_right(u, self.s)
-
-    def forward(self, core, h, attention_mask, rotary_pos_emb):
-        """The shifted update u~ [L, b, d] of one core pass at this resolution."""
-        return self.up(self.core_pass(core, self.down(h), attention_mask, rotary_pos_emb),
-                       h.size(0))
-
-
-@dataclass
-class LoopState:
-    """What travels between loop steps besides h: the anchor h_0 or the MeSH buffer, and (for
-    the MeSH routers, which run where the step ends) the state entering the current step."""
-
-    anchor: Optional[torch.Tensor] = None
-    memory: Optional[List[torch.Tensor]] = None
-    entering: Optional[torch.Tensor] = None
-    extra: dict = field(default_factory=dict)
-
-    def carried(self) -> List[torch.Tensor]:
-        """The [L, b, d] blocks a pipeline stage hands on (layout of ``from_carried``)."""
-        if self.memory is not None:
-            return [self.entering] + list(self.memory)
-        return [self.anchor] if self.anchor is not None else []
-
-    @staticmethod
-    def from_carried(topology: str, blocks: List[torch.Tensor]) -> "LoopState":
-        if topology == "mesh":
-            return LoopState(entering=blocks[0], memory=list(blocks[1:]))
-        return LoopState(anchor=blocks[0]) if topology == "anchor" else LoopState()
 
 
 class MeSH(MegatronModule):
@@ -356,11 +320,12 @@ class MeSH(MegatronModule):
         return self._read(memory, self._weights(self.final_read, h))
 
 
-class SpiralLoop(MegatronModule):
+class SpiralLoop(MegatronModule, LoopVariant):
     """Per-step resolution operators and the state topology of a LoopedGPTModel.
 
-    A step is ``down`` (first stage) -> ``core_pass`` (every stage, on its core layers) -> ``up``
-    (last stage); with one stage all three run in order in ``LoopedGPTModel._core_step``."""
+    A step is ``before_core`` (first stage: down) -> ``around_core`` (every stage, its core layers
+    at the step's resolution) -> ``after_core`` (last stage: up, shift, topology), the hooks of
+    the recurrence (megaloop/model/recurrence.py)."""
 
     def __init__(self, config, loop, seed: int, first: bool = True, last: bool = True):
         super().__init__(config=config)
@@ -376,45 +341,49 @@ class SpiralLoop(MegatronModule):
         self.mesh = MeSH(config, loop.num_loops, loop.mesh_slots or loop.num_loops + 3, gen,
                          first, last) if self.topology == "mesh" else None
 
-    def num_carried(self) -> int:
-        """How many [L, b, d] blocks of LoopState cross pipeline stages (``LoopState.carried``)."""
-        if self.mesh is not None:
-            return 1 + self.mesh.B
-        return 1 if self.topology == "anchor" else 0
-
-    def begin(self, h0):
-        """Before step 1: (loop input h, LoopState)."""
-        if self.mesh is not None:
-            h, memory = self.mesh.begin(h0)
-            return h, LoopState(memory=memory)
-        return h0, LoopState(anchor=h0)
+    def num_slots(self) -> int:
+        """MeSH's memory slots B (0 for the other topologies)."""
+        return self.mesh.B if self.mesh is not None else 0
 
     def latent_length(self, length: int, t: int) -> Optional[int]:
         """L_t of a coarse step t for a sequence of ``length`` tokens; None at full resolution
-        (and for a step this schedule lacks, which ``core_pass`` refuses)."""
+        (and for a step this schedule lacks, which ``around_core`` refuses)."""
         g = self.sizes[t - 1] if t <= len(self.sizes) else 1
         return num_chunks(length, g) if g > 1 else None
 
-    def down(self, z, h, state: LoopState, t: int):
-        """First stage of step t: remember the entering state h, down-scale the injected z."""
-        state.entering = h
+    # --- the loop-variant hooks (megaloop.model.recurrence) ----------------------------------
+    def begin(self, carry, ctx):
+        """Before step 1: Anchor keeps h_0; MeSH does its transitional write-read."""
+        if self.mesh is not None:
+            carry.h, carry.memory = self.mesh.begin(carry.h)
+        elif self.topology == "anchor":
+            carry.anchor = carry.h
+
+    def before_core(self, z, carry, t, ctx):
+        """First stage of step t: down-scale the injected z."""
         return self.steps[t - 1].down(z)
 
-    def core_pass(self, core, z, t: int, T: int, attention_mask, rope):
-        if T != len(self.steps):
+    def around_core(self, run, z, attention_mask, rotary_pos_emb, t, ctx):
+        """The core pass at step t's resolution: latents get the rotary table cut to L_t and
+        keep the core's own causal mask (an explicit token mask does not apply to them)."""
+        if ctx.num_loops != len(self.steps):
             raise ValueError(f"this model has a per-step schedule of {len(self.steps)} loop steps "
-                             f"(--loop-resolutions / --loop-topology); it cannot run {T} loops")
-        return self.steps[t - 1].core_pass(core, z, attention_mask, rope)
+                             f"(--loop-resolutions / --loop-topology); it cannot run "
+                             f"{ctx.num_loops} loops")
+        if self.sizes[t - 1] == 1:
+            return run(z, attention_mask, rotary_pos_emb)
+        rope = None if rotary_pos_emb is None else rotary_pos_emb[: z.size(0)]
+        return run(z, None, rope)
 
-    def up(self, z_hat, state: LoopState, length: int, t: int, T: int):
+    def after_core(self, out, carry, t, ctx):
         """Last stage of step t: up-scale, shift, then the topology; returns the new state h^(t)
-        (after the final read at t = T for MeSH)."""
-        u_tilde = self.steps[t - 1].up(z_hat, length)
+        (after the final read at t = T for MeSH). The MeSH routers read the entering state."""
+        u_tilde = self.steps[t - 1].up(out, ctx.length)
         if self.topology == "anchor":
-            return u_tilde + state.anchor
+            return u_tilde + carry.anchor
         if self.topology == "mesh":
-            h_next, state.memory = self.mesh.step(u_tilde, state.entering, state.memory, t)
-            return self.mesh.finish(h_next, state.memory) if t == T else h_next
+            h_next, carry.memory = self.mesh.step(u_tilde, carry.entering, carry.memory, t)
+            return self.mesh.finish(h_next, carry.memory) if t == ctx.num_loops else h_next
         return u_tilde
 
 

@@ -10,11 +10,14 @@ sends each micro-batch round the ring T times. All T chunks of a stage run the s
   the stage's parameters; it alone is wrapped in DDP, given to the optimizer and to
   ``finalize_model_grads``. Chunks 1..T-1 are ``LoopStep`` views holding an unregistered
   reference to it. Wrapping every chunk would count the grad norm T times and apply the update
-  T times (DESIGN.md).
-- What a step needs from the steps before it travels with the activation as one tensor (the
-  ``Ring`` layout): the recurrent state, the injection source when injection is on, and the
-  per-token running log-survival of the exit distribution; with SpiralFormer also Anchor's h_0
-  or MeSH's entering state and slots (a coarse step's latents travel zero-padded to length L).
+  T times.
+- A chunk runs one step of the recurrence (megaloop/model/recurrence.py) on this stage's part of
+  the model. What a step needs from the steps before it is the loop's ``Carry``, which travels
+  with the activation as one tensor of a fixed shape (``CarryLayout``, megaloop/model/carry.py):
+  the state, the injection source, the history window, the state entering the step, Anchor's
+  h_0 or MeSH's slots, and the per-token accumulators of the exit objective.
+- Random depth changes T (so V) from one call to the next; truncated backpropagation runs a
+  chunk's step without gradient and keeps the schedule's backward path with a zero gradient.
 - The schedule calls its loss function on the last chunk only. The objective share of every
   earlier step (computed on the last stage, where gate and head live) is attached to the
   activation leaving that chunk by ``_AttachLoss``, an autograd function that feeds the share
@@ -30,7 +33,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import math
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -42,110 +44,10 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import MegatronModule
 
-from megaloop.model import spiral
-from megaloop.model.looped_gpt import LoopedGPTModel, LoopOutput
-from megaloop.model.objective import ExitObjective
-
-
-# --- what travels between stages ------------------------------------------------------------
-class _PackRing(torch.autograd.Function):
-    """[state; source; side bits] along the sequence axis, in the pipeline dtype.
-
-    The side tensor is fp32 (log-survival near 0 must not be rounded to bf16) and travels as its
-    raw bits reinterpreted in the pipeline dtype, so it arrives exact whatever that dtype is. Its
-    gradient takes the same way back; one function owns both directions, so those bits are only
-    ever copied, never added to (a sum of bit patterns would be garbage)."""
-
-    @staticmethod
-    def forward(ctx, side, rows, *hiddens):
-        b, n = side.shape
-        ctx.n, ctx.hidden_rows = n, [h.shape[0] for h in hiddens]
-        bits = side.contiguous().view(hiddens[0].dtype)  # [b, n * 4 / itemsize]
-        width = rows * hiddens[0].shape[-1]
-        block = torch.nn.functional.pad(bits, (0, width - bits.shape[1]))
-        block = block.view(b, rows, -1).transpose(0, 1)
-        return torch.cat([*hiddens, block], 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pieces = grad.split(ctx.hidden_rows + [grad.shape[0] - sum(ctx.hidden_rows)], 0)
-        block = pieces[-1]
-        b = block.shape[1]
-        ratio = 4 // grad.element_size()
-        bits = block.transpose(0, 1).reshape(b, -1)[:, :ctx.n * ratio].contiguous()
-        return (bits.view(torch.float32), None, *pieces[:-1])
-
-
-class _UnpackRing(torch.autograd.Function):
-    """The inverse of ``_PackRing`` on the receiving stage (and of its gradient)."""
-
-    @staticmethod
-    def forward(ctx, payload, hidden_rows, n):
-        ctx.hidden_rows, ctx.n, ctx.shape, ctx.dtype = hidden_rows, n, payload.shape, payload.dtype
-        ctx.device = payload.device
-        pieces = payload.split(hidden_rows + [payload.shape[0] - sum(hidden_rows)], 0)
-        block = pieces[-1]
-        b = block.shape[1]
-        ratio = 4 // payload.element_size()
-        side = block.transpose(0, 1).reshape(b, -1)[:, :n * ratio].contiguous()
-        return (side.view(torch.float32), *[p.clone() for p in pieces[:-1]])
-
-    @staticmethod
-    def backward(ctx, grad_side, *grad_hiddens):
-        rows_total, b, width = ctx.shape
-        dtype = ctx.dtype
-        grad_hiddens = [torch.zeros(r, b, width, dtype=dtype, device=ctx.device) if g is None
-                        else g
-                        for g, r in zip(grad_hiddens, ctx.hidden_rows)]
-        if grad_side is None:
-            grad_side = torch.zeros(b, ctx.n, dtype=torch.float32, device=ctx.device)
-        bits = grad_side.contiguous().view(dtype)
-        rows = rows_total - sum(ctx.hidden_rows)
-        block = torch.nn.functional.pad(bits, (0, rows * width - bits.shape[1]))
-        block = block.view(b, rows, width).transpose(0, 1)
-        return torch.cat([*grad_hiddens, block], 0), None, None
-
-
-@dataclass
-class Ring:
-    """Layout of the one tensor a loop step hands to the next stage: ``num_hidden`` blocks of
-    [s_local, b, h] (the recurrent state, then the injection source) followed by ``side_rows``
-    rows that hold the [b, s] fp32 log-survival bit for bit. The schedule allocates receive
-    buffers of [seq_length, b, h] (divided by TP under sequence parallelism), so ``seq_length``
-    is what the schedule is told."""
-
-    num_hidden: int
-    seq_local: int
-    seq_full: int
-    hidden_size: int
-    dtype: torch.dtype
-    carries_survival: bool
-    sp_size: int = 1
-
-    @property
-    def side_rows(self) -> int:
-        if not self.carries_survival:
-            return 0
-        per_value = 32 // torch.finfo(self.dtype).bits  # pipeline-dtype elements per fp32
-        return math.ceil(self.seq_full * per_value / self.hidden_size)
-
-    @property
-    def seq_length(self) -> int:
-        return (self.num_hidden * self.seq_local + self.side_rows) * self.sp_size
-
-    def pack(self, hiddens: list, log_survival: Optional[torch.Tensor]) -> torch.Tensor:
-        hiddens = [h.to(self.dtype) for h in hiddens]
-        if not self.carries_survival:
-            return torch.cat(hiddens, 0) if len(hiddens) > 1 else hiddens[0]
-        return _PackRing.apply(log_survival.float(), self.side_rows, *hiddens)
-
-    def unpack(self, payload: torch.Tensor):
-        """(list of hidden blocks, log-survival or None)."""
-        rows = [self.seq_local] * self.num_hidden
-        if not self.carries_survival:
-            return list(payload.split(rows, 0)), None
-        side, *hiddens = _UnpackRing.apply(payload, rows, self.seq_full)
-        return hiddens, side
+from megaloop.model import recurrence
+from megaloop.model.carry import CarryLayout, history_count
+from megaloop.model.looped_gpt import LoopedGPTModel
+from megaloop.model.loss import LoopOutput, loss_func
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -181,90 +83,89 @@ class PipelineStage(LoopedGPTModel):
     """This rank's part of the looped model; as a module it is chunk 0 (loop step 1)."""
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
-                num_loops: Optional[int] = None) -> StepResult:
+                num_loops: Optional[int] = None, no_grad_steps: int = 0) -> StepResult:
         return self.step_forward(1, self.input_tensor, input_ids, position_ids, attention_mask,
-                                 labels, num_loops)
+                                 labels, num_loops, no_grad_steps)
 
-    def ring(self, batch: int, seq: int, num_loops: int) -> Ring:
+    def carry_layout(self, batch: int, seq: int, num_loops: int) -> CarryLayout:
+        """The p2p layout of the carry for ``num_loops`` loops (the same on every stage)."""
+        loop, T = self.loop, num_loops
         sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-        injection = self.loop.input_injection != "none"
-        # Anchor's h_0 / MeSH's entering state and slots are needed by the last stage of every
-        # step, so they travel even at T = 1.
-        carried = self.spiral.num_carried() if self.spiral is not None else 0
-        return Ring(num_hidden=(2 if injection and num_loops > 1 else 1) + carried,
-                    seq_local=seq // sp,
-                    seq_full=seq, hidden_size=self.config.hidden_size,
-                    dtype=self.config.pipeline_dtype, sp_size=sp,
-                    carries_survival=_mode(self.loop, num_loops) != "last" and num_loops > 1)
+        mode = loop.exit_loss if T > 1 else "expected"
+        mesh = self.spiral is not None and self.spiral.mesh is not None
+        return CarryLayout(
+            seq_local=seq // sp, seq_full=seq, hidden_size=self.config.hidden_size,
+            dtype=self.config.pipeline_dtype, sp_size=sp,
+            source=loop.input_injection != "none" and T > 1,
+            # Step t reads h_1 .. h_{t-2}: the window is first read at step 3.
+            history=loop.history_window if loop.history_injection != "none" and T > 2 else 0,
+            entering=mesh or loop.timestep_conditioning == "loop-gating",
+            anchor=self.spiral is not None and self.spiral.topology == "anchor",
+            memory=self.spiral.num_slots() if self.spiral is not None else 0,
+            survival=mode != "last" and T > 1,
+            previous_loss=mode == "adaptive-gate" and T > 1)
 
     def step_forward(self, t: int, input_tensor, input_ids, position_ids, attention_mask,
-                     labels, num_loops: Optional[int]) -> StepResult:
-        """Loop step t (1-based) of one micro-batch on this stage."""
-        T = num_loops or self.loop.num_loops
-        mode = _mode(self.loop, T)
-        if mode != "last" and T > 1 and not self.loop.gated:
-            raise ValueError(f"running {T} loops needs an exit gate, but this model was built "
-                             f"with --num-loops {self.loop.num_loops} and --exit-loss "
-                             f"{self.loop.exit_loss} (no gate); use --exit-loss last")
+                     labels, num_loops: Optional[int], no_grad_steps: int = 0) -> StepResult:
+        """Loop step t (1-based) of one micro-batch on this stage: unpack the carry, run the
+        recurrence's step, pack the carry for the next stage."""
         if labels is None:
             raise ValueError("a pipeline-parallel forward needs labels (training/evaluation)")
-        ring = self.ring(input_ids.size(0), input_ids.size(1), T)
-        rope = None
-        if self.position_embedding_type == "rope":
-            rope = self.rotary_pos_emb(input_ids.size(1))
-        state = None  # SpiralFormer: Anchor's h_0 or MeSH's slots (spiral.LoopState)
-        num_state = self.spiral.num_carried() if self.spiral is not None else 0
-        has_source = ring.num_hidden - num_state > 1
+        ctx = recurrence.context(self, input_ids, attention_mask, labels, num_loops)
+        T = ctx.num_loops
+        layout = self.carry_layout(input_ids.size(0), input_ids.size(1), T)
+        grad = torch.is_grad_enabled() and t > no_grad_steps
         if self.pre_process and t == 1:
-            h, source = self._embed(input_ids, position_ids, attention_mask, rope)
-            if self.spiral is not None:
-                h, state = self.spiral.begin(h)
-            log_survival = torch.zeros(input_ids.shape, dtype=torch.float32,
-                                       device=h.device) if ring.carries_survival else None
+            # Embedding and prelude keep their gradient under truncation: the injection source
+            # reaches later steps (as in the single-stage fold, where they run outside the steps).
+            carry = recurrence.begin(self, input_ids, position_ids, ctx)
         else:
-            hiddens, log_survival = ring.unpack(input_tensor)
-            h, source = hiddens[0], (hiddens[1] if has_source else None)
-            if self.spiral is not None:
-                state = spiral.LoopState.from_carried(self.spiral.topology,
-                                                      hiddens[ring.num_hidden - num_state:])
-        length = input_ids.size(1)
-        latents = None if self.spiral is None else self.spiral.latent_length(length, t)
-        if latents is not None and not self.pre_process:
-            # Inside a split core a coarse step's activation is L_t latents, sent zero-padded at
-            # the end to the one p2p length L; the pad is cut off before any layer sees it.
-            h = h[:latents]
-        h, y = self._core_step(h, attention_mask, rope, t, source, num_loops=T, state=state,
-                               length=length)
-        if latents is not None and not self.post_process:
-            h = torch.nn.functional.pad(h, (0, 0, 0, 0, 0, length - h.size(0)))
-        carried = [h] + ([source] if has_source else [])
-        if state is not None:
-            carried += state.carried()
-        if not self.post_process or (mode == "last" and t < T):
-            return StepResult(ring.pack(carried, log_survival), None)
-
-        gate = ring.carries_survival and t < T
-        logits, gate_logit = self._readout(y, attention_mask, rope, gate)
-        loss = self.compute_language_model_loss(labels, logits)
-        objective = ExitObjective.resume(T, mode, self.loop.exit_kl_beta,
-                                         self.loop.exit_loss_smoothing, steps_done=t - 1,
-                                         log_survival=log_survival)
-        objective.add_step(loss, gate_logit)
+            latents = None if self.spiral is None or self.pre_process else \
+                self.spiral.latent_length(ctx.length, t)
+            carry = layout.unpack(input_tensor, history_count(
+                t, layout.history, self.pre_process), h_rows=latents)
+        with torch.set_grad_enabled(grad):
+            carry, out = recurrence.step(self, carry, t, ctx)
+        final = self.post_process and t == T
+        payload = None if final else layout.pack(carry)
+        if payload is not None and torch.is_grad_enabled() and not grad:
+            payload = _keep_backward_path(payload, input_tensor)
+        if out.share is None and out.loss is None:
+            return StepResult(payload, None)
         # Statistics of this step only, laid out like the single-stage LoopOutput (zeros for the
         # other steps, so the reports of all steps sum to it; NaN where `last` reads nothing).
         step_losses = torch.zeros((T,) + tuple(labels.shape), dtype=torch.float32,
-                                  device=loss.device)
-        if mode == "last":
+                                  device=out.loss.device)
+        if ctx.mode == "last":
             step_losses[:t - 1] = float("nan")
-        step_losses[t - 1] = loss.detach()
+        step_losses[t - 1] = out.loss
         probs = None
-        if objective.exit_probs:
+        if out.exit_prob is not None:
             probs = torch.zeros_like(step_losses)
-            probs[t - 1] = objective.exit_probs[-1]
-        share = LoopOutput(objective.share(), step_losses, probs)
-        if t == T:
-            return StepResult(None, share)
-        return StepResult(ring.pack(carried, objective.log_survival), share)
+            probs[t - 1] = out.exit_prob
+        return StepResult(payload, LoopOutput(out.share, step_losses, probs))
+
+
+class _KeepBackwardPath(torch.autograd.Function):
+    """Identity on a no-grad step's payload that keeps the schedule's backward well formed: the
+    schedule runs a backward through every chunk and sends its input gradient upstream, so the
+    payload must require grad and the chunk's input must receive a gradient (zero)."""
+
+    @staticmethod
+    def forward(ctx, payload, input_tensor):
+        ctx.input_shape = None if input_tensor is None else input_tensor.shape
+        return payload.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        zero = None if ctx.input_shape is None else grad.new_zeros(ctx.input_shape)
+        return None, zero
+
+
+def _keep_backward_path(payload, input_tensor):
+    if input_tensor is None:  # the first stage at step 1: a leaf the backward can end at
+        return payload.detach().requires_grad_()
+    return _KeepBackwardPath.apply(payload, input_tensor)
 
 
 class LoopStep(MegatronModule):
@@ -287,13 +188,9 @@ class LoopStep(MegatronModule):
         self.input_tensor = input_tensor
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
-                num_loops: Optional[int] = None) -> StepResult:
+                num_loops: Optional[int] = None, no_grad_steps: int = 0) -> StepResult:
         return self._stage[0].step_forward(self.step, self.input_tensor, input_ids, position_ids,
-                                           attention_mask, labels, num_loops)
-
-
-def _mode(loop, num_loops: int) -> str:
-    return loop.exit_loss if num_loops > 1 else "expected"
+                                           attention_mask, labels, num_loops, no_grad_steps)
 
 
 # --- building -------------------------------------------------------------------------------
@@ -378,7 +275,7 @@ class LoopPipeline:
         return [self.model] + self._views[num_loops]
 
     def run(self, data_iterator, num_microbatches: int, seq_length: int, micro_batch_size: int,
-            forward_only: bool, num_loops: Optional[int] = None) -> list:
+            forward_only: bool, num_loops: Optional[int] = None, no_grad_steps: int = 0) -> list:
         """The per-micro-batch reports (schedule's and auxiliary) of this rank."""
         T = num_loops or self.loop.num_loops
         interleaved = T > 1
@@ -388,20 +285,20 @@ class LoopPipeline:
         # p2p: gloo pairs messages between two ranks by posting order. With P = 2 a stage's
         # previous and next rank are the same rank, and the batched path (one batch of
         # isend/irecv in both directions) hands a forward activation to the gradient's irecv:
-        # the loss is silently wrong (DESIGN.md). The unbatched path sends the two directions
+        # the loss is silently wrong, with no error. The unbatched path sends the two directions
         # over different communicators. NCCL keeps Megatron-LM's defaults: batched for the
         # non-interleaved schedule, unbatched for the interleaved one.
         backend = torch.distributed.get_backend(parallel_state.get_pipeline_model_parallel_group())
         config.batch_p2p_comm = backend == "nccl" and not interleaved
         config.overlap_p2p_comm = False
-        ring = self.stage.ring(micro_batch_size, seq_length, T)
+        layout = self.stage.carry_layout(micro_batch_size, seq_length, T)
         reports = []
         iterators = list(itertools.tee(data_iterator, T)) if interleaved else data_iterator
         schedule = get_forward_backward_func(pp_size=self.pp_size, vp_size=T if interleaved else None)
         out = schedule(forward_step_func=partial(forward_step, num_loops=T, reports=reports,
-                                                 config=config),
+                                                 config=config, no_grad_steps=no_grad_steps),
                        data_iterator=iterators, model=self.chunks(T),
-                       num_microbatches=num_microbatches, seq_length=ring.seq_length,
+                       num_microbatches=num_microbatches, seq_length=layout.seq_length,
                        micro_batch_size=micro_batch_size, forward_only=forward_only)
         return list(out) + reports
 
@@ -410,20 +307,20 @@ def _finalize_owner(owner, _chunks, num_tokens=None, **kwargs):
     finalize_model_grads([owner], num_tokens, **kwargs)
 
 
-def forward_step(data_iterator, model, num_loops: int, reports: list, config):
+def forward_step(data_iterator, model, num_loops: int, reports: list, config,
+                 no_grad_steps: int = 0):
     """One chunk of one micro-batch (every stage reads the batch; each uses what it needs)."""
-    from megaloop.training.trainer import loss_func
-
     batch = next(data_iterator)
     result = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"], num_loops=num_loops)
+                   labels=batch["labels"], num_loops=num_loops, no_grad_steps=no_grad_steps)
     final_loss = partial(loss_func, batch["loss_mask"], num_loops)
     if result.payload is None:  # the final step on the last stage: the schedule's loss
         return result.share, final_loss
     payload = result.payload
     if result.share is not None:  # an earlier step read out on the last stage
-        total, _, report = loss_func(batch["loss_mask"], num_loops, result.share)
-        report["stats"][1] = 0  # the final step counts the tokens
+        # The final step's report counts the micro-batch's tokens.
+        total, _, report = loss_func(batch["loss_mask"], num_loops, result.share,
+                                     count_tokens=False)
         reports.append(report)
         payload = _AttachLoss.apply(payload, total, config)
     return payload, final_loss

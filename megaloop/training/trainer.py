@@ -28,7 +28,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megaloop.data.datasets import build_data_iterator, build_train_valid_test_datasets
 from megaloop.data.tokenizers import build_tokenizer
-from megaloop.model.looped_gpt import LoopOutput, build_model
+from megaloop.device import current_device
+from megaloop.model.looped_gpt import build_model
+from megaloop.model.loss import loss_func, reduce_stats
 from megaloop.training import checkpointing
 from megaloop.training.random_depth import draw_depth, no_grad_steps
 from megaloop.training.exit_conditions import ExitConditions
@@ -39,41 +41,11 @@ from megaloop.training.run_config import RunConfig
 
 
 # --- one micro-batch ---------------------------------------------------------------------------
-def loss_func(loss_mask: torch.Tensor, num_loops: int, out: LoopOutput):
-    """(sum of the masked per-token objective, token count, stats summed over tokens)."""
-    mask = loss_mask.float()
-    tokens = mask.sum()
-    objective = (out.objective * mask).sum()
-    step_losses = (out.step_losses * mask).sum((1, 2))  # NaN stays NaN: step not read out
-    probs = (out.exit_probs * mask).sum((1, 2)) if out.exit_probs is not None else \
-        torch.full((num_loops,), float("nan"))
-    stats = torch.cat([objective.detach().view(1).float(), tokens.view(1),
-                       step_losses.float(), probs.float()])
-    return objective, tokens.detach().to(torch.int), {"stats": stats}
-
-
 def forward_step(data_iterator, model, num_loops: int, no_grad_steps: int = 0):
     batch = next(data_iterator)
     out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                 labels=batch["labels"], num_loops=num_loops, no_grad_steps=no_grad_steps)
     return out, partial(loss_func, batch["loss_mask"], num_loops)
-
-
-def reduce_stats(reports: list, num_loops: int) -> dict:
-    """Sum the micro-batch stats, all-reduce over data-parallel ranks, turn sums into means."""
-    stats = torch.stack([r["stats"] for r in reports]).sum(0) if reports else \
-        torch.zeros(2 + 2 * num_loops)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        # Only the last stage computes losses; the sum over the pipeline gives every stage (and
-        # rank 0, which logs) the totals.
-        torch.distributed.all_reduce(stats, group=parallel_state.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(stats, group=parallel_state.get_data_parallel_group())
-    tokens = max(stats[1].item(), 1.0)
-    step_losses = (stats[2:2 + num_loops] / tokens).tolist()
-    probs = (stats[2 + num_loops:] / tokens).tolist()
-    has_gate = all(p == p for p in probs)  # NaN when the model has no gate
-    return {"loss": stats[0].item() / tokens, "tokens": int(stats[1].item()),
-            "step_losses": step_losses, "exit_probs": probs if has_gate else None}
 
 
 # --- building the pieces -----------------------------------------------------------------------
@@ -121,8 +93,7 @@ def build_training_model(cfg: RunConfig, vocab_size: int):
     if cfg.loop.exit_loss == "adaptive-gate":  # Ouro stage II: only the exit gate trains
         for name, p in model.named_parameters():
             p.requires_grad = name.startswith("exit_gate.")
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
+    model.cuda(current_device())  # under the CPU shim a no-op that its placement check sees
     if cfg.training.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -145,7 +116,7 @@ def count_parameters(model) -> int:
                 if (getattr(p, "tensor_model_parallel", False)
                     or parallel_state.get_tensor_model_parallel_rank() == 0)
                 and not getattr(p, "shared", False))
-    total = torch.tensor([local], dtype=torch.float64)
+    total = torch.tensor([local], dtype=torch.float64, device=current_device())  # for NCCL
     torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return int(total.item())
 
@@ -269,7 +240,8 @@ class Trainer:
         else:
             self.skipped += 1
         # The stats hold the step losses of this iteration's T (the same on every DP rank).
-        return {**reduce_stats(reports, depth), "depth": depth}, grad_norm, ok
+        stats = reduce_stats(reports, depth, device=current_device())
+        return {**stats, "depth": depth}, grad_norm, ok
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -280,7 +252,8 @@ class Trainer:
             reports.extend(self._run(self.valid_iter, forward_only=True))
         geometry = self.diagnostics.eval_finish()
         self.model.train()
-        return {**reduce_stats(reports, self.cfg.loop.num_loops), **geometry}
+        stats = reduce_stats(reports, self.cfg.loop.num_loops, device=current_device())
+        return {**stats, **geometry}
 
     def log_eval(self) -> None:
         if self.valid_iter is None:

@@ -1,0 +1,185 @@
+"""The recurrence, in one place: one loop step on a carry, and the fold of T of them.
+
+    carry = begin(model, tokens)                  # embedding, prelude, variants' set-up
+    for t in 1..T:
+        carry, out = step(model, carry, t, ctx)   # one application of the shared core
+
+A step is, on a model split over pipeline stages, cut where the core is cut:
+
+    first stage:  z = before_core hooks (history injection, input injection, down-scaling)
+    every stage:  out = core(z), wrapped by the around_core hooks (step-selected LoRA adapters
+                  and timestep features, a coarse step's rope, per-step weight views)
+    last stage:   h = after_core hooks (up-scaling + Anchor/MeSH, loop gating); y = step_norm(h);
+                  readout (coda, head, gate) and this step's share of the exit objective
+
+The single-stage forward (``LoopedGPTModel.forward``) is ``fold``; a pipeline virtual chunk
+(megaloop/parallel/pipeline.py) runs one ``step`` on the carry it unpacks and packs the result for
+the next stage; cached decoding will run ``step`` with a KV cache. The exit objective folds the
+same way everywhere: each step adds its per-token share, computed from the carried log-survival
+(``ExitObjective.resume``), and the shares of the T steps sum to the objective.
+
+Variants plug in through ``LoopVariant``: a module that implements some of its four hooks and is
+listed in ``LoopedGPTModel.variants``. Adding a variant is one module and one line there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+from megaloop.model.carry import Carry
+from megaloop.model.loss import LoopOutput
+from megaloop.model.objective import ExitObjective
+
+
+@dataclass
+class StepContext:
+    """What every step of one forward shares (not carried: each stage knows it)."""
+
+    num_loops: int
+    """T of this forward (the trained count, or another at evaluation / random depth)."""
+    mode: str
+    """The exit loss of this forward (``expected`` whenever T = 1)."""
+    length: int
+    """Tokens L of the sequence."""
+    attention_mask: Optional[torch.Tensor] = None
+    rotary_pos_emb: Optional[torch.Tensor] = None
+    labels: Optional[torch.Tensor] = None
+    """[b, s] targets; None: an inference forward (logits of the last step only)."""
+
+    def reads_out(self, t: int) -> bool:
+        """Whether step t runs coda, head and gate."""
+        return t == self.num_loops or (self.labels is not None and self.mode != "last")
+
+
+@dataclass
+class StepOutput:
+    """What the last stage learns from step t (None everywhere else)."""
+
+    share: Optional[torch.Tensor] = None
+    """[b, s] this step's part of the per-token objective (with gradient)."""
+    loss: Optional[torch.Tensor] = None
+    """[b, s] this step's LM loss, detached."""
+    exit_prob: Optional[torch.Tensor] = None
+    """[b, s] p_t, detached."""
+    logits: Optional[torch.Tensor] = None
+    """[s, b, v/tp] vocab-parallel logits of this step."""
+
+
+class LoopVariant:
+    """The interface of a loop variant. Each hook receives the step t (1-based) and the step
+    context (``ctx.num_loops`` is T); the defaults change nothing."""
+
+    def begin(self, carry: Carry, ctx: StepContext) -> None:
+        """Before step 1, on the first stage, after embedding and prelude (``carry.h`` is h_0)."""
+
+    def before_core(self, z: torch.Tensor, carry: Carry, t: int, ctx: StepContext):
+        """First stage: the core's input z from the state (``carry.h``, ``carry.entering``)."""
+        return z
+
+    def around_core(self, run: Callable, z: torch.Tensor, attention_mask, rotary_pos_emb,
+                    t: int, ctx: StepContext):
+        """Every stage: run this stage's core layers, ``run(z, attention_mask, rotary_pos_emb)``
+        (set per-step state before, mark the output after, or change what the core sees)."""
+        return run(z, attention_mask, rotary_pos_emb)
+
+    def after_core(self, out: torch.Tensor, carry: Carry, t: int, ctx: StepContext):
+        """Last stage: the step's new state from the core's output."""
+        return out
+
+
+def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
+            num_loops: Optional[int] = None) -> StepContext:
+    """The step context of one forward; refuses a loop count the model cannot run."""
+    T = num_loops or model.loop.num_loops
+    mode = model.loop.exit_loss if T > 1 else "expected"
+    if mode != "last" and T > 1 and not model.loop.gated:
+        raise ValueError(f"running {T} loops needs an exit gate, but this model was built "
+                         f"with --num-loops {model.loop.num_loops} and --exit-loss "
+                         f"{model.loop.exit_loss} (no gate); use --exit-loss last")
+    rope = None
+    if model.position_embedding_type == "rope":
+        rope = model.rotary_pos_emb(input_ids.size(1))
+    return StepContext(T, mode, input_ids.size(1), attention_mask, rope, labels)
+
+
+def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
+    """Embedding, prelude and the variants' set-up: the carry entering step 1 (first stage)."""
+    h = model.embedding(input_ids=input_ids, position_ids=position_ids)
+    source = h  # --injection-source embedding
+    if model.prelude is not None:
+        h = model.prelude(hidden_states=h, attention_mask=ctx.attention_mask,
+                          rotary_pos_emb=ctx.rotary_pos_emb)
+        if model.loop.injection_source == "prelude":
+            source = h
+    carry = Carry(h=h, source=source)
+    for variant in model.variants:
+        variant.begin(carry, ctx)
+    return carry
+
+
+def _core(core, z, attention_mask, rotary_pos_emb):
+    return core(hidden_states=z, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+
+
+def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutput]:
+    """Loop step t (1-based) of ``ctx.num_loops`` on this stage's part of the model."""
+    z = carry.h
+    if model.pre_process:
+        carry.entering = carry.h
+        for variant in model.variants:
+            z = variant.before_core(z, carry, t, ctx)
+    run = partial(_core, model.core)
+    for variant in reversed(model.variants):  # the first listed is the outermost
+        run = partial(variant.around_core, run, t=t, ctx=ctx)
+    out = run(z, ctx.attention_mask, ctx.rotary_pos_emb)
+    if not model.post_process:  # the step goes on on the next stage
+        carry.h = out
+        return carry, StepOutput()
+    for variant in model.variants:
+        out = variant.after_core(out, carry, t, ctx)
+    y = model.step_norm(out)
+    carry.h = y if model.loop.step_norm_placement == "recurrent" else out
+    if not ctx.reads_out(t):
+        return carry, StepOutput()
+    T = ctx.num_loops
+    gate = model.exit_gate is not None and (t < T or ctx.mode == "adaptive-gate")
+    logits, gate_logit = model.readout(y, ctx.attention_mask, ctx.rotary_pos_emb, gate)
+    if ctx.labels is None:
+        return carry, StepOutput(logits=logits)
+    loss = model.compute_language_model_loss(ctx.labels, logits)
+    loop = model.loop
+    objective = ExitObjective.resume(
+        T, ctx.mode, loop.exit_kl_beta, loop.exit_loss_smoothing, steps_done=t - 1,
+        log_survival=carry.log_survival, previous_loss=carry.previous_loss,
+        gate_k=loop.gate_bce_k, gate_gamma=loop.gate_bce_gamma)
+    objective.add_step(loss, gate_logit)
+    carry.log_survival, carry.previous_loss = objective.log_survival, objective.previous_loss
+    prob = objective.exit_probs[-1] if objective.exit_probs else None
+    return carry, StepOutput(objective.share(), loss.detach(), prob, logits)
+
+
+def fold(model, carry: Carry, ctx: StepContext, no_grad_steps: int = 0):
+    """Steps 1..T on one stage. With labels: a LoopOutput; without: the last step's logits
+    [b, s, v/tp]. ``no_grad_steps``: truncated backpropagation, the first n steps run without
+    gradient (the state leaving them is a constant; their losses enter the objective's value)."""
+    T = ctx.num_loops
+    objective, losses, probs, out = None, [], [], StepOutput()
+    for t in range(1, T + 1):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and t > no_grad_steps):
+            carry, out = step(model, carry, t, ctx)
+        if ctx.labels is None:
+            continue
+        if out.share is not None:
+            objective = out.share if objective is None else objective + out.share
+        losses.append(out.loss)
+        if out.exit_prob is not None:
+            probs.append(out.exit_prob)
+    if ctx.labels is None:
+        return out.logits.transpose(0, 1).contiguous()
+    nan = torch.full_like(ctx.labels, float("nan"), dtype=torch.float32)
+    step_losses = torch.stack([nan if l is None else l for l in losses])
+    return LoopOutput(objective, step_losses, torch.stack(probs) if probs else None)
