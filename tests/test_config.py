@@ -92,12 +92,63 @@ def test_help_lists_megatron_flags(capsys):
         assert flag in text, flag
 
 
-def test_state_passing_variants_with_pipeline_fail_before_any_process_group():
+def test_state_passing_variants_validate_with_pipeline():
+    """History injection and loop gating run under PP (the carry takes their state round the
+    ring; tests/test_pipeline.py proves P = 2 == P = 1), so validation lets them through."""
     from megaloop.training.run_config import parse_args
 
     base = ["--num-layers", "4", "--num-loops", "3", "--pipeline-model-parallel-size", "2",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
             "--global-batch-size", "4"]
     for extra in (["--history-injection", "scalar"], ["--timestep-conditioning", "loop-gating"]):
-        with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1"):
-            parse_args(base + extra).validate(world_size=2)
+        parse_args(base + extra).validate(world_size=2)
+
+
+# --- combinations a GPU run would get wrong -----------------------------------------------------
+def _gpu_with_te(monkeypatch):
+    """What `--transformer-impl auto` sees on a GPU machine with Transformer Engine (the
+    resolution asks torch.cuda and imports transformer_engine; nothing else runs on CUDA here)."""
+    import sys
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+
+
+def test_reset_attention_mask_refused_with_transformer_engine(monkeypatch):
+    _check(["--reset-attention-mask"])  # CPU: auto is the local spec, which applies the mask
+    with pytest.raises(ValueError, match="--reset-attention-mask with the Transformer Engine"):
+        _check(["--reset-attention-mask", "--transformer-impl", "transformer_engine"])
+    _gpu_with_te(monkeypatch)
+    with pytest.raises(ValueError, match="use --transformer-impl local"):
+        _check(["--reset-attention-mask"])  # auto resolves to TE there
+    _check(["--reset-attention-mask", "--transformer-impl", "local"])
+    _check([])
+
+
+def test_sequence_parallel_refused_with_local_spec(monkeypatch):
+    sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    with pytest.raises(ValueError, match="--sequence-parallel needs the Transformer Engine"):
+        _check(sp, world_size=2)
+    _check(sp[:2], world_size=2)  # TP without SP is fine on the local spec
+    _gpu_with_te(monkeypatch)
+    with pytest.raises(ValueError, match="drop --sequence-parallel"):
+        _check(sp + ["--transformer-impl", "local"], world_size=2)
+    _check(sp, world_size=2)  # auto = TE there
+
+
+@pytest.mark.parametrize("extra,flags", [
+    (["--random-depth-mean", "2"], "--random-depth-mean"),
+    (["--truncated-backprop-steps", "1"], "--truncated-backprop-steps"),
+    (["--random-depth-mean", "2", "--truncated-backprop-steps", "1", "--lora-rank", "2"],
+     "--random-depth-mean and --truncated-backprop-steps"),
+])
+def test_overlap_grad_reduce_refused_with_varying_loop_count(extra, flags):
+    base = ["--num-loops", "3", "--global-batch-size", "4"] + extra
+    with pytest.raises(ValueError, match=f"--overlap-grad-reduce with {flags}: .*drop "
+                                         f"--overlap-grad-reduce"):
+        _check(base + ["--overlap-grad-reduce"], world_size=2)
+    _check(base, world_size=2)
+    # A fixed loop count runs every core parameter and every LoRA adapter in every step.
+    _check(["--num-loops", "3", "--global-batch-size", "4", "--lora-rank", "2",
+            "--overlap-grad-reduce"], world_size=2)

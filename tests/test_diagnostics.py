@@ -221,3 +221,21 @@ def test_trainer_logs_diagnostics(tmp_path, capsys, tp):
 
 
 test_trainer_logs_diagnostics.results = {}
+
+
+def test_step_grad_norms_pp2_equal_pp1(tmp_path):
+    """Under PP each virtual chunk is one loop step: the per-step norms of both stages' layers,
+    gathered into one table, equal the single-stage run's."""
+    extra = ["--log-grad-norm-per-step", "--micro-batch-size", "2", "--num-layers", "4"]
+    paths = [str(tmp_path / "pp1.jsonl"), str(tmp_path / "pp2.jsonl")]
+    run_distributed(_train_logged, 1, extra, paths[0])
+    run_distributed(_train_logged, 2, extra + ["--pipeline-model-parallel-size", "2"], paths[1])
+    runs = [[json.loads(line) for line in open(p)] for p in paths]
+    runs = [[r for r in records if r["split"] == "train"] for records in runs]
+    assert len(runs[0]) == len(runs[1]) == 2
+    for ra, rb in zip(*runs, strict=True):
+        assert len(ra["grad_norm_per_step"]) == 4
+        for row_a, row_b in zip(ra["grad_norm_per_step"], rb["grad_norm_per_step"], strict=True):
+            assert len(row_a) == 3 and min(row_a) > 0
+            for x, y in zip(row_a, row_b, strict=True):
+                assert abs(x - y) <= 1e-4 * x

@@ -178,6 +178,34 @@ def test_pp2_spiralformer_equals_pp1(spiral):
     assert all(grads[k].abs().max() > 0 for k in names if k.endswith("weight"))
 
 
+@pytest.mark.parametrize("variant", [
+    # The window (h_1, h_2) travels round the ring; loop gating reads the state entering the
+    # step on the last stage; initial-state injection reads the source on the first.
+    ["--num-loops", "4", "--history-injection", "channel-wise", "--history-window", "2",
+     "--timestep-conditioning", "loop-gating", "--input-injection", "channel-wise"],
+    ["--num-loops", "3", "--history-injection", "dense", "--history-window", "1",
+     "--num-layers", "3", "--num-prelude-layers", "1"],
+])
+def test_pp2_history_injection_and_loop_gating(variant):
+    _check(MB2 + variant, MB2 + variant + PP2, 2)
+    grads = _reference(tuple(MB2 + variant))[2]
+    names = [k for k in grads if k.startswith(("history_injection.", "timestep."))]
+    assert names and all(grads[k].abs().max() > 0 for k in names)
+
+
+def test_pp2_random_depth_and_truncated_backprop():
+    """The drawn T selects the first T chunks (the same T on every rank); the first step runs
+    without gradient on every stage."""
+    from test_random_depth import RANDOM
+
+    ref, _ = _comparable(_reference(tuple(RANDOM)))
+    assert ref[0]["depth"] > 1
+    for result in run_distributed(_one_step, 2, RANDOM + PP2):
+        result, _ = _comparable(result)
+        assert result[0]["depth"] == ref[0]["depth"]
+        _compare(ref, result)
+
+
 def _train_then_eval(rank, world, extra):
     from megaloop.parallel.initialize import initialize
     from megaloop.training.run_config import parse_args

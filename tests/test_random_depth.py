@@ -131,8 +131,13 @@ def test_random_depth_tp2_equals_tp1():
 def test_random_depth_flag_errors():
     from megaloop.training.run_config import parse_args
 
-    with pytest.raises(ValueError, match="--pipeline-model-parallel-size"):
-        parse_args(BASE + RANDOM + ["--pipeline-model-parallel-size", "2"]).validate(world_size=2)
+    # Under PP a drawn T > 1 runs the interleaved schedule: micro-batches in groups of P.
+    # (--num-loops 1: the pipeline's own check, made for the trained T, would not see it.)
+    with pytest.raises(ValueError, match="drawn T > 1 .* multiple of 2"):
+        parse_args(BASE + RANDOM + ["--pipeline-model-parallel-size", "2", "--global-batch-size",
+                                    "6", "--num-loops", "1", "--exit-loss", "last"]
+                   ).validate(world_size=2)
+    parse_args(BASE + RANDOM + ["--pipeline-model-parallel-size", "2"]).validate(world_size=2)
     with pytest.raises(ValueError, match="--log-grad-norm-per-step"):
         parse_args(BASE + RANDOM + ["--log-grad-norm-per-step"]).validate(world_size=1)
     with pytest.raises(ValueError, match="--exit-loss last"):

@@ -94,23 +94,35 @@ def test_schedule_parsing_and_errors():
         spiral.parse_resolutions("2/3", 1)
     with pytest.raises(ValueError, match="--num-loops"):
         LoopConfig(num_loops=3, loop_resolutions="1/2,1", loop_topology="mesh").validate(2)
-    with pytest.raises(ValueError, match="--loop-topology"):
-        LoopConfig(num_loops=2, loop_resolutions="1/2,1").validate(2)
     LoopConfig(num_loops=2, loop_resolutions="1,1").validate(2)
+
+
+def test_feature_rules():
+    from megaloop.training.run_config import parse_args
+
+    base = ["--num-loops", "2", "--num-layers", "2", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "100"]
+    with pytest.raises(ValueError, match="--loop-topology"):
+        parse_args(base + ["--loop-resolutions", "1/2,1"]).validate(world_size=1)
     with pytest.raises(ValueError, match="--random-depth-mean"):
-        LoopConfig(num_loops=2, loop_topology="mesh", exit_loss="last",
-                   random_depth_mean=2.0).validate(2)
+        parse_args(base + ["--loop-topology", "mesh", "--exit-loss", "last",
+                           "--random-depth-mean", "2"]).validate(world_size=1)
 
 
 def test_parallel_refusals():
     from megaloop.training.run_config import parse_args
 
     base = ["--num-loops", "4", "--loop-resolutions", "coarse-to-fine", "--loop-topology", "mesh",
-            "--num-layers", "4", "--tensor-model-parallel-size", "2"]
+            "--num-layers", "4", "--tensor-model-parallel-size", "2", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     with pytest.raises(ValueError, match="--sequence-parallel"):
-        spiral.validate_parallel(parse_args(base + ["--sequence-parallel"]))
+        parse_args(base + ["--sequence-parallel"]).validate(world_size=2)
+    with pytest.raises(ValueError, match="--seq-length 4 is shorter"):
+        parse_args(base + ["--seq-length", "4", "--max-position-embeddings", "4"]).validate(
+            world_size=2)
     # Pipeline parallelism is supported (tests/test_pipeline.py checks P = 2 == P = 1).
-    spiral.validate_parallel(parse_args(base + ["--pipeline-model-parallel-size", "2"]))
+    parse_args(base + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2",
+                       "--micro-batch-size", "1"]).validate(world_size=4)
 
 
 # --- MeSH against a loop over slots ----------------------------------------------------------

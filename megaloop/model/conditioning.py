@@ -110,7 +110,7 @@ class TimestepConditioning(MegatronModule, LoopVariant):
     """The model-level part: the clock, loop gating's q, and the per-layer modules it installed."""
 
     def __init__(self, config, form: str, core, norm_scheme: str, train_loops: int,
-                 inference: str):
+                 inference: str, last: bool = True):
         super().__init__(config=config)
         if form not in FORMS:
             raise ValueError(f"unknown --timestep-conditioning {form!r}; choose one of none, "
@@ -119,7 +119,8 @@ class TimestepConditioning(MegatronModule, LoopVariant):
         self.clock = StepHolder()
         self.clock.value = timestep_features(0, train_loops)
         if form == "loop-gating":
-            self.loop_gate = _zeros((NUM_FEATURES,), config)
+            # Used where a step ends: only the last pipeline stage owns it.
+            self.loop_gate = _zeros((NUM_FEATURES,), config) if last else None
             return
         for layer in core.layers:
             cond = LayerConditioning(config, form, self.clock)
@@ -159,9 +160,10 @@ class TimestepConditioning(MegatronModule, LoopVariant):
         return out + g1 * (out - carry.entering)
 
 
-def build_timestep_conditioning(config, loop, core, norm_scheme: str
+def build_timestep_conditioning(config, loop, core, norm_scheme: str, last: bool = True
                                 ) -> Optional[TimestepConditioning]:
+    """``last``: whether this pipeline stage ends each loop step (owns loop gating's q)."""
     if loop.timestep_conditioning == "none":
         return None
     return TimestepConditioning(config, loop.timestep_conditioning, core, norm_scheme,
-                                loop.num_loops, loop.timestep_inference)
+                                loop.num_loops, loop.timestep_inference, last)

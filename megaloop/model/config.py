@@ -276,6 +276,11 @@ class LoopConfig:
         if self.lora_alpha is not None and self.lora_alpha <= 0:
             raise ValueError(f"--lora-alpha {self.lora_alpha} must be positive (or omit it for "
                              f"alpha = rank)")
+        if self.random_depth_mean < 0 or self.random_depth_sigma < 0:
+            raise ValueError("--random-depth-mean and --random-depth-sigma must be >= 0 "
+                             "(--random-depth-mean 0 turns random depth off)")
+        if self.truncated_backprop_steps < 0 or self.random_depth_max < 0:
+            raise ValueError("--truncated-backprop-steps and --random-depth-max must be >= 0")
         from megaloop.model.spiral import validate_loop
 
         validate_loop(self)
@@ -344,10 +349,13 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        # Every rank builds the full master weight from the seed and keeps its slice: the same
-        # seed gives identical weights at any TP degree (DESIGN.md). Needed on CPU anyway.
-        use_cpu_initialization=on_cpu,
-        # Fusions either fail on CPU or trigger a slow torch.compile (DESIGN.md).
+        # On CPU and GPU alike, every rank builds the full master weight from the seed and keeps
+        # its slice (the trainer then moves the module to its GPU): the same seed gives the same
+        # weights at any TP degree, which TP/SP/PP equivalence tests and runs resumed at another
+        # layout rely on. On GPU, per-device initialisation would draw each slice from that
+        # rank's own RNG stream, so the weights would depend on the TP degree.
+        use_cpu_initialization=True,
+        # Fusions either have no CPU kernel or trigger a slow torch.compile on CPU.
         bias_activation_fusion=False if on_cpu else model.swiglu,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,

@@ -125,7 +125,8 @@ class LoopedGPTModel(LanguageModule):
             self.core, config, loop.num_loops, loop.lora_rank, loop.lora_alpha or loop.lora_rank,
             seed=torch.initial_seed() + 1) if loop.lora_rank else None
         self.history_injection = build_history_injection(config, loop) if pre_process else None
-        self.timestep = build_timestep_conditioning(config, loop, self.core, model_cfg.norm_scheme)
+        self.timestep = build_timestep_conditioning(config, loop, self.core, model_cfg.norm_scheme,
+                                                    last=post_process)
         # SpiralFormer per-step resolutions and the Anchor / MeSH topologies (None: plain loop).
         # Under PP a step is down-scaled where it starts and up-scaled where it ends.
         self.spiral = build_spiral(config, loop, first=pre_process, last=post_process)

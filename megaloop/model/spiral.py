@@ -132,33 +132,14 @@ def is_active(loop) -> bool:
 
 
 def validate_loop(loop) -> None:
-    """LoopConfig checks (no process group needed); ValueError names the flag and the fix."""
+    """Checks of the spiral flags' own values (rules between features live in
+    ``RunConfig.validate``); ValueError names the flag and the fix."""
     sizes = parse_resolutions(loop.loop_resolutions, loop.num_loops)
     if sizes and len(sizes) != loop.num_loops:
         raise ValueError(f"--loop-resolutions gives {len(sizes)} resolutions but --num-loops is "
                          f"{loop.num_loops}: give one per loop step, or `coarse-to-fine`")
-    if any(g > 1 for g in sizes) and loop.loop_topology == "plain":
-        raise ValueError("--loop-resolutions with a coarse step (r < 1) needs --loop-topology "
-                         "anchor or mesh: the shifted update is zero on its first tokens, the "
-                         "topology supplies the state it is added to")
     if loop.mesh_slots < 0 or (loop.loop_topology == "mesh" and loop.mesh_slots == 1):
         raise ValueError(f"--mesh-slots {loop.mesh_slots}: use 0 (T + 3) or at least 2")
-    if is_active(loop) and getattr(loop, "random_depth_mean", 0):
-        raise ValueError("--loop-resolutions / --loop-topology fix one operator per loop step: "
-                         "they cannot be combined with --random-depth-mean; drop one")
-
-
-def validate_parallel(run) -> None:
-    """RunConfig checks: SP with a coarse step (see the module doc)."""
-    loop, par = run.loop, run.parallel
-    coarse = any(g > 1 for g in chunk_sizes(loop))
-    if coarse and par.sequence_parallel:
-        raise ValueError("--sequence-parallel splits the token sequence over TP ranks, which "
-                         "coarse --loop-resolutions steps would have to gather back; drop "
-                         "--sequence-parallel (TP without SP works)")
-    if coarse and run.training.seq_length < max(chunk_sizes(loop)):
-        raise ValueError(f"--seq-length {run.training.seq_length} is shorter than the coarsest "
-                         f"chunk ({max(chunk_sizes(loop))} tokens) of --loop-resolutions")
 
 
 # --- the operators (functional, sequence-first [s, b, ...]) ---------------------------------
@@ -330,8 +311,6 @@ class SpiralLoop(MegatronModule, LoopVariant):
     def __init__(self, config, loop, seed: int, first: bool = True, last: bool = True):
         super().__init__(config=config)
         self.sizes = chunk_sizes(loop)
-        if config.sequence_parallel and any(g > 1 for g in self.sizes):
-            raise ValueError("coarse --loop-resolutions steps do not support --sequence-parallel")
         self.topology = loop.loop_topology
         self.steps = torch.nn.ModuleList([
             ResolutionStep(config, g, offset(g, loop.resolution_offset),

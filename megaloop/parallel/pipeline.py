@@ -128,7 +128,9 @@ class PipelineStage(LoopedGPTModel):
             carry, out = recurrence.step(self, carry, t, ctx)
         final = self.post_process and t == T
         payload = None if final else layout.pack(carry)
-        if payload is not None and torch.is_grad_enabled() and not grad:
+        if payload is not None and torch.is_grad_enabled() and not payload.requires_grad:
+            # A step run without gradient (truncation), or a stage with nothing to train
+            # (adaptive-gate training freezes the LM).
             payload = _keep_backward_path(payload, input_tensor)
         if out.share is None and out.loss is None:
             return StepResult(payload, None)
@@ -147,7 +149,7 @@ class PipelineStage(LoopedGPTModel):
 
 
 class _KeepBackwardPath(torch.autograd.Function):
-    """Identity on a no-grad step's payload that keeps the schedule's backward well formed: the
+    """Identity on a payload without gradient that keeps the schedule's backward well formed: the
     schedule runs a backward through every chunk and sends its input gradient upstream, so the
     payload must require grad and the chunk's input must receive a gradient (zero)."""
 

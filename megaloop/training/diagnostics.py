@@ -2,9 +2,9 @@
 
 - ``StepGradNorms``: the gradient norm of every core layer *per loop step* (000 Fig. 6). A shared
   layer's gradient is the sum of T contributions, one per application; the contribution of step
-  t is the gradient with respect to the weights *as used at step t*. While active, every call of
-  the core runs on fresh views ``w.view_as(w)`` of its parameters (one per step, swapped in for
-  the call and swapped back after it); autograd passes the gradient of each view on to the shared
+  t is the gradient with respect to the weights *as used at step t*. While active, every core
+  pass runs on fresh views ``w.view_as(w)`` of its parameters (one set per step, through
+  ``torch.func.functional_call``, as a loop variant); autograd passes the gradient of each view on to the shared
   parameter unchanged (megatron DDP's accumulation is untouched), and a hook on the view adds it
   to that step's buffer. Costs T x core-parameter fp32 buffers, so the trainer only turns it on
   for the iterations it logs.
@@ -16,9 +16,9 @@
   more than 0.5 above the rolling median of the previous 15 iterations; collapse = p0 above 0.95
   for many iterations in a row).
 
-Both hooks need the core to be called once per loop step in one module (pipeline size 1) and
-the forward not to be re-run in the backward pass (no activation recomputation): the run
-configuration rejects the combinations that would make them wrong.
+The per-step views need the forward not to be re-run in the backward pass (no full activation
+recomputation); the geometry hook counts the core's calls in one module (pipeline size 1). The
+run configuration rejects the combinations that would make them wrong.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state
+
+from megaloop.device import current_device
+from megaloop.model.recurrence import LoopVariant
 
 
 GEOMETRY_KEYS = ("angular_distance", "relative_update_norm", "state_variance")
@@ -48,67 +51,63 @@ def _accumulate_into(buffer: torch.Tensor):
     return hook
 
 
-class StepGradNorms:
-    """Per core layer, per loop step: the norm of that step's gradient contribution."""
+class StepGradNorms(LoopVariant):
+    """Per core layer, per loop step: the norm of that step's gradient contribution.
+
+    A loop variant (megaloop/model/recurrence.py), added innermost while capturing: its
+    ``around_core`` runs the step's core pass through ``torch.func.functional_call`` with fresh
+    views of the core's parameters, so it knows the step from the recurrence (under pipeline
+    parallelism: from the virtual chunk) and swaps nothing by hand."""
 
     def __init__(self, model, num_loops: int):
         self.model = unwrap(model)
         self.core = self.model.core
         self.num_loops = num_loops
         self.layer_params = [list(layer.named_parameters()) for layer in self.core.layers]
-        self.handles, self.buffers, self.swapped = [], None, []
-        self.step = 0
+        # Global core-layer index of each local layer (megatron-core numbers layers across
+        # pipeline stages), so the stages' rows land in one table.
+        self.global_index = [layer.layer_number - 1 for layer in self.core.layers]
+        self.num_layers = self.core.config.num_layers
+        self.buffers = None
 
-    # --- hooks ------------------------------------------------------------------------------
+    # --- capture ----------------------------------------------------------------------------
     def start(self) -> None:
         """Capture the next forward-backward passes (until ``finish``)."""
         self.buffers = [[{n: torch.zeros_like(p, dtype=torch.float32) for n, p in params}
                          for _ in range(self.num_loops)] for params in self.layer_params]
-        self.handles = [
-            self.model.register_forward_pre_hook(self._reset),
-            self.core.register_forward_pre_hook(self._swap_in),
-            self.core.register_forward_hook(self._swap_out),
-        ]
+        self.model.variants.append(self)
 
-    def _reset(self, *_):
-        self.step = 0
-
-    def _swap_in(self, *_):
-        self.step += 1
-        if self.step > self.num_loops:
-            raise RuntimeError(f"the core ran {self.step} times in one forward; "
-                               f"--log-grad-norm-per-step expects {self.num_loops}")
-        for i, layer in enumerate(self.core.layers):
-            for name, p in self.layer_params[i]:
-                if not p.requires_grad:
-                    continue
-                owner_name, _, leaf = name.rpartition(".")
-                owner = layer.get_submodule(owner_name) if owner_name else layer
-                view = p.view_as(p)
-                buffer = self.buffers[i][self.step - 1][name]
-                view.register_hook(_accumulate_into(buffer))
-                # _parameters is swapped directly: Module.__setattr__ refuses a non-leaf there.
-                owner._parameters[leaf] = view
-                self.swapped.append((owner, leaf, p))
-
-    def _swap_out(self, *_):
-        for owner, leaf, p in self.swapped:
-            owner._parameters[leaf] = p
-        self.swapped = []
+    def around_core(self, run, z, attention_mask, rotary_pos_emb, t, ctx):
+        if t > self.num_loops:
+            raise RuntimeError(f"the core ran loop step {t}; --log-grad-norm-per-step captures "
+                               f"{self.num_loops}")
+        views = {}
+        for i, params in enumerate(self.layer_params):
+            for name, p in params:
+                if p.requires_grad:
+                    view = p.view_as(p)  # its gradient flows on to p unchanged
+                    view.register_hook(_accumulate_into(self.buffers[i][t - 1][name]))
+                    views[f"layers.{i}.{name}"] = view
+        return torch.func.functional_call(
+            self.core, views, args=(),
+            kwargs={"hidden_states": z, "attention_mask": attention_mask,
+                    "rotary_pos_emb": rotary_pos_emb})
 
     # --- result -----------------------------------------------------------------------------
     def finish(self, num_tokens: int) -> list:
         """Stop capturing; returns norms[layer][step] of the gradient each step contributed,
         reduced and scaled exactly like the main gradient (summed over data-parallel ranks,
-        divided by the tokens of the global batch), full-matrix norms under tensor parallelism."""
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        divided by the tokens of the global batch), full-matrix norms under tensor parallelism,
+        every core layer of every pipeline stage."""
+        self.model.variants.remove(self)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_group = parallel_state.get_data_parallel_group()
-        squares = torch.zeros(len(self.layer_params), self.num_loops, dtype=torch.float64)
+        # On the accelerator: NCCL reduces GPU tensors only (and the sums stay asynchronous).
+        squares = torch.zeros(self.num_layers, self.num_loops, dtype=torch.float64,
+                              device=current_device())
         for i, params in enumerate(self.layer_params):
+            row = self.global_index[i]
             for t in range(self.num_loops):
                 for name, p in params:
                     g = self.buffers[i][t][name]
@@ -116,8 +115,11 @@ class StepGradNorms:
                     if getattr(p, "sequence_parallel", False):  # a partial sum per TP rank
                         torch.distributed.all_reduce(g, group=tp_group)
                     if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                        squares[i, t] += g.double().pow(2).sum().item()
+                        squares[row, t] += g.double().pow(2).sum()
         torch.distributed.all_reduce(squares, group=tp_group)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(squares,
+                                         group=parallel_state.get_pipeline_model_parallel_group())
         self.buffers = None
         return (squares.sqrt() / max(num_tokens, 1)).tolist()
 
@@ -132,8 +134,10 @@ class LoopGeometry:
 
     def start(self) -> None:
         # sums over tokens, per step: angular distance, relative update norm, state variance
-        self.sums = torch.zeros(3, self.num_loops, dtype=torch.float64)
-        self.tokens = torch.zeros(self.num_loops, dtype=torch.float64)
+        # On the accelerator: they are all-reduced (NCCL takes GPU tensors only), and adding
+        # GPU sums to them needs no host synchronisation per step.
+        self.sums = torch.zeros(3, self.num_loops, dtype=torch.float64, device=current_device())
+        self.tokens = torch.zeros(self.num_loops, dtype=torch.float64, device=current_device())
         self.step = 0
         self.handles = [
             self.model.register_forward_pre_hook(self._reset),
@@ -154,9 +158,9 @@ class LoopGeometry:
         update = (v - u).norm(dim=-1) / u.norm(dim=-1).clamp_min(1e-12)
         variance = v.var(dim=-1, unbiased=False)
         t = self.step - 1
-        self.sums[0, t] += angular.double().sum().item()
-        self.sums[1, t] += update.double().sum().item()
-        self.sums[2, t] += variance.double().sum().item()
+        self.sums[0, t] += angular.double().sum()
+        self.sums[1, t] += update.double().sum()
+        self.sums[2, t] += variance.double().sum()
         self.tokens[t] += angular.numel()
 
     def finish(self) -> Optional[dict]:

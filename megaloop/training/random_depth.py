@@ -42,31 +42,3 @@ def draw_depth(mean: float, sigma: float, seed: int, iteration: int, max_depth: 
 def no_grad_steps(truncated: int, depth: int) -> int:
     """How many leading steps run without gradient: n, but never all of them."""
     return max(0, min(truncated, depth - 1))
-
-
-def validate_random_depth(cfg) -> None:
-    """RunConfig-level checks (they need the parallel and logging sections too)."""
-    loop = cfg.loop
-    if loop.random_depth_mean < 0 or loop.random_depth_sigma < 0:
-        raise ValueError("--random-depth-mean and --random-depth-sigma must be >= 0 "
-                         "(--random-depth-mean 0 turns random depth off)")
-    if loop.truncated_backprop_steps < 0 or loop.random_depth_max < 0:
-        raise ValueError("--truncated-backprop-steps and --random-depth-max must be >= 0")
-    if not (loop.random_depth_mean > 0 or loop.truncated_backprop_steps > 0):
-        return
-    what = "--random-depth-mean" if loop.random_depth_mean > 0 else "--truncated-backprop-steps"
-    if cfg.parallel.pipeline_model_parallel_size > 1:
-        raise ValueError(f"{what} needs --pipeline-model-parallel-size 1: the pipeline splits the "
-                         f"loop into --num-loops fixed virtual chunks, so T cannot change per step "
-                         f"and a stage cannot run its steps without gradient")
-    if cfg.logging.log_grad_norm_per_step:
-        raise ValueError(f"{what} cannot be used with --log-grad-norm-per-step (the per-step "
-                         f"weight views are built for --num-loops steps, all with gradient); "
-                         f"drop one of the two")
-    if loop.exit_loss == "adaptive-gate":
-        raise ValueError(f"{what} cannot be used with --exit-loss adaptive-gate (stage II trains "
-                         f"the gate at the fixed --num-loops); drop one of the two")
-    if loop.random_depth_mean > 0 and loop.exit_loss != "last" and loop.num_loops < 2:
-        raise ValueError("--random-depth-mean draws T > 1, whose --exit-loss "
-                         f"{loop.exit_loss} needs an exit gate, built only with --num-loops >= 2; "
-                         "use --exit-loss last (Huginn's objective) or --num-loops >= 2")

@@ -47,11 +47,6 @@ class RunConfig:
 
     def validate(self, world_size: int | None = None) -> None:
         """Every check that needs no process group; raises ValueError with the flag to change."""
-        # Imported here, not at module level: both modules import torch (spiral also megatron-core),
-        # and `pretrain_looplm.py --help` builds the parser from this module without either.
-        from megaloop.model.spiral import validate_parallel as validate_spiral_parallel
-        from megaloop.training.random_depth import validate_random_depth
-
         self.model.validate()
         self.loop.validate(self.model.num_layers)
         self.parallel.validate(self.model.num_attention_heads, self.model.num_query_groups,
@@ -67,28 +62,107 @@ class RunConfig:
                              "needs whole matrices; the distributed optimizer shards flat buffers "
                              "over data-parallel ranks): drop one of the two")
         self.logging.validate()
-        validate_random_depth(self)
-        if self.loop.exit_loss == "adaptive-gate" and self.parallel.pipeline_model_parallel_size > 1:
-            raise ValueError("--exit-loss adaptive-gate (stage II) needs --pipeline-model-parallel-"
-                             "size 1: only the last stage would have a trainable parameter")
-        if self.logging.log_grad_norm_per_step:
-            if self.parallel.pipeline_model_parallel_size > 1:
-                raise ValueError("--log-grad-norm-per-step needs --pipeline-model-parallel-size 1 "
-                                 "(it follows the core's calls within one module)")
-            if self.recompute.recompute_granularity == "full":
-                raise ValueError("--log-grad-norm-per-step cannot be used with "
-                                 "--recompute-granularity full (the recomputed forward bypasses the "
-                                 "per-step weight views); drop one of the two")
-        if self.parallel.pipeline_model_parallel_size > 1 and (
-                self.loop.history_injection != "none"
-                or self.loop.timestep_conditioning == "loop-gating"):
-            raise ValueError("--history-injection and --timestep-conditioning loop-gating pass "
-                             "states between loop steps inside one stage: they need "
-                             "--pipeline-model-parallel-size 1")
-        validate_spiral_parallel(self)
+        self._check_gpu_paths()
+        self._check_compatibility(world_size)
         self.checkpoint.validate()
         self.tokenizer.validate()
         self.data.validate()
+
+    def _check_compatibility(self, world_size: int | None) -> None:
+        """Every "X does not work with Y" rule between features, in one place. (Checks of one
+        flag's own value stay with its dataclass.)"""
+        loop, par, log = self.loop, self.parallel, self.logging
+        if self.optim.optimizer == "muon" and par.use_distributed_optimizer:
+            raise ValueError("--optimizer muon does not support --use-distributed-optimizer (Muon "
+                             "needs whole matrices; the distributed optimizer shards flat buffers "
+                             "over data-parallel ranks): drop one of the two")
+        if log.log_grad_norm_per_step and self.recompute.recompute_granularity == "full":
+            raise ValueError("--log-grad-norm-per-step cannot be used with "
+                             "--recompute-granularity full (the recomputed forward bypasses the "
+                             "per-step weight views); drop one of the two")
+        self._check_random_depth(world_size)
+        self._check_spiral()
+
+    def _check_random_depth(self, world_size: int | None) -> None:
+        loop = self.loop
+        if not (loop.random_depth_mean > 0 or loop.truncated_backprop_steps > 0):
+            return
+        what = "--random-depth-mean" if loop.random_depth_mean > 0 else "--truncated-backprop-steps"
+        if self.logging.log_grad_norm_per_step:
+            raise ValueError(f"{what} cannot be used with --log-grad-norm-per-step (the per-step "
+                             f"weight views are built for --num-loops steps, all with gradient); "
+                             f"drop one of the two")
+        if loop.exit_loss == "adaptive-gate":
+            raise ValueError(f"{what} cannot be used with --exit-loss adaptive-gate (stage II "
+                             f"trains the gate at the fixed --num-loops); drop one of the two")
+        if loop.random_depth_mean > 0 and loop.exit_loss != "last" and loop.num_loops < 2:
+            raise ValueError("--random-depth-mean draws T > 1, whose --exit-loss "
+                             f"{loop.exit_loss} needs an exit gate, built only with --num-loops "
+                             ">= 2; use --exit-loss last (Huginn's objective) or --num-loops >= 2")
+        pp = self.parallel.pipeline_model_parallel_size
+        microbatches = self.training.num_microbatches(self.parallel.data_parallel_size(world_size))
+        if loop.random_depth_mean > 0 and pp > 1 and microbatches % pp:
+            raise ValueError(f"--random-depth-mean with --pipeline-model-parallel-size {pp}: a "
+                             f"drawn T > 1 runs the interleaved schedule, which needs the "
+                             f"{microbatches} micro-batches per step to be a multiple of {pp}; "
+                             f"change --global-batch-size or --micro-batch-size")
+
+    def _check_spiral(self) -> None:
+        from megaloop.model.spiral import chunk_sizes, is_active
+
+        loop = self.loop
+        sizes = chunk_sizes(loop)
+        coarse = any(g > 1 for g in sizes)
+        if coarse and loop.loop_topology == "plain":
+            raise ValueError("--loop-resolutions with a coarse step (r < 1) needs --loop-topology "
+                             "anchor or mesh: the shifted update is zero on its first tokens, the "
+                             "topology supplies the state it is added to")
+        if is_active(loop) and loop.random_depth_mean > 0:
+            raise ValueError("--loop-resolutions / --loop-topology fix one operator per loop "
+                             "step: they cannot be combined with --random-depth-mean; drop one")
+        if coarse and self.parallel.sequence_parallel:
+            raise ValueError("--sequence-parallel splits the token sequence over TP ranks, which "
+                             "coarse --loop-resolutions steps would have to gather back; drop "
+                             "--sequence-parallel (TP without SP works)")
+        if coarse and self.training.seq_length < max(sizes):
+            raise ValueError(f"--seq-length {self.training.seq_length} is shorter than the "
+                             f"coarsest chunk ({max(sizes)} tokens) of --loop-resolutions")
+
+    def _check_gpu_paths(self) -> None:
+        """Combinations that megatron-core or Transformer Engine would get wrong on a GPU (or
+        assert on), refused before any process group."""
+        from megaloop.model.config import use_transformer_engine
+
+        impl = self.model.transformer_impl
+        # Explicit TE on a machine without a GPU is refused elsewhere; auto resolves as the
+        # model builder will resolve it.
+        te = impl == "transformer_engine" or (impl == "auto" and use_transformer_engine(self.model))
+        if self.data.reset_attention_mask and te:
+            raise ValueError(
+                "--reset-attention-mask with the Transformer Engine layer spec: TE's causal "
+                "attention reads no explicit mask, so packed documents would silently attend to "
+                "each other; use --transformer-impl local (megatron-core's attention applies the "
+                "mask) or drop --reset-attention-mask")
+        if self.parallel.sequence_parallel and not te:
+            raise ValueError(
+                "--sequence-parallel needs the Transformer Engine layer spec: the local spec's "
+                "norms (megatron-core's torch norm wrapper) assert that sequence parallelism is "
+                "off; run on a GPU with --transformer-impl transformer_engine (or auto with TE "
+                "installed), or drop --sequence-parallel")
+        loop = self.loop
+        varying = [flag for flag, on in (("--random-depth-mean", loop.random_depth_mean > 0),
+                                         ("--truncated-backprop-steps",
+                                          loop.truncated_backprop_steps > 0)) if on]
+        if self.parallel.overlap_grad_reduce and varying:
+            lora = (" (with --lora-rank, the adapters of steps not run get none, and a drawn T "
+                    "beyond --num-loops reuses the last adapter)") if loop.lora_rank else ""
+            raise ValueError(
+                f"--overlap-grad-reduce with {' and '.join(varying)}: megatron-core's DDP counts "
+                f"each parameter's gradient hooks on the first batch and starts a bucket's "
+                f"reduction only when a later batch reaches the same counts; a loop count or a "
+                f"number of steps with gradient that changes from step to step changes how often "
+                f"the shared and per-step parameters receive gradients{lora}, so the reduction "
+                f"never starts; drop --overlap-grad-reduce")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

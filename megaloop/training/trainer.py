@@ -216,12 +216,13 @@ class Trainer:
 
     def _run(self, data_iterator, forward_only: bool, num_loops: Optional[int] = None):
         tr = self.cfg.training
-        if self.pipeline is not None:
-            return self.pipeline.run(data_iterator, self.num_microbatches, tr.seq_length,
-                                     tr.micro_batch_size, forward_only)
         T = num_loops or self.cfg.loop.num_loops
         # Every micro-batch of one call runs the same T (and truncation) on every rank.
         truncated = 0 if forward_only else no_grad_steps(self.cfg.loop.truncated_backprop_steps, T)
+        if self.pipeline is not None:
+            return self.pipeline.run(data_iterator, self.num_microbatches, tr.seq_length,
+                                     tr.micro_batch_size, forward_only, num_loops=T,
+                                     no_grad_steps=truncated)
         return self.forward_backward(
             forward_step_func=partial(forward_step, num_loops=T, no_grad_steps=truncated),
             data_iterator=data_iterator, model=[self.model],
