@@ -2,13 +2,13 @@
 
     python benchmarks/spiral_flops.py [--seq-length 4096] [--cpu-seq-length 512 --steps 8]
 
-(a) Prefill FLOPs (001 Table 1's column: one forward over --seq-length tokens, matmul FLOPs with
-    the attention square counted in full, one LM head) from megaloop's own counter
-    (megaloop.training.metrics), per loop step at each resolution, for SpiralFormer-B at the four
-    Pythia scales of 001 Table 1 (GELU MLP 4d, untied head, vocab 50304, MeSH with B = T + 3),
-    against
-      * LoopedFormer at the same layer allocation as in 001 Table 1 (P + K x {1, 1} + C), the
-        comparison 001 reports (it gives ~0.89-0.93), and
+(a) Prefill FLOPs ("SpiralFormer" (arXiv 2602.11698) Table 1's column: one forward over --seq-length
+    tokens, matmul FLOPs with the attention square counted in full, one LM head) from megaloop's own
+    counter (megaloop.training.metrics), per loop step at each resolution, for SpiralFormer-B at the
+    four Pythia scales of SpiralFormer Table 1 (GELU MLP 4d, untied head, vocab 50304, MeSH with B =
+    T + 3), against
+      * LoopedFormer at the same layer allocation as in SpiralFormer Table 1 (P + K x {1, 1} + C),
+        the comparison SpiralFormer reports (it gives ~0.89-0.93), and
       * the same T = 4 steps all at full resolution (P + K x {1,1,1,1} + C).
 (b) Measured CPU step time (forward + backward, median over --steps interleaved rounds) of a
     small 1 + 2 x {1/8,1/4,1/2,1} + 1 MeSH model against 1 + 2 x {1,1} + 1 and 1 + 2 x {1,1,1,1}
@@ -31,7 +31,7 @@ runtime.quiet_megatron()
 from megaloop.model.config import LoopConfig, ModelConfig  # noqa: E402
 from megaloop.training.metrics import core_step_flops_per_token, flops_per_iteration  # noqa
 
-# Pythia (001 Table 1): hidden, heads, layout (P, K, C).
+# Pythia (SpiralFormer Table 1): hidden, heads, layout (P, K, C).
 SCALES = {"160M": (768, 12, (2, 4, 2)), "410M": (1024, 16, (4, 8, 4)),
           "1B": (2048, 8, (3, 5, 3)), "1.4B": (2048, 16, (4, 8, 4))}
 VOCAB = 50304
@@ -77,7 +77,7 @@ def flops_report(L):
         ps, pl = paper[name]
         print(f"  {name:>5} {spiral / 1e12:>13.2f} T {looped / 1e12:>11.2f} T {spiral / looped:>6.3f} "
               f"{ps / pl:>6.3f}   {full4 / 1e12:>11.2f} T {spiral / full4:>6.3f}")
-    print("  (paper column: 001 Table 1's SpiralFormer-B / LoopedFormer prefill FLOPs)\n")
+    print("  (paper column: SpiralFormer Table 1's SpiralFormer-B / LoopedFormer prefill FLOPs)\n")
 
 
 def step_time_report(seq, steps, micro_batch):

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# A SpiralFormer-B-style looped model on CPU (001): P + K x {1/8, 1/4, 1/2, 1} + C with the MeSH
-# topology, self-aggregation down-scaling and output-dependent up-scaling, on the demo corpus.
-# Layout here: 1 + 2 x {1/8,1/4,1/2,1} + 1, hidden 128, 128-token sequences (16 latents at 1/8).
-# Trains the final step only (--exit-loss last, as 001), then writes attention probes of the
-# saved checkpoint (tools/attention_probes.py: key-marginal entropy and local attention mass per
-# loop step and head, a table and a PNG).
+# A SpiralFormer-B-style looped model on CPU ("SpiralFormer" (arXiv 2602.11698)): P + K x {1/8, 1/4,
+# 1/2, 1} + C with the MeSH topology, self-aggregation down-scaling and output-dependent up-scaling,
+# on the demo corpus. Layout here: 1 + 2 x {1/8,1/4,1/2,1} + 1, hidden 128, 128-token sequences (16
+# latents at 1/8). Trains the final step only (--exit-loss last, as SpiralFormer), then writes
+# attention probes of the saved checkpoint (tools/attention_probes.py: key-marginal entropy and
+# local attention mass per loop step and head, a table and a PNG).
 # Usage: bash examples/spiral_cpu.sh [OUTPUT_DIR]   (default: demo/; reuses demo_cpu.sh's corpus)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,8 @@
-"""003 timestep conditioning (loop gating, branch gating, AdaLN): against a plain-torch
-recurrence (the one-layer reference of test_norms, features written out from 003), `rescaled`
-and `prefix` inference, identity at initialisation, every parameter learns, recompute-safe,
-TP2 == TP1."""
+""""What Makes Recurrence Effective in Looped Language Models?" (arXiv 2609.36636) timestep
+conditioning (loop gating, branch gating, AdaLN): against a plain-torch recurrence (the one-layer
+reference of test_norms, features written out from What Makes Recurrence Effective), `rescaled` and
+`prefix` inference, identity at initialisation, every parameter learns, recompute-safe, TP2 ==
+TP1."""
 
 import math
 

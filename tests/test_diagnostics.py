@@ -1,6 +1,6 @@
 """Loop diagnostics: per-step gradient norms against an unrolled model, the post-norm gradient
-profile (000 Fig. 6), geometry metrics against a hand computation, spike and collapse counters,
-and everything reaching the trainer's log."""
+profile ("Closing the Loop" (arXiv 2610.00673) Fig. 6), geometry metrics against a hand computation,
+spike and collapse counters, and everything reaching the trainer's log."""
 
 import json
 import math
@@ -81,11 +81,12 @@ def test_step_grad_norms_equal_unrolled_copies(norm_scheme):
             assert abs(measured[layer][t] - ref) <= 1e-5 * ref, (layer, t)
 
 
-# --- 000 Fig. 6: post-norm concentrates the gradient in the last layer -------------------------
+# --- Closing the Loop Fig. 6: post-norm concentrates the gradient in the last layer
+# -------------------------
 def _depth_profile(rank, world, scheme):
     """Per-layer gradient norms at loop step t=2 of an 8-layer core looped T=4, after 30 Adam
-    steps at a high LR on one batch: the post-norm failure develops with training (000 Fig. 5
-    puts it in the first ~1K steps); at initialisation the two profiles look alike."""
+    steps at a high LR on one batch: the post-norm failure develops with training (Closing the Loop
+    Fig. 5 puts it in the first ~1K steps); at initialisation the two profiles look alike."""
     from megaloop.training.diagnostics import StepGradNorms
 
     setup_parallel(world)

@@ -1,4 +1,5 @@
-"""Scalar-mix input injection (000 Eq. 1) against a hand-unrolled recurrence, same blocks."""
+"""Scalar-mix input injection ("Closing the Loop" (arXiv 2610.00673) Eq. 1) against a hand-unrolled
+recurrence, same blocks."""
 
 import math
 
@@ -40,7 +41,7 @@ def _against_manual(rank, world, T, source, prelude, placement):
         losses, lambdas = [], []
         weight = model.shared_embedding_or_output_weight()
         for t in range(1, T + 1):
-            z = h if t == 1 else w * src + (1 - w) * h  # 000 Eq. 1, after the first step
+            z = h if t == 1 else w * src + (1 - w) * h  # Eq. 1, after the first step
             out_t = model.core(hidden_states=z, attention_mask=None, rotary_pos_emb=rope)
             y = model.step_norm(out_t)
             h = y if placement == "recurrent" else out_t

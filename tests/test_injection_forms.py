@@ -1,6 +1,8 @@
-"""003's initial-state injection forms, Huginn's concat-linear and 003's history-state injection:
-against a hand-unrolled recurrence written from the papers' formulas (same blocks, non-zero
-parameters), equal to the plain model at initialisation, every new parameter learns, TP2 == TP1."""
+"""From "What Makes Recurrence Effective in Looped Language Models?" (arXiv 2609.36636):
+initial-state injection forms, Huginn's concat-linear and What Makes Recurrence Effective's
+history-state injection: against a hand-unrolled recurrence written from the papers' formulas (same
+blocks, non-zero parameters), equal to the plain model at initialisation, every new parameter
+learns, TP2 == TP1."""
 
 import pytest
 import torch
@@ -76,9 +78,9 @@ def _against_manual(rank, world, injection, history, source, prelude):
         weight = model.shared_embedding_or_output_weight()
         for t in range(1, T + 1):
             z = h
-            if history != "none":  # 003: window of completed states h_1 .. h_{t-2}, h_0 excluded
+            if history != "none":  # window of completed states h_1 .. h_{t-2}, h_0 excluded
                 z = _history(history, B, z, states[1:t - 1], 2)
-            if injection != "none":  # 003 / Huginn: before every core pass, the first included
+            if injection != "none":  # both: before every core pass, the first included
                 z = _inject(injection, params, z, src)
             h = model.step_norm(model.core(hidden_states=z, attention_mask=None,
                                            rotary_pos_emb=rope))
@@ -113,7 +115,7 @@ def _init_equals_plain(rank, world, injection, history):
 @pytest.mark.parametrize("injection,history", [v for v in VARIANTS if v[0] != "concat-linear"])
 def test_identity_at_init_and_new_params_learn(injection, history):
     err, grads = run_distributed(_init_equals_plain, 1, injection, history)[0]
-    assert err < 1e-6, err  # 003 initialises every one of these forms to the identity on h
+    assert err < 1e-6, err  # the paper initialises every one of these forms to the identity on h
     assert grads and all(g > 0 for g in grads.values()), grads
 
 

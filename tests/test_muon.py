@@ -1,5 +1,6 @@
-"""Muon (003): the Newton-Schulz step against an SVD reference, the update through the trainer
-against a plainly written Muon step, TP=2 / DP=2 == one rank, and checkpoint resume."""
+"""Muon ("What Makes Recurrence Effective in Looped Language Models?" (arXiv 2609.36636)): the
+Newton-Schulz step against an SVD reference, the update through the trainer against a plainly
+written Muon step, TP=2 / DP=2 == one rank, and checkpoint resume."""
 
 import os
 

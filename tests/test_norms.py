@@ -1,5 +1,6 @@
-"""Norm schemes (000 App. A) against a plain-torch re-implementation of one layer; step norms
-against a hand-unrolled recurrence; every scheme and step norm TP=2 == TP=1."""
+"""Norm schemes ("Closing the Loop" (arXiv 2610.00673) App. A) against a plain-torch
+re-implementation of one layer; step norms against a hand-unrolled recurrence; every scheme and step
+norm TP=2 == TP=1."""
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ def _rms(x, w=None):
 
 def _reference_layer(x, p, scheme, cond=None):
     """One decoder layer in plain torch: causal MHA (qkv laid out per head as [q k v]) + SwiGLU
-    MLP, norms placed as 000 App. A describes each scheme. x: [s, b, h]. ``cond``: per branch
-    (g, s) of 003's timestep conditioning: the branch reads (1 + s) N(u), its update is g B."""
+    MLP, norms placed as Closing the Loop App. A describes each scheme. x: [s, b, h]. ``cond``: per
+    branch (g, s) of the timestep conditioning of "What Makes Recurrence Effective in Looped
+    Language Models?" (arXiv 2609.36636): the branch reads (1 + s) N(u), its update is g B."""
     s, b, h = x.shape
     d = h // HEADS
 

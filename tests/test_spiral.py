@@ -1,8 +1,8 @@
 """SpiralFormer multi-resolution recursion and the MeSH topology (megaloop/model/spiral.py).
 
 Every check compares against an independent computation: causality by gradient (exact zeros
-above the diagonal, and 001 Proposition 1's counterexample), the plain loop, a loop-over-slots
-MeSH, a single rank, a hand FLOP count.
+above the diagonal, and "SpiralFormer" (arXiv 2602.11698) Proposition 1's counterexample), the plain
+loop, a loop-over-slots MeSH, a single rank, a hand FLOP count.
 """
 
 import itertools
@@ -58,7 +58,7 @@ def test_causal_for_every_offset_and_shift(down, up):
 
 @pytest.mark.parametrize("down,up", OPS)
 def test_shift_g_minus_2_is_not_causal(down, up):
-    """001 Proposition 1: s_t <= g_t - 2 lets a token see the end of its own chunk."""
+    """SpiralFormer Proposition 1: s_t <= g_t - 2 lets a token see the end of its own chunk."""
     for g in (2, 4, 8):
         for omega in sorted({0, g // 2}):
             jac = _jacobian(g, omega, g - 2, down, up)

@@ -1,4 +1,5 @@
-"""Attention probes of a saved looped model (001 section 4), per loop step and core head.
+"""Attention probes of a saved looped model ("SpiralFormer" (arXiv 2602.11698) section 4), per loop
+step and core head.
 
 Loads the latest checkpoint of --load at TP = 1 (whatever TP/PP saved it; dist_checkpointing
 reshards) through megaloop/training/checkpointing.py, runs validation sequences through it and

@@ -1,9 +1,10 @@
 """Convert between Hugging Face folders and megaloop checkpoints.
 
-Dense-to-loop (000 section 4): a local Qwen3 / Llama folder (config.json + *.safetensors) becomes
-a looped megaloop checkpoint whose core is the whole decoder, with scalar-mix input injection
-(w = 0.99), a fresh exit gate, T loops and optional stepwise LoRA. Every --loop flag of
-pretrain_looplm.py is accepted; the defaults below follow 000's conversion recipe:
+Dense-to-loop ("Closing the Loop" (arXiv 2610.00673) section 4): a local Qwen3 / Llama folder
+(config.json + *.safetensors) becomes a looped megaloop checkpoint whose core is the whole decoder,
+with scalar-mix input injection (w = 0.99), a fresh exit gate, T loops and optional stepwise LoRA.
+Every --loop flag of pretrain_looplm.py is accepted; the defaults below follow Closing the Loop's
+conversion recipe:
 
     python tools/convert_checkpoint.py import-hf --hf-dir Qwen3-1.7B-Base --save ckpt/looped \\
         --num-loops 3 [--lora-rank 32] [--tensor-model-parallel-size 2]
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed of the fresh exit gate and LoRA A matrices")
     imp.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_dataclass_args(imp, LoopConfig)
-    # 000's dense-to-loop recipe: one mixing scalar (w = 0.99) and the smoothed exit loss.
+    # Closing the Loop's dense-to-loop recipe: one mixing scalar (w = 0.99) and the smoothed exit
+    # loss.
     recipe = dict(num_loops=3, input_injection="scalar-mix", exit_loss="smoothed")
     imp.set_defaults(**recipe)
     for action in imp._actions:  # keep the "(default: ...)" of the help text truthful

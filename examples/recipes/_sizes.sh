@@ -1,5 +1,7 @@
-# Shared size presets, sourced by the recipes. FULL_* is the Ouro-1.4B backbone (seeds/README.md):
-# hidden 2048, 16 heads, head dim 128, SwiGLU 5632, RoPE, untied embeddings, RMSNorm eps 1e-6.
+# Shared size presets, sourced by the recipes. FULL_* is the Ouro-1.4B backbone ("Scaling
+# Latent Reasoning via Looped Language Models"; "Closing the Loop", arXiv 2610.00673, Table 10
+# matches it): hidden 2048, 16 heads, head dim 128, SwiGLU 5632, RoPE, untied embeddings,
+# RMSNorm eps 1e-6.
 # CPU_* keeps every switch of the recipe but shrinks widths, sequence and schedule so a run on
 # the demo corpus (examples/recipes/make_demo_data.sh) takes about a minute on one CPU rank.
 FULL_BACKBONE=(--hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632
@@ -10,7 +12,8 @@ CPU_BACKBONE=(--hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 176
               --seq-length 64 --max-position-embeddings 64 --untie-embeddings-and-output-weights
               --norm-epsilon 1e-6 --micro-batch-size 8 --global-batch-size 8
               --log-interval 50 --eval-interval 1000 --eval-iters 2 --split 98,2,0)
-# 000's schedule: linear warmup then cosine decay (full: ~100B tokens at 2M tokens per step).
+# From "Closing the Loop" (arXiv 2610.00673): schedule: linear warmup then cosine decay (full: ~100B
+# tokens at 2M tokens per step).
 FULL_SCHEDULE=(--train-iters 50000 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2000
                --lr-decay-style cosine --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
                --clip-grad 1.0)

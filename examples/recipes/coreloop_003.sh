@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# 003's best CoreLoop configuration: Prelude + shared core + Coda (2 + 4 x 3 + 2, physical depth
-# 8, effective training depth 16 = the Llama-3.1-1B depth 003 matches), channel-wise
-# history-state injection with window 2 plus loop gating (003's best combination), fixed K with
-# full backpropagation and the loss on the last loop (no exit gate), Muon (0.95, Nesterov,
-# 5 Newton-Schulz steps) for the hidden matrices + AdamW (0.9, 0.95) for the rest, weight decay
-# 0.1, WSD schedule. The layer split is our choice where the copy of 003 lost its numbers; the
-# backbone is the Llama-3.1-1B one (hidden 2048, 32 heads, 8 KV groups, SwiGLU 8192, pre-norm).
+# From "What Makes Recurrence Effective in Looped Language Models?" (arXiv 2609.36636): best
+# CoreLoop configuration: Prelude + shared core + Coda (2 + 4 x 3 + 2, physical depth 8, effective
+# training depth 16 = the Llama-3.1-1B depth What Makes Recurrence Effective matches), channel-wise
+# history-state injection with window 2 plus loop gating (What Makes Recurrence Effective's best
+# combination), fixed K with full backpropagation and the loss on the last loop (no exit gate), Muon
+# (0.95, Nesterov, 5 Newton-Schulz steps) for the hidden matrices + AdamW (0.9, 0.95) for the rest,
+# weight decay 0.1, WSD schedule. The layer split is our choice, not a number taken from the paper;
+# the backbone is the Llama-3.1-1B one (hidden 2048, 32 heads, 8 KV groups, SwiGLU 8192, pre-norm).
 set -euo pipefail
 source "$(dirname "$0")/_sizes.sh"
 SIZE=${SIZE:-full}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# 000's dense-ouro-1.4B twin of looplm_1.4b.sh, the same parameter count: the 24 layers run once (T=1, no gate),
-# everything else equal, so the gain of looping is measured at fixed parameter count.
+# From "Closing the Loop" (arXiv 2610.00673): dense-ouro-1.4B twin of looplm_1.4b.sh, the same
+# parameter count: the 24 layers run once (T=1, no gate), everything else equal, so the gain of
+# looping is measured at fixed parameter count.
 set -euo pipefail
 source "$(dirname "$0")/_sizes.sh"
 SIZE=${SIZE:-full}

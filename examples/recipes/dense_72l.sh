@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# 000's dense-ouro-3.9B twin of looplm_1.4b.sh: three 24-layer blocks stacked into 72 distinct
-# layers, run once; it matches the LoopLM's inference compute at three recurrent steps (24 x 3).
-# The CPU size keeps the ratio: 6 layers against the loop's 2 layers.
+# From "Closing the Loop" (arXiv 2610.00673): dense-ouro-3.9B twin of looplm_1.4b.sh: three 24-layer
+# blocks stacked into 72 distinct layers, run once; it matches the LoopLM's inference compute at
+# three recurrent steps (24 x 3). The CPU size keeps the ratio: 6 layers against the loop's 2
+# layers.
 set -euo pipefail
 source "$(dirname "$0")/_sizes.sh"
 SIZE=${SIZE:-full}

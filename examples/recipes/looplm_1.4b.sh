@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# 000's from-scratch LoopLM-1.4B: the Ouro backbone, 24 layers looped T=4 times (effective depth
-# 96), Ouro norm scheme, per-token exit gate trained with the expected loss and KL coefficient
+# From "Closing the Loop" (arXiv 2610.00673): from-scratch LoopLM-1.4B: the Ouro backbone, 24 layers
+# looped T=4 times (effective depth 96), Ouro norm scheme, per-token exit gate trained with the
+# expected loss and KL coefficient
 # beta = 0.15, LR warmup + cosine. Its dense twins: dense_24l.sh (same 24 layers, T=1) and
 # dense_72l.sh (72 layers, T=1). SIZE=cpu: the same recipe at CPU size.
 set -euo pipefail

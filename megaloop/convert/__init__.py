@@ -1,8 +1,8 @@
 """Conversion between megaloop checkpoints and Hugging Face folders.
 
 ``hf_import``: a local dense Qwen3 / Llama folder becomes a looped megaloop checkpoint (the whole
-decoder is the core; 000 section 4's dense-to-loop recipe). ``hf_export``: a megaloop checkpoint
-becomes a Hugging Face folder served by the self-contained modeling file in ``hf_modeling/``.
-``layout`` holds the one name-and-shape mapping both directions use. ``tools/convert_checkpoint.py``
-is the command line.
+decoder is the core; "Closing the Loop" (arXiv 2610.00673) section 4's dense-to-loop recipe).
+``hf_export``: a megaloop checkpoint becomes a Hugging Face folder served by the self-contained
+modeling file in ``hf_modeling/``. ``layout`` holds the one name-and-shape mapping both directions
+use. ``tools/convert_checkpoint.py`` is the command line.
 """

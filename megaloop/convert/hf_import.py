@@ -1,8 +1,9 @@
 """Dense-to-loop: a local Hugging Face Qwen3 / Llama folder -> a looped megaloop checkpoint.
 
-000 section 4's recipe: the pretrained decoder becomes the looped core (norm scheme ``pre``, as
-these models are pre-norm), its final norm becomes the step norm, every core pass after the
-first mixes the token embedding back in (``scalar-mix``, w = 0.99 at the start), the exit gate is
+The recipe of "Closing the Loop" (arXiv 2610.00673), section 4: the pretrained decoder becomes
+the looped core (norm scheme ``pre``, as these models are pre-norm), its final norm becomes the
+step norm, every core pass after the first mixes the token embedding back in (``scalar-mix``,
+w = 0.99 at the start), the exit gate is
 fresh, and stepwise LoRA adapters (B = 0) are optional. At T = 1 the result computes exactly the
 Hugging Face model's logits.
 

@@ -1,19 +1,21 @@
-"""Attention probes per loop step and head (001 section 4): key-marginal entropy and local
-attention mass (LAM) of the shared core's attention.
+"""Attention probes per loop step and head ("SpiralFormer" (arXiv 2602.11698) section 4):
+key-marginal entropy and local attention mass (LAM) of the shared core's attention.
 
 ``AttentionProbe`` hooks a LoopedGPTModel (TP = 1, PP = 1): a pre-hook on the core counts loop
 steps, a forward hook on every core layer's ``core_attention`` recomputes the attention
 probabilities A(q, k) = softmax(q.k * scale + causal mask) from the query and key it was given
 (after RoPE and any qk-norm; grouped query heads expanded). At a coarse SpiralFormer step the
-sequence is the L_t chunk latents, so the metrics are those of the latent attention, as in 001.
+sequence is the L_t chunk latents, so the metrics are those of the latent attention, as in
+SpiralFormer.
 
 For loop step t, layer l, head h and one sequence of length L_t:
 
 - key-marginal entropy: p(k) = (1/L_t) sum_q A(q, k) (a distribution over keys, since every row
   sums to 1), H = -sum_k p(k) log p(k) in nats; also H / log L_t (1 = uniform over all keys),
   which compares steps whose sequences have different lengths;
-- LAM: M_t = ceil(gamma r_t) with gamma = 32 (001), LAM = (1/L_t) sum_q sum_{q - M_t < k <= q}
-  A(q, k): the mass on the M_t most recent keys, a window of about gamma tokens at any resolution.
+- LAM: M_t = ceil(gamma r_t) with gamma = 32 (SpiralFormer), LAM = (1/L_t) sum_q sum_{q - M_t < k <=
+  q} A(q, k): the mass on the M_t most recent keys, a window of about gamma tokens at any
+  resolution.
 
 Both are averaged over the probed sequences (batch entries), then reported per (t, l, h).
 """

@@ -1,4 +1,5 @@
-"""Timestep conditioning (003): the core knows which loop step it runs.
+"""Timestep conditioning ("What Makes Recurrence Effective in Looped Language Models?" (arXiv
+2609.36636)): the core knows which loop step it runs.
 
 Features of loop pass l (0-based) out of T: ``t = l / T``, ``dt = 1 / T`` and
 
@@ -47,7 +48,7 @@ FORMS = ("loop-gating", "branch-gating", "adaln")
 
 
 def timestep_features(l: int, T: int) -> list:
-    """psi(t_l, dt) of 003 for pass l (0-based) of T."""
+    """psi(t_l, dt) of What Makes Recurrence Effective for pass l (0-based) of T."""
     t, dt = l / T, 1.0 / T
     return [t, dt, t * t, dt * dt, t * dt, math.sin(math.pi * t), math.cos(math.pi * t) - 1.0,
             math.sin(2 * math.pi * t)]

@@ -8,21 +8,27 @@ the injection module the current state and that source:
 
 Every form is a module with ``forward(h, source) -> z``, registered in ``INJECTIONS`` under its
 ``--input-injection`` name. Its ``every_step`` attribute says whether it also runs before the
-first pass: 000's scalar mix (Eq. 1) mixes "for t > 0" only (and with no prelude h_0 *is* the
-source), while 003's initial-state forms and Huginn's adapter run before *every* core pass.
+first pass: the scalar mix of "Closing the Loop" (arXiv 2610.00673) (Eq. 1) mixes "for t > 0" only
+(and with no prelude h_0 *is* the source), while the initial-state forms of "What Makes Recurrence
+Effective in Looped Language Models?" (arXiv 2609.36636) and Huginn's adapter run before *every*
+core pass.
 
-- `scalar-mix` (000 Eq. 1): ``w src + (1 - w) h``, ``w = sigmoid(a)``, w starts at 0.99;
-- `scalar` (003): ``h + alpha src``, alpha = 0;
-- `channel-wise` (003): ``a * h + b * src``, a = 1, b = 0 (vectors over the hidden size);
-- `residual-channel-wise` (003): ``(1 + da) * h + b * src``, da = b = 0;
-- `dense` (003): ``W_h h + W_0 src``, one [d, 2d] matrix initialised to [I 0];
+- `scalar-mix` (Closing the Loop Eq. 1): ``w src + (1 - w) h``, ``w = sigmoid(a)``, w starts at
+  0.99;
+- `scalar` (What Makes Recurrence Effective): ``h + alpha src``, alpha = 0;
+- `channel-wise` (What Makes Recurrence Effective): ``a * h + b * src``, a = 1, b = 0 (vectors over
+  the hidden size);
+- `residual-channel-wise` (What Makes Recurrence Effective): ``(1 + da) * h + b * src``, da = b = 0;
+- `dense` (What Makes Recurrence Effective): ``W_h h + W_0 src``, one [d, 2d] matrix initialised to
+  [I 0];
 - `concat-linear` (Huginn, Geiping et al. 2025): ``W [h; src]``, the same [d, 2d] matrix with a
   random normal initialisation (std --init-method-std), so *not* the identity at start.
 
-The 003 forms are initialised to the identity on h, so a model with them starts equal to the
-plain model. History-state injection (003, ``HistoryInjection``) keeps its window of completed
-states in the loop's carry (megaloop/model/carry.py), so the module stays stateless and the window
-travels between pipeline stages with the state.
+The What Makes Recurrence Effective forms are initialised to the identity on h, so a model with them
+starts equal to the plain model. History-state injection (What Makes Recurrence Effective,
+``HistoryInjection``) keeps its window of completed states in the loop's carry
+(megaloop/model/carry.py), so the module stays stateless and the window travels between pipeline
+stages with the state.
 
 Tensor parallelism: every injection parameter (including the [d, 2d] matrices) is *replicated*
 on all TP ranks, not sharded: the hidden state entering the core is full on every rank, the
@@ -63,7 +69,8 @@ class _Injection(MegatronModule, LoopVariant):
 
 
 class ScalarMix(_Injection):
-    """000 Eq. 1: ``z = w * src + (1 - w) * h`` with ``w = sigmoid(a)``, a single learned scalar.
+    """Closing the Loop Eq. 1: ``z = w * src + (1 - w) * h`` with ``w = sigmoid(a)``, a single
+    learned scalar.
 
     The scalar is replicated on every tensor-parallel rank (each rank holds the full hidden
     vector, or under sequence parallelism a slice of the tokens). In the latter case each rank's
@@ -81,7 +88,7 @@ class ScalarMix(_Injection):
         self.logit = torch.nn.Parameter(torch.full((1,), a, dtype=config.params_dtype))
         self.logit.sequence_parallel = config.sequence_parallel
 
-    every_step = False  # 000 mixes for t > 0 only
+    every_step = False  # Closing the Loop mixes for t > 0 only
 
     @property
     def weight(self) -> float:
@@ -94,8 +101,9 @@ class ScalarMix(_Injection):
 
 
 class InitialStateInjection(_Injection):
-    """003's element-wise initial-state forms: ``a * h + b * src`` with a and b scalars or
-    vectors over the hidden size; ``residual`` stores a as ``1 + da``. Starts as the identity."""
+    """What Makes Recurrence Effective's element-wise initial-state forms: ``a * h + b * src`` with
+    a and b scalars or vectors over the hidden size; ``residual`` stores a as ``1 + da``. Starts as
+    the identity."""
 
     every_step = True
 
@@ -118,8 +126,9 @@ class InitialStateInjection(_Injection):
 
 
 class ConcatLinear(_Injection):
-    """``W [h; src]`` with W [d, 2d] replicated over TP ranks: 003's dense form (W = [I 0] at
-    init, i.e. ``W_h h + W_0 src`` with W_h = I, W_0 = 0) or Huginn's adapter (random W)."""
+    """``W [h; src]`` with W [d, 2d] replicated over TP ranks: What Makes Recurrence Effective's
+    dense form (W = [I 0] at init, i.e. ``W_h h + W_0 src`` with W_h = I, W_0 = 0) or Huginn's
+    adapter (random W)."""
 
     every_step = True
 
@@ -163,7 +172,8 @@ def build_injection(config, loop, seed: int = 0) -> Optional[MegatronModule]:
 
 
 class HistoryInjection(MegatronModule, LoopVariant):
-    """003 history-state injection: ``z_l = h_l + sum_{j=1..m_l} B_j (h_{l-j} - h_l)``.
+    """What Makes Recurrence Effective history-state injection: ``z_l = h_l + sum_{j=1..m_l} B_j
+    (h_{l-j} - h_l)``.
 
     ``m_l = min(w, max(l - 1, 0))``: the window holds the completed states h_1 .. h_{l-1} (h_0,
     the prelude output, is excluded), so the first two core passes see no history. One B_j per

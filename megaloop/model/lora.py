@@ -1,4 +1,5 @@
-"""Stepwise LoRA (000 section 4.4): one rank-r adapter per loop step on every core linear.
+"""Stepwise LoRA ("Closing the Loop" (arXiv 2610.00673) section 4.4): one rank-r adapter per loop
+step on every core linear.
 
 At loop step t the core's linears compute ``W x + (alpha / r) * B_t A_t x`` instead of ``W x``;
 the shared W is untouched and B_t starts at 0, so a model with adapters starts out equal to the

@@ -1,6 +1,7 @@
 """Layer specs: which megatron-core modules build a layer, per backend and norm scheme.
 
-The model never forks a megatron-core layer. A norm scheme is a change of *spec* (000 App. A):
+The model never forks a megatron-core layer. A norm scheme is a change of *spec* ("Closing the Loop"
+(arXiv 2610.00673) App. A):
 
 - `pre`: megatron-core's own GPT layer spec, ``u + B(N(u))``;
 - `ouro`: the spec's input norms, and the two bias-dropout-add steps swapped for one that

@@ -1,4 +1,5 @@
-"""SpiralFormer multi-resolution recursion (paper 001) and its state topologies (Anchor, MeSH).
+"""SpiralFormer multi-resolution recursion ("SpiralFormer" (arXiv 2602.11698)) and its state
+topologies (Anchor, MeSH).
 
 Layout ``P + K x {r_0, ..., r_{T-1}} + C``: loop step t runs the shared core on a sequence
 compressed by the resolution r_t = 1 / g_t (``--loop-resolutions``). One step, for token states
@@ -10,7 +11,7 @@ h [L, b, d] (megatron layout, sequence first):
     u~     = shift(u, s_t)  [L, b, d]     u~[i] = u[i - s_t], zero for i < s_t
     h_next = topology(u~)                  plain | anchor (u~ + h_0) | mesh (buffer write/read)
 
-Chunk map (001 Eq. 12): token i belongs to chunk pi(i) = floor((i + omega) / g) at slot
+Chunk map (SpiralFormer Eq. 12): token i belongs to chunk pi(i) = floor((i + omega) / g) at slot
 rho(i) = i + omega - g pi(i). We realise it by padding omega zeros in front of the sequence and
 cutting the padded sequence into L_t whole chunks; tokens after the last whole chunk (the
 incomplete chunk) are dropped and receive no update. The first chunk then holds g - omega real
@@ -25,11 +26,12 @@ Operators (per step, own parameters; a full-resolution step g = 1 has none and i
 - up ``broadcast``: u_i = (lambda/g) z_hat_pi(i);
   ``allocation``: u_i = lambda beta_{pi(i), rho(i)} z_hat_pi(i), beta_j = softmax(B_t(z_hat_j))
   over the g slots, B_t a linear d -> g (initialised to 0: it starts as the broadcast).
-- shift ``overlap`` s_t = g_t - 1 (the smallest causal shift, 001 Proposition 1) or ``parallel``
+- shift ``overlap`` s_t = g_t - 1 (the smallest causal shift, SpiralFormer Proposition 1) or
+  ``parallel``
   s_t = g_t (no overlap: a chunk only reads earlier chunks). Full-resolution steps are never
-  shifted (they are on the decoding critical path, 001 App. D).
+  shifted (they are on the decoding critical path, SpiralFormer App. D).
 
-Decisions that 001 leaves open, made here:
+Decisions that SpiralFormer leaves open, made here:
 
 - **RoPE of latents**: latent j gets position j, its index in the compressed sequence (the core
   sees an ordinary sequence of length L_t; the rotary table is the full one cut to L_t). Distances
@@ -56,7 +58,7 @@ Decisions that 001 leaves open, made here:
   one owner: scorers and the transitional MeSH routers on the first stage; allocators, the step
   routers and the final read on the last.
 
-Topologies (001 section 2.1; MeSH from arXiv 2510.07739):
+Topologies (SpiralFormer section 2.1; MeSH from arXiv 2510.07739):
 
 - ``plain``: h_next = u~ (the loop megaloop always had; only full resolution is allowed, since a
   coarse step's u~ is zero on the first s_t tokens);
@@ -115,12 +117,12 @@ def chunk_sizes(loop) -> List[int]:
 
 
 def offset(g: int, kind: str) -> int:
-    """omega_t: ``half`` floor(g/2) (001's default) or ``zero``."""
+    """omega_t: ``half`` floor(g/2) (SpiralFormer's default) or ``zero``."""
     return g // 2 if kind == "half" else 0
 
 
 def shift(g: int, kind: str) -> int:
-    """s_t: ``overlap`` g - 1 (001's default) or ``parallel`` g; 0 at full resolution."""
+    """s_t: ``overlap`` g - 1 (SpiralFormer's default) or ``parallel`` g; 0 at full resolution."""
     if g == 1:
         return 0
     return g - 1 if kind == "overlap" else g
@@ -187,7 +189,7 @@ def upscale(z_hat: torch.Tensor, g: int, omega: int, length: int,
 
 
 def shift_right(u: torch.Tensor, s: int) -> torch.Tensor:
-    """u~[i] = u[i - s] for i >= s, 0 before (001 Eq. 22)."""
+    """u~[i] = u[i - s] for i >= s, 0 before (SpiralFormer Eq. 22)."""
     if s == 0:
         return u
     s = min(s, u.size(0))

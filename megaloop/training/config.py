@@ -63,9 +63,10 @@ class OptimConfig:
     """Optimizer and learning-rate schedule."""
 
     optimizer: Literal["adam", "muon"] = "adam"
-    """`adam`: megatron-core's AdamW (decoupled weight decay) for every parameter. `muon` (003):
-    Muon for the 2-D hidden matrices of attention and MLP, AdamW for embeddings, LM head, norms,
-    gate and other vectors; both follow --lr, the LR schedule, --weight-decay and --clip-grad."""
+    """`adam`: megatron-core's AdamW (decoupled weight decay) for every parameter. `muon` ("What
+    Makes Recurrence Effective in Looped Language Models?" (arXiv 2609.36636)): Muon for the 2-D
+    hidden matrices of attention and MLP, AdamW for embeddings, LM head, norms, gate and other
+    vectors; both follow --lr, the LR schedule, --weight-decay and --clip-grad."""
 
     lr: float = 1e-3
     """Peak learning rate."""
@@ -104,13 +105,13 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables)."""
 
     muon_momentum: float = 0.95
-    """Muon momentum (003: 0.95)."""
+    """Muon momentum (What Makes Recurrence Effective: 0.95)."""
 
     muon_nesterov: bool = True
-    """Muon uses Nesterov momentum (003: yes)."""
+    """Muon uses Nesterov momentum (What Makes Recurrence Effective: yes)."""
 
     muon_ns_steps: int = 5
-    """Newton-Schulz iterations per Muon step (003: 5)."""
+    """Newton-Schulz iterations per Muon step (What Makes Recurrence Effective: 5)."""
 
     muon_scale_mode: Literal["rms-match", "shape"] = "rms-match"
     """Scale of the orthogonalised update: `rms-match` 0.2 sqrt(max(rows, cols)) (Liu et al.
@@ -158,18 +159,20 @@ class LoggingConfig:
     """Local directory for W&B files."""
 
     log_grad_norm_per_step: bool = False
-    """On logged iterations, log the gradient norm of every core layer per loop step (000 Fig.
-    6: post-norm shows as gradients vanishing below the last layer). Costs T x core-parameter
-    fp32 buffers on those iterations; needs pipeline size 1 and no activation recomputation."""
+    """On logged iterations, log the gradient norm of every core layer per loop step ("Closing the
+    Loop" (arXiv 2610.00673) Fig. 6: post-norm shows as gradients vanishing below the last layer).
+    Costs T x core-parameter fp32 buffers on those iterations; needs pipeline size 1 and no
+    activation recomputation."""
 
     log_loop_geometry: bool = True
     """At validation, log per loop step the angular distance and relative update norm between
     the core's input and output state, and the state variance normalised by the last step's
-    (003 App. C.4). Pipeline size 1 only (skipped otherwise)."""
+    (What Makes Recurrence Effective App. C.4). Pipeline size 1 only (skipped otherwise)."""
 
     loss_spike_threshold: float = 0.5
     """A loss spike: an iteration's loss more than this above the median of the previous
-    --loss-spike-window iterations (000 App. A); a run of such iterations counts once."""
+    --loss-spike-window iterations (Closing the Loop App. A); a run of such iterations counts
+    once."""
 
     loss_spike_window: int = 15
     """Iterations in the rolling median of the loss-spike counter."""
@@ -178,7 +181,8 @@ class LoggingConfig:
     """Exit-gate collapse: p0 (probability of exiting after the first loop) above this ..."""
 
     p0_collapse_iters: int = 100
-    """... for this many iterations in a row prints a warning (000 Sec. 3.3, App. B)."""
+    """... for this many iterations in a row prints a warning (Closing the Loop Sec. 3.3, App.
+    B)."""
 
     def validate(self) -> None:
         if self.log_interval < 1:

@@ -1,9 +1,10 @@
-"""Loop diagnostics (000 App. A/B, 003 App. C.4): what the LM loss does not show.
+"""Loop diagnostics ("Closing the Loop" (arXiv 2610.00673) App. A/B, "What Makes Recurrence
+Effective in Looped Language Models?" (arXiv 2609.36636) App. C.4): what the LM loss does not show.
 
-- ``StepGradNorms``: the gradient norm of every core layer *per loop step* (000 Fig. 6). A shared
-  layer's gradient is the sum of T contributions, one per application; the contribution of step
-  t is the gradient with respect to the weights *as used at step t*. While active, every core
-  pass runs on fresh views ``w.view_as(w)`` of its parameters (one set per step, through
+- ``StepGradNorms``: the gradient norm of every core layer *per loop step* (Closing the Loop Fig.
+  6). A shared layer's gradient is the sum of T contributions, one per application; the contribution
+  of step t is the gradient with respect to the weights *as used at step t*. While active, every
+  core pass runs on fresh views ``w.view_as(w)`` of its parameters (one set per step, through
   ``torch.func.functional_call``, as a loop variant); autograd passes the gradient of each view on to the shared
   parameter unchanged (megatron DDP's accumulation is untouched), and a hook on the view adds it
   to that step's buffer. Costs T x core-parameter fp32 buffers, so the trainer only turns it on
@@ -12,8 +13,9 @@
   states: angular distance ``arccos(cos(in, out)) / pi``, relative update norm
   ``||out - in|| / ||in||``, and the state variance (over hidden dims) of ``out``, normalised
   by that of the last step (the training horizon). Per-token values averaged over all tokens.
-- ``LossSpikeCounter`` and ``GateCollapseMonitor``: the stability counters of 000 (spike = loss
-  more than 0.5 above the rolling median of the previous 15 iterations; collapse = p0 above 0.95
+- ``LossSpikeCounter`` and ``GateCollapseMonitor``: the stability counters of Closing the Loop
+  (spike = loss more than 0.5 above the rolling median of the previous 15 iterations; collapse = p0
+  above 0.95
   for many iterations in a row).
 
 The per-step views need the forward not to be re-run in the backward pass (no full activation
@@ -125,7 +127,8 @@ class StepGradNorms(LoopVariant):
 
 
 class LoopGeometry:
-    """Geometry of the recurrence on validation batches (003 App. C.4), per loop step."""
+    """Geometry of the recurrence on validation batches (What Makes Recurrence Effective App. C.4),
+    per loop step."""
 
     def __init__(self, model, num_loops: int):
         self.model = unwrap(model)
@@ -183,9 +186,9 @@ class LoopGeometry:
 
 
 class LossSpikeCounter:
-    """Counts loss spikes (000 App. A, Table 6): an iteration whose loss exceeds the median of
-    the previous ``window`` iterations by more than ``threshold``. A run of such iterations
-    counts once (a spike is one excursion, however many iterations it lasts)."""
+    """Counts loss spikes (Closing the Loop App. A, Table 6): an iteration whose loss exceeds the
+    median of the previous ``window`` iterations by more than ``threshold``. A run of such
+    iterations counts once (a spike is one excursion, however many iterations it lasts)."""
 
     def __init__(self, threshold: float = 0.5, window: int = 15):
         self.threshold = threshold
@@ -212,8 +215,8 @@ class LossSpikeCounter:
 
 
 class GateCollapseMonitor:
-    """Exit-gate collapse (000 Sec. 3.3, App. B): p0, the probability of exiting after the
-    first loop, above ``threshold`` for ``patience`` iterations in a row. The LM loss does not
+    """Exit-gate collapse (Closing the Loop Sec. 3.3, App. B): p0, the probability of exiting after
+    the first loop, above ``threshold`` for ``patience`` iterations in a row. The LM loss does not
     show it, so the trainer warns once per episode."""
 
     def __init__(self, threshold: float = 0.95, patience: int = 100):
@@ -262,8 +265,8 @@ class LoopDiagnostics:
             self.logger.print(
                 f" WARNING: exit-gate collapse: p0 > {self.collapse.threshold} for "
                 f"{self.collapse.patience} iterations (at iteration {iteration}); the model trains "
-                f"as a one-step transformer and the LM loss does not show it. 000 Sec. 3.3: LR "
-                f"warmup prevents it, a larger --exit-kl-beta lets the gate recover")
+                f"as a one-step transformer and the LM loss does not show it. Closing the Loop "
+                f"Sec. 3.3: LR warmup prevents it, a larger --exit-kl-beta lets the gate recover")
         out["loss_spikes"] = self.spikes.count
         out["p0_collapse_iters"] = self.collapse.run
         return out

@@ -191,7 +191,8 @@ def _format_diagnostics(r: dict) -> str:
 
 
 def format_geometry(g: dict) -> str:
-    """Validation-line suffix with the loop geometry metrics (003 App. C.4), per step."""
+    """Validation-line suffix with the loop geometry metrics ("What Makes Recurrence Effective in
+    Looped Language Models?" (arXiv 2609.36636) App. C.4), per step."""
     names = {"angular_distance": "angular dist", "relative_update_norm": "rel update",
              "state_variance": "norm. state var"}
     return "".join(f" | {names[k]} [" + " ".join(f"{x:.4f}" for x in g[k]) + "]"

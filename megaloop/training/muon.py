@@ -1,4 +1,5 @@
-"""Muon for the hidden matrices, AdamW for everything else (paper 003, section 2 / App. D.1).
+"""Muon for the hidden matrices, AdamW for everything else ("What Makes Recurrence Effective in
+Looped Language Models?" (arXiv 2609.36636), section 2 / App. D.1).
 
 megatron-core 0.16.1 ships a Muon (``megatron.core.optimizer.muon.get_megatron_muon_optimizer``)
 but its update rule lives in the separate ``emerging_optimizers`` package, whose releases need
@@ -44,9 +45,9 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
 
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:
-    """`rms-match` (Liu et al. 2025, the Muon of 003): 0.2 sqrt(max(rows, cols)) gives the update
-    the RMS of an AdamW update, so AdamW's LR and weight decay carry over; `shape` (Jordan et
-    al. 2024): sqrt(max(1, rows / cols))."""
+    """`rms-match` (Liu et al. 2025, the Muon of What Makes Recurrence Effective): 0.2
+    sqrt(max(rows, cols)) gives the update the RMS of an AdamW update, so AdamW's LR and weight
+    decay carry over; `shape` (Jordan et al. 2024): sqrt(max(1, rows / cols))."""
     if mode == "rms-match":
         return 0.2 * max(rows, cols) ** 0.5
     if mode == "shape":
