@@ -32,6 +32,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megaloop.data.config import DataConfig
 from megaloop.data.sft import SFTDataset, lossmask_prefix
+from megaloop.device import to_device
 
 SPLIT_NAMES = ("train", "valid", "test")
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
@@ -175,6 +176,9 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int,
 
     ``cyclic`` wraps around the dataset forever (validation); otherwise the stream ends after the
     last complete global batch.
+
+    Every batch comes out on the accelerator (``megaloop.device.to_device``): the trainer, the
+    pipeline and evaluation all read batches from here, so this is the one place they move.
     """
     sampler = PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size,
                                       data_parallel_rank, data_parallel_size, cyclic)
@@ -184,8 +188,9 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int,
     # not depend on it (the sampler fixes the order).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=_collate, persistent_workers=num_workers > 0,
+                                         pin_memory=torch.cuda.is_available(),
                                          generator=torch.Generator().manual_seed(0))
-    return iter(loader)
+    return map(to_device, loader)
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:

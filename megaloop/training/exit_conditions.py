@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from megaloop.device import current_device
 from megaloop.training.config import CheckpointConfig
 
 
@@ -54,7 +55,7 @@ class ExitConditions:
             float(self.received_signal is not None),
             float(self.cfg.exit_duration_in_mins is not None
                   and minutes > self.cfg.exit_duration_in_mins)],
-            device="cuda" if torch.cuda.is_available() else "cpu")  # NCCL reduces GPU tensors
+            device=current_device())  # NCCL reduces GPU tensors only
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if flags[0] > 0:
             return f"SIGTERM received (--exit-signal-handler), stopping after iteration {iteration}"
