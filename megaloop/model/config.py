@@ -3,6 +3,11 @@
 ``ModelConfig`` holds what Megatron-LM calls the network size and architecture flags (same names,
 same meanings). ``LoopConfig`` holds the few flags that are new in a looped model. Together they
 produce the megatron-core ``TransformerConfig`` that every block of the model is built from.
+
+The loop flags' help cites three papers by short name: "Closing the Loop" (arXiv 2610.00673, the
+LoopLM/Ouro recipe), "SpiralFormer" (multi-resolution recursion) and "What Makes Recurrence
+Effective in Looped Language Models?" (cited as "Recurrence Effective": injections, timestep
+conditioning).
 """
 
 from __future__ import annotations
@@ -76,18 +81,18 @@ class ModelConfig:
 
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this; only where the tensor-parallel size does not divide
-    that, pad to a multiple of this times the TP size. (Megatron-LM always multiplies by the TP size;
-    megaloop does not, so the same run at TP=1 and TP=2 has the same vocabulary rows.)"""
+    that, pad to a multiple of this times the TP size. (Megatron-LM always multiplies by the TP
+    size; megaloop does not, so the same run at TP=1 and TP=2 has the same vocabulary rows.)"""
 
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer backend: megatron-core's local modules, Transformer Engine, or auto (TE iff TE
     imports and a GPU is present)."""
 
     norm_scheme: Literal["ouro", "pre", "post", "sandwich", "magic"] = "ouro"
-    """Norm placement in every layer (prelude, core, coda; 000 App. A): `ouro` normalizes the
-    input and the output of each sub-layer (the normalized output joins the residual); `pre`
-    u + B(N(u)); `post` N(u + B(u)); `sandwich` N2(u + B(N1(u))); `magic` pre-norm whose norms
-    have no learnable scale."""
+    """Norm placement in every layer (prelude, core, coda; Closing the Loop App. A): `ouro`
+    normalizes the input and the output of each sub-layer (the normalized output joins the
+    residual); `pre` u + B(N(u)); `post` N(u + B(u)); `sandwich` N2(u + B(N1(u))); `magic` pre-norm
+    whose norms have no learnable scale."""
 
     def validate(self) -> None:
         """Raise ValueError naming the flag and the fix; called before any process group starts."""
@@ -121,7 +126,8 @@ class LoopConfig:
     """P: layers before the loop, with their own weights (taken from --num-layers)."""
 
     num_coda_layers: int = 0
-    """C: layers after each loop step, before the exit gate and LM head (taken from --num-layers)."""
+    """C: layers after each loop step, before the exit gate and LM head (taken from
+    --num-layers)."""
 
     step_norm_placement: Literal["recurrent", "readout"] = "recurrent"
     """`recurrent` (Ouro): the step norm output is the next step's input; `readout`: the step norm
@@ -129,15 +135,17 @@ class LoopConfig:
 
     exit_loss: Literal["expected", "smoothed", "last", "adaptive-gate"] = "expected"
     """`expected`: sum_t p_t L_t + beta KL(p || uniform); `smoothed`: the expectation mixed with the
-    plain mean of step losses (000 Eq. 2); `last`: final step's loss only, no gate;
+    plain mean of step losses (Closing the Loop Eq. 2); `last`: final step's loss only, no gate;
     `adaptive-gate`: Ouro's stage II, the LM frozen and only the exit gate trained, by BCE
     towards the continue target sigmoid(k (I_t - gamma)), I_t = max(0, L_{t-1} - L_t)."""
 
     exit_kl_beta: float = 0.15
-    """beta, the weight of KL(p || uniform) on the exit distribution (the 000 recipe's 0.15)."""
+    """beta, the weight of KL(p || uniform) on the exit distribution (the Closing the Loop recipe's
+    0.15)."""
 
     exit_loss_smoothing: float = 0.05
-    """epsilon of the smoothed exit loss (000 section 4.2 uses 0.05); KL uses the unsmoothed p."""
+    """epsilon of the smoothed exit loss (Closing the Loop section 4.2 uses 0.05); KL uses the
+    unsmoothed p."""
 
     gate_bce_k: float = 50.0
     """`adaptive-gate` only: steepness k of the continue target sigmoid(k (I_t - gamma))."""
@@ -146,53 +154,55 @@ class LoopConfig:
     """`adaptive-gate` only: loss improvement gamma at which the continue target is 0.5."""
 
     step_norm: Literal["rms", "frms", "identity"] = "rms"
-    """Norm after every loop step and the coda's final norm (000 App. A): `rms` (learnable, of
-    --normalization), `frms` (the same without a scale) or `identity` (none)."""
+    """Norm after every loop step and the coda's final norm (Closing the Loop App. A): `rms`
+    (learnable, of --normalization), `frms` (the same without a scale) or `identity` (none)."""
 
     input_injection: Literal["none", "scalar-mix", "scalar", "channel-wise",
                              "residual-channel-wise", "dense", "concat-linear"] = "none"
-    """What enters a core pass: `none` (the previous state h, as Ouro); `scalar-mix` (000 Eq. 1,
-    passes after the first: w src + (1 - w) h, w = sigmoid(a)); before every pass, 003's
-    initial-state forms `scalar` (h + alpha src), `channel-wise` (a*h + b*src),
-    `residual-channel-wise` ((1 + da)*h + b*src), `dense` (W_h h + W_0 src), all starting as the
-    identity on h, or Huginn's `concat-linear` (W [h; src], random W)."""
+    """What enters a core pass: `none` (the previous state h, as Ouro); `scalar-mix` (Closing the
+    Loop Eq. 1, passes after the first: w src + (1 - w) h, w = sigmoid(a)); before every pass,
+    Recurrence Effective's initial-state forms `scalar` (h + alpha src), `channel-wise` (a*h +
+    b*src), `residual-channel-wise` ((1 + da)*h + b*src), `dense` (W_h h + W_0 src), all starting as
+    the identity on h, or Huginn's `concat-linear` (W [h; src], random W)."""
 
     injection_source: Literal["embedding", "prelude"] = "embedding"
     """The injected src: the token embedding, or the prelude output (the same without a prelude)."""
 
     injection_init_weight: float = 0.99
-    """Initial w of `scalar-mix` injection (000 starts at 0.99); in (0, 1)."""
+    """Initial w of `scalar-mix` injection (Closing the Loop starts at 0.99); in (0, 1)."""
 
     history_injection: Literal["none", "scalar", "channel-wise", "dense"] = "none"
-    """003 history-state injection: z_l = h_l + sum_j B_j (h_{l-j} - h_l) over the last
-    --history-window completed states (h_0 excluded); B_j per lag a scalar, a channel vector or a
-    dense matrix, all starting at 0. Applied before --input-injection."""
+    """Recurrence Effective history-state injection: z_l = h_l + sum_j B_j (h_{l-j} - h_l) over the
+    last --history-window completed states (h_0 excluded); B_j per lag a scalar, a channel vector or
+    a dense matrix, all starting at 0. Applied before --input-injection."""
 
     history_window: int = 2
-    """w, the number of past states history-state injection reads (003's best: 2)."""
+    """w, the number of past states history-state injection reads (Recurrence Effective's best:
+    2)."""
 
     timestep_conditioning: Literal["none", "loop-gating", "branch-gating", "adaln"] = "none"
-    """003 timestep conditioning on psi(l/T, 1/T): `loop-gating` (h + g (F(h) - h), g = 1 + q.psi),
-    `branch-gating` (each core layer's attention / MLP update scaled by 1 + q_k.psi) or `adaln`
-    (per layer and branch, [g - 1; s] = W_k psi: input norm scaled by 1 + s, update by g). All
-    parameters start at 0 (the unconditioned model)."""
+    """Recurrence Effective timestep conditioning on psi(l/T, 1/T): `loop-gating` (h + g (F(h) - h),
+    g = 1 + q.psi), `branch-gating` (each core layer's attention / MLP update scaled by 1 + q_k.psi)
+    or `adaln` (per layer and branch, [g - 1; s] = W_k psi: input norm scaled by 1 + s, update by
+    g). All parameters start at 0 (the unconditioned model)."""
 
     timestep_inference: Literal["rescaled", "prefix"] = "rescaled"
     """Timestep features when running another loop count than trained: `rescaled` (t = l / T with
     the T being run) or `prefix` (the training T: the first steps of the trained schedule)."""
 
     loop_resolutions: str = ""
-    """SpiralFormer (001) per-step resolution schedule r_t = 1/g_t, one per loop step, e.g.
+    """SpiralFormer per-step resolution schedule r_t = 1/g_t, one per loop step, e.g.
     `1/8,1/4,1/2,1`; `coarse-to-fine` derives r_t = 2 r_{t-1} ending at 1 from --num-loops; empty:
     every step at full resolution (the plain loop). A coarse step needs --loop-topology anchor or
     mesh. See megaloop/model/spiral.py."""
 
     resolution_offset: Literal["half", "zero"] = "half"
-    """Chunk offset omega_t of --loop-resolutions: `half` floor(g_t/2) (001's default) or `zero`."""
+    """Chunk offset omega_t of --loop-resolutions: `half` floor(g_t/2) (SpiralFormer's default) or
+    `zero`."""
 
     resolution_shift: Literal["overlap", "parallel"] = "overlap"
-    """Causal right shift s_t of a coarse step's update: `overlap` g_t - 1 (001's default, one
-    token of overlap) or `parallel` g_t (a chunk reads earlier chunks only)."""
+    """Causal right shift s_t of a coarse step's update: `overlap` g_t - 1 (SpiralFormer's default,
+    one token of overlap) or `parallel` g_t (a chunk reads earlier chunks only)."""
 
     resolution_down: Literal["mean", "self-aggregation"] = "self-aggregation"
     """Down-scaling of a coarse step: `mean` pooling or learned `self-aggregation` (per-step scorer,
@@ -203,15 +213,16 @@ class LoopConfig:
     `allocation` (per-step softmax over the g_t slots of a chunk)."""
 
     loop_topology: Literal["plain", "anchor", "mesh"] = "plain"
-    """State update between loop steps (001 section 2.1): `plain` h_{t+1} = u~_t, `anchor`
+    """State update between loop steps (SpiralFormer section 2.1): `plain` h_{t+1} = u~_t, `anchor`
     h_{t+1} = u~_t + h_0, `mesh` a buffer of --mesh-slots slots with per-step write/read routers."""
 
     mesh_slots: int = 0
     """B, the MeSH buffer slots (0 = --num-loops + 3, as MeSH)."""
 
     lora_rank: int = 0
-    """Stepwise LoRA (000 section 4.4): rank of one adapter per loop step on each core attention
-    and MLP linear (0 = off). B starts at 0, so the model starts equal to the one without LoRA."""
+    """Stepwise LoRA (Closing the Loop section 4.4): rank of one adapter per loop step on each core
+    attention and MLP linear (0 = off). B starts at 0, so the model starts equal to the one without
+    LoRA."""
 
     lora_alpha: Optional[float] = None
     """LoRA scaling numerator: the adapter output is scaled by alpha / rank (default: alpha =
