@@ -67,9 +67,9 @@ class ParallelConfig:
         if self.sequence_parallel and tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
 
-    def validate_pipeline(self, num_core_layers: int, num_loops: int,
-                          num_microbatches: int) -> None:
-        """Pipeline checks that need the model and batch shape (before any process group)."""
+    def validate_pipeline(self, num_core_layers: int) -> None:
+        """How the core's layers split over the stages (before any process group; the rules
+        between pipeline parallelism and other features are in ``RunConfig.validate``)."""
         pp = self.pipeline_model_parallel_size
         first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
         if pp == 1:
@@ -100,22 +100,6 @@ class ParallelConfig:
                 f"--decoder-first-pipeline-num-layers {first} and --decoder-last-pipeline-num-"
                 f"layers {last} leave {middle_layers} of the {num_core_layers} core layers for "
                 f"{middle_stages} other stage(s); each other stage needs the same number >= 1")
-        if num_loops > 1:
-            # Interleaved 1F1B (one virtual chunk per loop step) runs micro-batches in groups of
-            # the pipeline size (megatron-core's microbatch_group_size_per_vp_stage default).
-            if num_microbatches % pp:
-                raise ValueError(
-                    f"{num_microbatches} micro-batches per step (--global-batch-size / "
-                    f"(--micro-batch-size x data-parallel size)) with --num-loops {num_loops}: "
-                    f"the interleaved pipeline schedule needs a multiple of "
-                    f"--pipeline-model-parallel-size {pp}; raise --global-batch-size")
-            if self.overlap_grad_reduce:
-                raise ValueError(
-                    f"--overlap-grad-reduce with --pipeline-model-parallel-size {pp} and "
-                    f"--num-loops {num_loops}: each loop step's chunk runs its own backward pass "
-                    f"into the shared layers, so a gradient bucket is complete only after the "
-                    f"last chunk and megatron-core would reduce it early; drop "
-                    f"--overlap-grad-reduce")
 
 
 @dataclass

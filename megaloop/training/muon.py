@@ -122,10 +122,8 @@ def get_muon_optimizer(config, model_chunks: list, *, momentum: float, nesterov:
     from megatron.core.optimizer.optimizer import (Float16OptimizerWithFloat16Params,
                                                    FP32Optimizer)
 
-    if config.use_distributed_optimizer:
-        raise ValueError("--optimizer muon does not work with --use-distributed-optimizer "
-                         "(Muon needs whole matrices, the distributed optimizer shards flat "
-                         "buffers over data-parallel ranks); drop one of the two")
+    # (With --use-distributed-optimizer it is refused by RunConfig.validate.)
+    assert not config.use_distributed_optimizer, "Muon needs whole matrices"
     matrices, others = [], []
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():

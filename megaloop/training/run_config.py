@@ -53,8 +53,7 @@ class RunConfig:
                                world_size)
         dp = self.parallel.data_parallel_size(world_size)
         self.training.validate(dp, self.model.max_position_embeddings)
-        self.parallel.validate_pipeline(self.loop.num_core_layers(self.model.num_layers),
-                                        self.loop.num_loops, self.training.num_microbatches(dp))
+        self.parallel.validate_pipeline(self.loop.num_core_layers(self.model.num_layers))
         self.recompute.validate()
         self.optim.validate(self.training.train_iters)
         if self.optim.optimizer == "muon" and self.parallel.use_distributed_optimizer:
@@ -80,8 +79,29 @@ class RunConfig:
             raise ValueError("--log-grad-norm-per-step cannot be used with "
                              "--recompute-granularity full (the recomputed forward bypasses the "
                              "per-step weight views); drop one of the two")
+        self._check_pipeline(world_size)
         self._check_random_depth(world_size)
         self._check_spiral()
+
+    def _check_pipeline(self, world_size: int | None) -> None:
+        pp, T = self.parallel.pipeline_model_parallel_size, self.loop.num_loops
+        if pp == 1 or T == 1:
+            return
+        microbatches = self.training.num_microbatches(self.parallel.data_parallel_size(world_size))
+        # Interleaved 1F1B (one virtual chunk per loop step) runs micro-batches in groups of the
+        # pipeline size (megatron-core's microbatch_group_size_per_vp_stage default).
+        if microbatches % pp:
+            raise ValueError(
+                f"{microbatches} micro-batches per step (--global-batch-size / (--micro-batch-size "
+                f"x data-parallel size)) with --num-loops {T}: the interleaved pipeline schedule "
+                f"needs a multiple of --pipeline-model-parallel-size {pp}; raise "
+                f"--global-batch-size")
+        if self.parallel.overlap_grad_reduce:
+            raise ValueError(
+                f"--overlap-grad-reduce with --pipeline-model-parallel-size {pp} and --num-loops "
+                f"{T}: each loop step's chunk runs its own backward pass into the shared layers, "
+                f"so a gradient bucket is complete only after the last chunk and megatron-core "
+                f"would reduce it early; drop --overlap-grad-reduce")
 
     def _check_random_depth(self, world_size: int | None) -> None:
         loop = self.loop
