@@ -17,14 +17,38 @@ a CI machine:
 It is enabled only when ``torch.cuda.is_available()`` is false and never on a GPU machine.
 ``MEGALOOP_SHIM_TRACE=1`` (or ``enable(trace=True)``) records every megatron-core call site the
 shim rewrote; ``call_sites()`` returns them, so a megatron-core upgrade is easy to audit.
+
+Placement check (``MEGALOOP_SHIM_CHECK_PLACEMENT=1`` or ``enable_placement_check()``). Mapping
+``cuda`` to cpu hides placement mistakes: a batch never moved to the GPU, a statistics tensor made
+on the host and handed to an NCCL collective. With the check on, the shim remembers which tensors
+would live on the *host* of a GPU machine and fails where a GPU run would:
+
+- host tensors: made by a factory or ``torch.as_tensor``/``from_numpy`` without a CUDA device,
+  moved with ``.cpu()`` / ``.to("cpu")``, or computed from host tensors only. Everything else is
+  on the accelerator: made with ``device="cuda"`` / ``torch.cuda.current_device()``, moved with
+  ``.cuda()`` / ``.to(cuda)`` (``module.cuda()`` moves its parameters), or computed from any
+  accelerator tensor. Tensors the shim never saw made (autograd's gradients, tensors made before
+  the check started) count as placed, so the check can miss a mistake but not invent one;
+- an op that mixes accelerator tensors with a host tensor of one or more dimensions (0-d host
+  tensors are scalars to CUDA kernels) raises ``PlacementError``: the model's embedding fed a
+  batch left on the host is the common case. Indexing and ``copy_`` may mix, as on CUDA;
+- a host tensor passed to a ``torch.distributed`` collective or point-to-point call raises
+  ``PlacementError``, unless the group was created with ``backend="gloo"`` (megatron-core's CPU
+  side groups, which take host tensors on a GPU machine too).
+
+The marks live in an id-keyed table of weak references (never in the tensors, so nothing of them
+reaches a pickle or a checkpoint); the check costs a table look-up per tensor argument of every op.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import logging
 import os
 import sys
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -55,6 +79,8 @@ def _record(what: str) -> None:
 
 
 def _is_cuda(device) -> bool:
+    if isinstance(device, _AcceleratorName):
+        return True
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
@@ -67,6 +93,8 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Level 2: every ``device=cuda`` argument becomes cpu, ``.cuda()`` returns the tensor."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _CHECK:
+            return _checked_call(func, args, kwargs or {})
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             _record("Tensor.cuda")
@@ -104,7 +132,7 @@ def _patch_level1() -> None:
 
     def current_device():
         _record("torch.cuda.current_device")
-        return "cpu"
+        return _ACCELERATOR if _CHECK else "cpu"
 
     def noop(*_args, **_kwargs):
         _record("torch.cuda no-op")
@@ -180,6 +208,8 @@ def enable(trace: bool | None = None) -> bool:
     mode.__enter__()  # process-wide: never exited
     _keep_mode_in_backward(mode)
     _ENABLED = True
+    if os.environ.get("MEGALOOP_SHIM_CHECK_PLACEMENT", "0") not in ("", "0"):
+        enable_placement_check()
     return True
 
 
@@ -194,3 +224,311 @@ def call_sites() -> list[tuple[str, str, int]]:
 
 def format_call_sites() -> str:
     return "\n".join(f"{n:6d}  {what:45s} {where}" for where, what, n in call_sites())
+
+
+# --- placement check (see the module docstring) ------------------------------------------------
+class PlacementError(RuntimeError):
+    """A tensor would be on the wrong device on a GPU machine (raised by the placement check)."""
+
+
+class _AcceleratorName(str):
+    """What ``torch.cuda.current_device()`` answers under the check: "cpu" to torch, but the
+    shim's mode recognises it as the accelerator (megatron-core and megaloop pass it as a device)."""
+
+
+_ACCELERATOR = _AcceleratorName("cpu")
+_CHECK = False
+_HOST: dict = {}            # id(tensor) -> weak reference, for tensors on the host
+_CPU_GROUPS: list = []      # process groups created with backend="gloo"
+_PATCHED = False
+_T = torch.Tensor
+_DATA = torch._C.TensorBase.__dict__["data"]
+# Ops that accept host tensors next to CUDA ones: host indices, cross-device copies.
+_MIXING_ALLOWED = frozenset((_T.__getitem__, _T.__setitem__, _T.copy_, _T.set_))
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+               "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast",
+               "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
+               "isend", "irecv", "batch_isend_irecv")
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """Whether the placement check holds ``t`` for a host tensor."""
+    ref = _HOST.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _forget(key, ref):
+    if _HOST.get(key) is ref:
+        del _HOST[key]
+
+
+def _mark_host(t: torch.Tensor) -> None:
+    if not is_host(t):
+        key = id(t)
+        _HOST[key] = weakref.ref(t, lambda ref, key=key: _forget(key, ref))
+
+
+def _unmark(t: torch.Tensor) -> None:
+    _HOST.pop(id(t), None)
+
+
+def _each_tensor(obj):
+    """Tensors of a result: one, or the elements of a tuple/list."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                yield x
+
+
+def _placed(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``out`` as a tensor on the accelerator. A move that returned its (host) input itself gets
+    an alias, so the original stays a host tensor as it would on a GPU."""
+    if out is src and is_host(src):
+        out = src.view_as(src)
+    _unmark(out)
+    return out
+
+
+def _on_host(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    if out is src and not is_host(src):
+        out = src.view_as(src)
+    _mark_host(out)
+    return out
+
+
+def _move_target(args, kwargs):
+    """The device argument of ``Tensor.to`` (None for a dtype-only conversion)."""
+    if "device" in kwargs:
+        return kwargs["device"]
+    if len(args) > 1 and isinstance(args[1], (str, int, torch.device)) \
+            and not isinstance(args[1], bool):
+        return args[1]
+    if len(args) > 1 and isinstance(args[1], torch.Tensor):  # .to(other): other's device
+        return _ACCELERATOR if not is_host(args[1]) else "cpu"
+    return None
+
+
+def _where() -> str:
+    """The innermost caller outside torch and this module (for error messages)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "/torch/" not in name and not name.endswith("cpu_shim.py"):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+def _checked_call(func, args, kwargs):
+    if func is _T.cuda:
+        _record("Tensor.cuda")
+        return _placed(args[0], args[0])
+    if func is _T.cpu:
+        return _on_host(func(*args, **kwargs), args[0])
+    if func is _T.to:
+        target = _move_target(args, kwargs)
+        if target is not None and _is_cuda(target):
+            _record("Tensor.to(cuda)")
+            if "device" in kwargs:
+                kwargs = dict(kwargs, device="cpu")
+            else:
+                args = (args[0], "cpu", *args[2:])
+            return _placed(func(*args, **kwargs), args[0])
+        out = func(*args, **kwargs)
+        if isinstance(target, str) and target.startswith("cpu"):  # an explicit move to the host
+            return _on_host(out, args[0])
+        if out is not args[0]:  # a dtype conversion (or an ambiguous torch.device("cpu"))
+            (_mark_host if is_host(args[0]) else _unmark)(out)
+        return out
+    device = kwargs.get("device")
+    if device is not None:
+        if _is_cuda(device):
+            _record(f"{getattr(func, '__name__', func)}(device=cuda)")
+            out = func(*args, **dict(kwargs, device="cpu"))
+            for t in _each_tensor(out):
+                _unmark(t)
+            return out
+        if isinstance(device, str) and device.startswith("cpu"):
+            out = func(*args, **kwargs)
+            for t in _each_tensor(out):
+                _mark_host(t)
+            return out
+        # A torch.device("cpu") object usually comes from ``x.device`` of an accelerator tensor
+        # (every tensor says cpu here): undecidable, so treated as placed below.
+    if getattr(func, "__self__", None) is _DATA:
+        out = func(*args, **kwargs)
+        if func.__name__ == "__set__":  # ``t.data = other`` moves t to where other is
+            (_mark_host if is_host(args[1]) else _unmark)(args[0])
+        elif is_host(args[0]):
+            _mark_host(out)
+        return out
+
+    host_nd, placed = None, None
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                items = (a,)
+            elif isinstance(a, (list, tuple)):
+                items = a
+            else:
+                continue
+            for t in items:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if is_host(t):
+                    if host_nd is None and t.dim() > 0:
+                        host_nd = t
+                elif placed is None:
+                    placed = t
+    if device is not None and not isinstance(device, str) and placed is None:
+        placed = device  # the undecidable torch.device: not host
+    out = func(*args, **kwargs)
+    # Only ops that compute tensors mix devices (queries such as _has_compatible_shallow_copy_type
+    # compare tensors without touching their data).
+    if placed is not None and host_nd is not None and func not in _MIXING_ALLOWED \
+            and next(_each_tensor(out), None) is not None:
+        name = getattr(func, "__name__", str(func))
+        hint = ("the model was fed a batch left on the host: move it to "
+                "torch.cuda.current_device() before the forward" if name == "embedding" else
+                "move the host tensor to torch.cuda.current_device() (or create it there)")
+        raise PlacementError(
+            f"placement check: {name} mixes accelerator tensors with a host tensor "
+            f"{_describe(host_nd)} at {_where()}; on a GPU this is a device mismatch: {hint}")
+    if func in _MIXING_ALLOWED:  # the result is where self is
+        if isinstance(args[0], torch.Tensor):
+            for t in _each_tensor(out):
+                (_mark_host if is_host(args[0]) else _unmark)(t)
+    elif placed is None:
+        for t in _each_tensor(out):
+            _mark_host(t)
+    return out
+
+
+def _group_of(args, kwargs):
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, torch.distributed.ProcessGroup)), None)
+    return group
+
+
+def _check_collective(name: str, args, kwargs) -> None:
+    group = _group_of(args, kwargs)
+    tensors = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    tensors.append(x)
+                elif isinstance(x, torch.distributed.P2POp):  # batch_isend_irecv
+                    if not any(x.group is g for g in _CPU_GROUPS):
+                        tensors.append(x.tensor)
+    if group is not None and any(group is g for g in _CPU_GROUPS):
+        return
+    for t in tensors:
+        if is_host(t):
+            raise PlacementError(
+                f"placement check: torch.distributed.{name} got a host tensor {_describe(t)} at "
+                f"{_where()}; NCCL takes only GPU tensors: create it with "
+                f"device=torch.cuda.current_device() or move it there first")
+
+
+def _wrap_collective(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _CHECK:
+            _check_collective(name, args, kwargs)
+        return fn(*args, **kwargs)
+    wrapper._megaloop_checked = True
+    return wrapper
+
+
+def _install_placement_patches() -> None:
+    """Wrappers that do nothing while the check is off (installed once, never removed)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    _PATCHED = True
+    dist = torch.distributed
+    wrapped = {}
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is not None and not getattr(fn, "_megaloop_checked", False):
+            wrapped[name] = _wrap_collective(name, fn)
+            setattr(dist, name, wrapped[name])
+    # megatron-core binds these two at import time.
+    try:
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        pgb = None
+    for alias, name in (("dist_all_gather_func", "all_gather_into_tensor"),
+                        ("dist_reduce_scatter_func", "reduce_scatter_tensor")):
+        if pgb is not None and name in wrapped and getattr(pgb, alias, None) is not None:
+            setattr(pgb, alias, wrapped[name])
+
+    new_group = dist.new_group
+
+    @functools.wraps(new_group)
+    def new_group_recording_gloo(*args, **kwargs):
+        group = new_group(*args, **kwargs)
+        backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
+        if backend is not None and str(backend).lower() == "gloo":
+            _CPU_GROUPS.append(group)
+        return group
+
+    dist.new_group = new_group_recording_gloo
+
+    from_numpy = torch.from_numpy
+
+    @functools.wraps(from_numpy)
+    def from_numpy_on_host(array):
+        out = from_numpy(array)
+        if _CHECK:
+            _mark_host(out)
+        return out
+
+    torch.from_numpy = from_numpy_on_host
+
+    parameter_new = torch.nn.Parameter.__new__
+
+    def parameter_keeps_placement(cls, data=None, requires_grad=True):
+        p = parameter_new(cls, data, requires_grad)
+        if _CHECK and isinstance(data, torch.Tensor) and is_host(data):
+            _mark_host(p)
+        return p
+
+    torch.nn.Parameter.__new__ = staticmethod(parameter_keeps_placement)
+
+
+def enable_placement_check(on: bool = True) -> None:
+    """Turn the placement check on (or off). Needs the shim: on a GPU there is nothing to check,
+    the devices are real."""
+    global _CHECK
+    if on and not _ENABLED:
+        raise RuntimeError("the placement check runs under the CPU shim (cpu_shim.enable() on a "
+                           "machine without CUDA)")
+    if on:
+        _install_placement_patches()
+    _CHECK = on
+
+
+def placement_check_enabled() -> bool:
+    return _CHECK
+
+
+@contextlib.contextmanager
+def placement_check():
+    """The placement check inside a ``with`` block (restores the previous setting)."""
+    before = _CHECK
+    enable_placement_check(True)
+    try:
+        yield
+    finally:
+        enable_placement_check(before)
