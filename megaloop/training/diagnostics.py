@@ -19,8 +19,8 @@ Effective in Looped Language Models?" (arXiv 2609.36636) App. C.4): what the LM 
   for many iterations in a row).
 
 The per-step views need the forward not to be re-run in the backward pass (no full activation
-recomputation); the geometry hook counts the core's calls in one module (pipeline size 1). The
-run configuration rejects the combinations that would make them wrong.
+recomputation); the geometry compares a whole core pass's input and output, which one stage sees
+only at pipeline size 1 (the trainer measures it there).
 """
 
 from __future__ import annotations
@@ -126,14 +126,14 @@ class StepGradNorms(LoopVariant):
         return (squares.sqrt() / max(num_tokens, 1)).tolist()
 
 
-class LoopGeometry:
+class LoopGeometry(LoopVariant):
     """Geometry of the recurrence on validation batches (What Makes Recurrence Effective App. C.4),
-    per loop step."""
+    per loop step: a loop variant that, while measuring, compares each core pass's input and
+    output (the step index comes from the recurrence)."""
 
     def __init__(self, model, num_loops: int):
         self.model = unwrap(model)
         self.num_loops = num_loops
-        self.handles = []
 
     def start(self) -> None:
         # sums over tokens, per step: angular distance, relative update norm, state variance
@@ -141,35 +141,25 @@ class LoopGeometry:
         # GPU sums to them needs no host synchronisation per step.
         self.sums = torch.zeros(3, self.num_loops, dtype=torch.float64, device=current_device())
         self.tokens = torch.zeros(self.num_loops, dtype=torch.float64, device=current_device())
-        self.step = 0
-        self.handles = [
-            self.model.register_forward_pre_hook(self._reset),
-            self.model.core.register_forward_hook(self._measure, with_kwargs=True),
-        ]
+        self.model.variants.append(self)
 
-    def _reset(self, *_):
-        self.step = 0
-
-    def _measure(self, _module, args, kwargs, output):
-        state_in = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        self.step += 1
-        if self.step > self.num_loops:  # evaluation at another loop count: ignore the extra
-            return
-        u, v = state_in.detach().float(), output.detach().float()
+    def around_core(self, run, z, attention_mask, rotary_pos_emb, t, ctx):
+        out = run(z, attention_mask, rotary_pos_emb)
+        if t > self.num_loops:  # evaluation at another loop count: ignore the extra
+            return out
+        u, v = z.detach().float(), out.detach().float()
         cos = torch.nn.functional.cosine_similarity(u, v, dim=-1, eps=1e-12)
         angular = torch.arccos(cos.clamp(-1.0, 1.0)) / math.pi
         update = (v - u).norm(dim=-1) / u.norm(dim=-1).clamp_min(1e-12)
         variance = v.var(dim=-1, unbiased=False)
-        t = self.step - 1
-        self.sums[0, t] += angular.double().sum()
-        self.sums[1, t] += update.double().sum()
-        self.sums[2, t] += variance.double().sum()
-        self.tokens[t] += angular.numel()
+        self.sums[0, t - 1] += angular.double().sum()
+        self.sums[1, t - 1] += update.double().sum()
+        self.sums[2, t - 1] += variance.double().sum()
+        self.tokens[t - 1] += angular.numel()
+        return out
 
     def finish(self) -> Optional[dict]:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        self.model.variants.remove(self)
         packed = torch.cat([self.sums.flatten(), self.tokens])
         if self.model.config.sequence_parallel:  # each TP rank saw a slice of the tokens
             torch.distributed.all_reduce(packed, group=parallel_state.get_tensor_model_parallel_group())
