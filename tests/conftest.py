@@ -11,6 +11,10 @@ from megaloop import runtime  # noqa: E402
 
 runtime.quiet_megatron()  # the entry points' filter, so tests see what a run prints
 
+# torch.cuda.is_available() asks NVML instead of the CUDA driver: this process never initialises
+# CUDA, which its forked or spawned ranks need (see distributed.py).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 import torch  # noqa: E402
 
 from megaloop import cpu_shim  # noqa: E402

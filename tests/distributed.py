@@ -1,10 +1,18 @@
-"""Run a test body on N gloo ranks by forking this (already warm) pytest process.
+"""Run a test body on N ranks: forked gloo ranks on CPU, spawned NCCL ranks on a GPU machine.
 
 Importing megatron-core costs seconds and a torchrun launch tens of seconds, while a tiny
-tensor-parallel step takes milliseconds (DESIGN.md). So the test process imports everything
-once and forks a fresh rank per process: each child gets a free TCP port, its own process
-group and megatron-core parallel state, and reports its return value or traceback through a
-queue. A child that hangs is killed at the timeout and the test fails; nothing waits forever.
+tensor-parallel step takes milliseconds. So on CPU the test process imports everything once and
+forks a fresh rank per process: each child gets a free TCP port, its own process group and
+megatron-core parallel state, and reports its return value or traceback through a queue. A child
+that hangs is killed at the timeout and the test fails; nothing waits forever.
+
+On a GPU machine CUDA cannot be used in a child forked from a parent that initialised it, and
+two ranks on one GPU hit NCCL's duplicate-device error. There the ranks are *spawned* (fresh
+interpreters: the test body must be a module-level function, pickled by reference), one GPU
+each, and a test that needs more ranks than GPUs is skipped. The parent never initialises CUDA:
+it counts GPUs through NVML (``PYTORCH_NVML_BASED_CUDA_CHECK``, set in conftest.py).
+``MEGALOOP_TEST_GPUS=1`` runs the suite in single-GPU mode: one-rank tests on the GPU, every
+multi-rank test skipped (e.g. on a shared node where only one GPU is free).
 """
 
 from __future__ import annotations
@@ -24,15 +32,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world_size, port, fn, args, queue):
+def gpu_count() -> int:
+    """GPUs the tests may use (0 on CPU), without initialising CUDA in this process."""
+    if not torch.cuda.is_available():
+        return 0
+    count = torch.cuda.device_count()
+    limit = os.environ.get("MEGALOOP_TEST_GPUS")
+    return min(count, int(limit)) if limit else count
+
+
+def _child(rank, world_size, port, fn, args, queue, on_gpu=False):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         torch.set_num_threads(1)
         backend = "gloo"
-        if torch.cuda.is_available():  # the same test bodies run under NCCL on a GPU machine
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if on_gpu:  # the same test bodies run under NCCL, one GPU per rank
+            torch.cuda.set_device(rank)
             backend = "nccl"
+        else:  # already on in a forked rank; a spawned one starts without it
+            from megaloop import cpu_shim
+
+            cpu_shim.enable()
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Plain pickle, by value: the queue's ForkingPickler would pass tensors as shared-memory
@@ -52,16 +73,31 @@ def _child(rank, world_size, port, fn, args, queue):
         os._exit(0)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
+                    start_method: str | None = None):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks: forked gloo ranks on CPU,
+    spawned NCCL ranks (one GPU each) on a GPU machine, where a test that needs more ranks than
+    GPUs is skipped.
 
     Returns the list of per-rank return values (they must be picklable); raises with the
     child's traceback if any rank fails, or if a rank does not finish within ``timeout``.
+    ``start_method="spawn"`` spawns CPU ranks too (to test the GPU path's start on CPU).
     """
-    ctx = mp.get_context("fork")
+    gpus = gpu_count()
+    if gpus:
+        if world_size > gpus:
+            import pytest
+
+            pytest.skip(f"needs {world_size} GPUs (one per rank), {gpus} available")
+        start_method, on_gpu = "spawn", True
+    else:
+        start_method, on_gpu = start_method or "fork", False
+    ctx = mp.get_context(start_method)
+    if start_method == "spawn":
+        timeout += 120.0  # spawned interpreters import megatron-core afresh
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue))
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, on_gpu))
              for r in range(world_size)]
     for p in procs:
         p.start()
