@@ -6,11 +6,14 @@
 # The NGC PyTorch image carries CUDA, NCCL, Transformer Engine and apex built against its own
 # torch; megaloop's `--transformer-impl auto` then picks Transformer Engine on the GPU.
 #
-# Base image: megatron-core 0.16.1 requires torch>=2.6.0. NGC 25.01 ships torch 2.6.0a0+<sha>,
-# a *pre-release* that does not satisfy that pin, so pip would replace the image's CUDA-matched
-# torch with a PyPI wheel. 25.04 (the image megatron-core's install guide uses) ships 2.7.0a0,
-# which does. Override with --build-arg BASE_IMAGE=... (keep torch >= 2.6.0 final or 2.7 pre).
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.04-py3
+# Base image: NGC PyTorch 25.11. megatron-core 0.16.1 is tested with Transformer Engine
+# >= 2.9.0a0, < 2.12.0 (its `dev` extra) and its own CI image for that release builds on
+# nvcr.io/nvidia/pytorch:25.11-py3. Older bases such as 25.04 carry a TE below that range (TE
+# features megatron-core 0.16 enables behind version checks are then missing). 25.11's torch
+# (2.10.0a0, a pre-release above 2.6.0) satisfies megatron-core's torch>=2.6.0, so pip keeps the
+# image's CUDA-matched build. The build below fails if the image's torch is replaced or its TE is
+# outside the tested range. Override with --build-arg BASE_IMAGE=... (keep both conditions).
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
 FROM ${BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \
@@ -29,6 +32,13 @@ RUN TORCH_BEFORE="$(python -c 'import torch; print(torch.__version__)')" && \
         echo "pip replaced torch $TORCH_BEFORE with $TORCH_AFTER; use another BASE_IMAGE" >&2; \
         exit 1; \
     fi
+
+# Transformer Engine comes from the base image (megaloop's `gpu` path); check it is a version
+# megatron-core 0.16.1 was tested with before anything else is built on it.
+RUN python -c "import transformer_engine as te; from packaging.version import Version as V; \
+v = V(te.__version__.split('+')[0]); ok = V('2.9.0a0') <= v < V('2.12.0'); \
+print('transformer_engine', te.__version__, 'ok' if ok else 'outside >=2.9.0a0,<2.12.0'); \
+raise SystemExit(0 if ok else 1)"
 
 WORKDIR /workspace/megaloop
 COPY . .
