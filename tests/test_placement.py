@@ -62,7 +62,7 @@ DIAGNOSTICS = ["--log-grad-norm-per-step", "--log-loop-geometry"]
 @pytest.mark.parametrize("layout,world", [
     (["--tensor-model-parallel-size", "2", "--micro-batch-size", "2"] + DIAGNOSTICS, 2),
     (["--micro-batch-size", "1", "--use-distributed-optimizer"] + DIAGNOSTICS, 2),
-    (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"], 2),
+    (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"] + DIAGNOSTICS, 2),
 ], ids=["tp2", "dp2", "pp2"])
 def test_trainer_places_every_tensor(tmp_path, layout, world):
     """The whole trainer under the check; its losses equal the unchecked run's (the check
