@@ -163,6 +163,9 @@ def _logits(trainer, batch):
     """Last-step logits over the whole vocabulary (the TP shards concatenated)."""
     from megatron.core import parallel_state
 
+    from megaloop.device import to_device
+
+    batch = to_device(batch)  # the model is on the accelerator where one exists
     trainer.model.eval()
     with torch.no_grad():
         logits = trainer.model(batch["tokens"], batch["position_ids"])

@@ -61,8 +61,10 @@ def reduce_stats(reports: list, num_loops: int, device=None) -> dict:
                               for r in reports]).sum(0)
     else:  # a stage before the last: it contributes zeros to the sums (on the device the
         # collective's backend serves: NCCL takes no CPU tensor)
-        if device is None and torch.cuda.is_available():
-            device = torch.cuda.current_device()
+        if device is None:
+            from megaloop.device import current_device
+
+            device = current_device()
         packed = torch.zeros(sum(sizes.values()), device=device)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(packed,
