@@ -28,14 +28,14 @@ def _loss(model):
 
 
 def _lora_names(model):
-    return [n for n, _ in model.named_parameters() if "_lora." in n]
+    return [n for n, _ in model.named_parameters() if ".lora_" in n]
 
 
 def _identity_at_init(rank, world):
     setup_parallel(world, 11)
     plain = _model(0)
     with_lora = _model(4)
-    base = {k: v for k, v in full_params(with_lora).items() if "_lora." not in k}
+    base = {k: v for k, v in full_params(with_lora).items() if ".lora_" not in k}
     weights_equal = max_diff(base, full_params(plain)) == 0.0
     return weights_equal, (_loss(plain) - _loss(with_lora)).abs().item()
 
@@ -44,6 +44,33 @@ def test_lora_starts_as_the_model_without_it():
     for weights_equal, diff in run_distributed(_identity_at_init, 2):
         assert weights_equal  # building the adapters does not shift the base weights' RNG
         assert diff == 0.0, diff
+
+
+def _built_from_the_spec(rank, world):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    setup_parallel(world, 11)
+    model = _model(4)
+    hooked = [n for n, m in model.core.named_modules() if m._forward_hooks]
+    layer = model.core.layers[0]
+    kinds = {name: (type(m).__name__, isinstance(m, base)) for name, m, base in (
+        ("qkv", layer.self_attention.linear_qkv, ColumnParallelLinear),
+        ("proj", layer.self_attention.linear_proj, RowParallelLinear),
+        ("fc1", layer.mlp.linear_fc1, ColumnParallelLinear),
+        ("fc2", layer.mlp.linear_fc2, RowParallelLinear))}
+    return hooked, kinds, type(model.output_layer).__name__
+
+
+def test_lora_adapters_are_built_from_the_layer_spec():
+    # The adapters live in subclasses of the spec's linear classes: no forward hook anywhere in
+    # the core, and the head (outside the core) keeps megatron-core's plain class.
+    hooked, kinds, head = run_distributed(_built_from_the_spec, 1)[0]
+    assert hooked == [], hooked
+    assert kinds == {"qkv": ("LoRAColumnParallelLinear", True),
+                     "proj": ("LoRARowParallelLinear", True),
+                     "fc1": ("LoRAColumnParallelLinear", True),
+                     "fc2": ("LoRARowParallelLinear", True)}, kinds
+    assert head == "ColumnParallelLinear"
 
 
 def _grads_reach_every_adapter(rank, world):
@@ -95,7 +122,7 @@ def test_lora_tp2_equals_tp1():
     for l2, g2 in run_distributed(_two_steps, 2, None):
         assert abs(l1 - l2) < 1e-5, (l1, l2)
         assert g1.keys() == g2.keys()
-        assert any(".linear_fc1_lora.lora_B.2" in k for k in g1)
+        assert any(".linear_fc1.lora_B.2" in k for k in g1)
         for k in g1:
             assert torch.allclose(g1[k], g2[k], atol=1e-5, rtol=1e-4), k
 
@@ -145,5 +172,5 @@ def _load(rank, world, path):
 def test_lora_checkpoint_reshards_tp2_to_tp1(tmp_path):
     saved = run_distributed(_save_trained, 2, str(tmp_path))[0]
     loaded, = run_distributed(_load, 1, str(tmp_path))
-    assert any(".linear_fc1_lora.lora_B.0" in k for k in saved)
+    assert any(".linear_fc1.lora_B.0" in k for k in saved)
     assert max_diff(saved, loaded) == 0.0

@@ -176,7 +176,7 @@ def hf_state_dict(reader: SafetensorsFolder, model_cfg: ModelConfig, loop: LoopC
 def load_into(model, tensors: dict) -> None:
     """Copy converted tensors into a TP=1 model; everything except what the conversion adds
     (exit gate, injection scalar, LoRA adapters) must be covered, with matching shapes."""
-    fresh = ("exit_gate.", "injection.", "_lora.")
+    fresh = ("exit_gate.", "injection.", ".lora_A.", ".lora_B.")
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing = [k for k in state if k not in tensors and not any(f in k for f in fresh)]
     unexpected = [k for k in tensors if k not in state]

@@ -37,12 +37,13 @@ LAYER_SIMPLE = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
-# LoRA adapter (megaloop module) -> the Hugging Face projections it feeds.
+# Adapted linear (megaloop module holding ``lora_A.<t>`` / ``lora_B.<t>``) -> the Hugging Face
+# projections its adapters feed.
 LORA_TARGETS = {
-    "self_attention.linear_qkv_lora": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attention.linear_proj_lora": ("self_attn.o_proj",),
-    "mlp.linear_fc1_lora": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.linear_fc2_lora": ("mlp.down_proj",),
+    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attention.linear_proj": ("self_attn.o_proj",),
+    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.linear_fc2": ("mlp.down_proj",),
 }
 TOP_LEVEL = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",

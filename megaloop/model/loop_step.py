@@ -1,7 +1,7 @@
 """Which loop step the core is running, for modules that live inside the shared core.
 
-Stepwise LoRA and timestep conditioning sit in the core's layers (as forward hooks) and must know
-the step of the pass in flight. The recurrence writes it into a ``StepHolder`` before each core
+Stepwise LoRA and timestep conditioning sit in the core's layers and must know the step of the
+pass in flight. The recurrence writes it into a ``StepHolder`` before each core
 pass. Activation recomputation re-runs the core during the backward pass, long after the forward
 has moved on to later steps, so ``ReselectStep`` puts an identity on the core's output whose
 backward writes that pass's value back before autograd reaches (and recomputes) the core.
@@ -13,7 +13,7 @@ import torch
 
 
 class StepHolder:
-    """The value the core's hooks read for the pass in flight (a step index, or features)."""
+    """The value the core's modules read for the pass in flight (a step index, or features)."""
 
     def __init__(self, value=1):
         self.value = value

@@ -78,8 +78,18 @@ class LoopedGPTModel(LanguageModule):
         num_core = loop.num_core_layers(model_cfg.num_layers)
         spec = layer_spec(config, model_cfg.norm_scheme, use_te,
                           unfuse_input_norms=loop.timestep_conditioning == "adaln")
+        # Stepwise LoRA adapters are built with the core's linears (its spec names adapted
+        # linear classes); prelude and coda keep the plain spec. A is drawn from a private
+        # generator, so the base weights equal those of a model without LoRA built from the
+        # same seed.
+        self.lora = StepwiseLoRA(
+            loop.num_loops, loop.lora_rank, loop.lora_alpha or loop.lora_rank,
+            seed=torch.initial_seed() + 1) if loop.lora_rank else None
+        core_spec = layer_spec(config, model_cfg.norm_scheme, use_te,
+                               unfuse_input_norms=loop.timestep_conditioning == "adaln",
+                               lora=self.lora.setup) if self.lora else spec
 
-        def block(n: int, final_norm: bool, split: bool = False) -> TransformerBlock:
+        def block(n: int, final_norm: bool, split: bool = False, spec=spec) -> TransformerBlock:
             # pre_process=True: we always hand the block its input explicitly. Only the core is
             # split over pipeline stages (megatron-core splits a block by its config's pipeline
             # size); prelude and coda live whole on the first and the last stage.
@@ -103,7 +113,7 @@ class LoopedGPTModel(LanguageModule):
                 use_cpu_initialization=config.use_cpu_initialization)
         self.prelude = block(loop.num_prelude_layers, False) \
             if pre_process and loop.num_prelude_layers else None
-        self.core = block(num_core, False, split=True)
+        self.core = block(num_core, False, split=True, spec=core_spec)
         self.step_norm = build_norm(config, use_te, loop.step_norm) if post_process else None
         # The coda's final norm is the readout norm before gate and head.
         self.coda = block(loop.num_coda_layers, True) \
@@ -119,11 +129,6 @@ class LoopedGPTModel(LanguageModule):
             # The coda's final norm is the readout norm before gate and head: --step-norm too.
             self.coda.final_layernorm = build_norm(config, use_te, loop.step_norm)
         self.injection = build_injection(config, loop) if pre_process else None
-        # Built last, from a private generator: the base weights equal those of a model without
-        # LoRA built from the same seed.
-        self.lora = StepwiseLoRA(
-            self.core, config, loop.num_loops, loop.lora_rank, loop.lora_alpha or loop.lora_rank,
-            seed=torch.initial_seed() + 1) if loop.lora_rank else None
         self.history_injection = build_history_injection(config, loop) if pre_process else None
         self.timestep = build_timestep_conditioning(config, loop, self.core, model_cfg.norm_scheme,
                                                     last=post_process)

@@ -19,6 +19,10 @@ norms (`post`, `magic`, or AdaLN conditioning that modulates the norm output) th
 them on TE: plain ``TEColumnParallelLinear`` linears and the norm in the layer's own slots.
 The TE variants are written but verified only where a GPU and TE exist (tests/test_gpu.py).
 
+Stepwise LoRA is a change of spec too: the core's layer spec (``layer_spec(..., lora=...)``) names
+adapter-carrying subclasses of its four linear classes (megaloop.model.lora.with_lora); prelude and
+coda are built from the plain spec.
+
 The step norm (after each loop step) and the coda's final norm are `rms` (the backend's
 learnable norm of ``--normalization``), `frms` (the same without a scale) or `identity`.
 """
@@ -26,12 +30,15 @@ learnable norm of ``--normalization``), `frms` (the same without a scale) or `id
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from megaloop.model.lora import LoRASetup, with_lora
 
 NORM_SCHEMES = ("ouro", "pre", "post", "sandwich", "magic")
 STEP_NORMS = ("rms", "frms", "identity")
@@ -114,12 +121,13 @@ def _with_input_norms(spec: ModuleSpec, norm, use_te: bool) -> ModuleSpec:
         sub, self_attention=attn, mlp=mlp, input_layernorm=norm, pre_mlp_layernorm=norm))
 
 
-def layer_spec(config, norm_scheme: str, use_te: bool,
-               unfuse_input_norms: bool = False) -> ModuleSpec:
+def layer_spec(config, norm_scheme: str, use_te: bool, unfuse_input_norms: bool = False,
+               lora: Optional[LoRASetup] = None) -> ModuleSpec:
     """Spec of one transformer layer for a norm scheme on a backend.
 
     ``unfuse_input_norms``: keep the input norms as separate modules on TE too (timestep AdaLN
     modulates their output); a no-op on the local backend, whose norms are separate anyway.
+    ``lora``: the linears carry stepwise LoRA adapters sharing this setup (the core's spec).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -145,6 +153,8 @@ def layer_spec(config, norm_scheme: str, use_te: bool,
                          params={"config": config, "norm": norm, "where": where})
         submodules = dataclasses.replace(spec.submodules, self_attn_bda=bda, mlp_bda=bda)
         spec = dataclasses.replace(spec, submodules=submodules)
+    if lora is not None:
+        spec = with_lora(spec, lora)
     return spec
 
 
