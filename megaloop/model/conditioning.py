@@ -23,25 +23,32 @@ Inference at another loop count (``--timestep-inference``): `rescaled` uses the 
 (t = l / T_run), `prefix` keeps the training T (t = l / T_train; more loops than trained go past
 t = 1).
 
-Branch and AdaLN parameters live inside the core layers (``core.layers.k.timestep_conditioning``)
-and act through forward hooks, as stepwise LoRA does, so they follow the layers over pipeline
-stages and checkpoints and no megatron-core class is forked. The pass currently running is set by
-the recurrence's ``around_core`` hook, which also marks the core's output so that the backward pass
-re-selects it before activation recomputation re-runs the core. All parameters are replicated over TP ranks (the hidden vectors
-they scale are full on every rank; under sequence parallelism they carry the ``sequence_parallel``
-tag so their gradients are summed over the TP group).
+Branch and AdaLN conditioning is a change of the core's layer spec (``conditioned_spec``): the
+bias-dropout-add slots become gated ones (``self_attn_bda.timestep_gate``,
+``mlp_bda.timestep_gate``) and, for AdaLN, the input norm slots scaled norms
+(``input_layernorm.timestep_scale``, ``pre_mlp_layernorm.timestep_scale``). They live in the core
+layers, so they follow the layers over pipeline stages and checkpoints, and no megatron-core class
+is forked. They read the pass in flight from a shared clock, set by the recurrence's
+``around_core`` hook, which also marks the core's output so that the backward pass re-selects it
+before activation recomputation re-runs the core. All parameters are replicated over TP ranks
+(the hidden vectors they scale are full on every rank; under sequence parallelism they carry the
+``sequence_parallel`` tag so their gradients are summed over the TP group).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megaloop.model.loop_step import ReselectStep, StepHolder
 from megaloop.model.recurrence import LoopVariant
+from megaloop.model.specs import NormedBiasDropoutAdd
 
 NUM_FEATURES = 8
 FORMS = ("loop-gating", "branch-gating", "adaln")
@@ -60,81 +67,119 @@ def _zeros(shape, config) -> torch.nn.Parameter:
     return p
 
 
-class LayerConditioning(MegatronModule):
-    """Branch gates (``gate`` [2, 8]) or AdaLN maps (``adaln`` [2, 2d, 8]) of one core layer."""
+def _features(clock: StepHolder, like: torch.Tensor) -> torch.Tensor:
+    """psi of the pass in flight, as a tensor like ``like``."""
+    return torch.tensor(clock.value, dtype=like.dtype, device=like.device)
 
-    def __init__(self, config, form: str, clock: StepHolder):
+
+class GatedBiasDropoutAdd(MegatronModule):
+    """The bias-dropout-add slot of a `pre` / `magic` layer with a branch gate: the sub-layer's
+    (output, bias) are scaled by g = 1 + W psi before megatron-core's own bias-dropout-add.
+    W is ``timestep_gate``: [8] (branch gating, g a scalar) or [d, 8] (AdaLN, g a vector)."""
+
+    def __init__(self, config, inner, form: str, clock: StepHolder):
         super().__init__(config=config)
-        self.form, self.clock, d = form, clock, config.hidden_size
-        if form == "branch-gating":
-            self.gate = _zeros((2, NUM_FEATURES), config)
-        else:
-            self.adaln = _zeros((2, 2 * d, NUM_FEATURES), config)
+        self.inner, self.clock = build_module(inner), clock  # megatron-core's bda function
+        shape = (NUM_FEATURES,) if form == "branch-gating" else (config.hidden_size, NUM_FEATURES)
+        self.timestep_gate = _zeros(shape, config)
 
-    def _psi(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(self.clock.value, dtype=like.dtype, device=like.device)
+    def gate(self, like: torch.Tensor) -> torch.Tensor:
+        return 1.0 + self.timestep_gate.to(like.dtype) @ _features(self.clock, like)
 
-    def gate_of(self, branch: int, like: torch.Tensor) -> torch.Tensor:
-        """g of a branch (0 attn, 1 mlp): a scalar, or a [d] vector for AdaLN."""
-        psi = self._psi(like)
-        if self.form == "branch-gating":
-            return 1.0 + self.gate[branch].to(like.dtype) @ psi
-        return 1.0 + self.adaln[branch, :self.config.hidden_size].to(like.dtype) @ psi
+    def forward(self, training: bool, fused: bool):
+        bda = self.inner(training, fused)
 
-    def scale_of(self, branch: int, like: torch.Tensor) -> torch.Tensor:
-        """AdaLN's s of a branch ([d])."""
-        return self.adaln[branch, self.config.hidden_size:].to(like.dtype) @ self._psi(like)
+        def gated_bias_dropout_add(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            g = self.gate(x)
+            return bda((x * g, None if bias is None else bias * g), residual, prob)
 
-    # forward hooks ------------------------------------------------------------------------
-    def hook_gate_pair(self, branch: int):
-        """On a sub-layer returning (output, bias): scale both by g."""
-        def hook(module, args, output):
-            out, bias = output
-            g = self.gate_of(branch, out)
-            return out * g, (None if bias is None else bias * g)
-        return hook
+        return gated_bias_dropout_add
 
-    def hook_gate_tensor(self, branch: int):
-        """On ouro's output norm: scale the normalized branch output by g."""
-        def hook(module, args, output):
-            return output * self.gate_of(branch, output)
-        return hook
 
-    def hook_scale(self, branch: int):
-        """On an input norm: ``(1 + s) * N(u)``."""
-        def hook(module, args, output):
-            return output * (1.0 + self.scale_of(branch, output))
-        return hook
+class GatedNormedBiasDropoutAdd(NormedBiasDropoutAdd):
+    """The normalized bias-dropout-add of `ouro` / `post` / `sandwich` with a branch gate. For
+    ouro the gate scales the *normalized* branch output (a gate before ouro's output norm would
+    be normalized away): ``residual + drop(g N(x + b))``; for post / sandwich it scales the
+    branch before the sum is normalized: ``N(residual + drop(g (x + b)))``."""
+
+    def __init__(self, config, norm, where: str, form: str, clock: StepHolder):
+        super().__init__(config, norm, where)
+        self.clock = clock
+        shape = (NUM_FEATURES,) if form == "branch-gating" else (config.hidden_size, NUM_FEATURES)
+        self.timestep_gate = _zeros(shape, config)
+
+    def forward(self, training: bool, fused: bool):  # noqa: ARG002 - fused has no meaning here
+        def gated(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            g = 1.0 + self.timestep_gate.to(x.dtype) @ _features(self.clock, x)
+            if self.where == "branch":
+                return residual + F.dropout(g * self.norm(x), p=prob, training=training)
+            return self.norm(residual + F.dropout(g * x, p=prob, training=training))
+
+        return gated
+
+
+class ScaledNorm(MegatronModule):
+    """AdaLN's input norm slot: ``(1 + s) N(u)`` with s = ``timestep_scale`` psi ([d, 8])."""
+
+    def __init__(self, config, hidden_size: int, eps: float, inner, clock: StepHolder):
+        super().__init__(config=config)
+        norm = build_module(inner, config=config, hidden_size=hidden_size, eps=eps)
+        # The norm's parameters are registered here, under the names they have in a plain layer
+        # (``input_layernorm.weight``), so checkpoints with and without AdaLN share every base
+        # key; the norm itself is held outside the module tree (the same Parameter objects,
+        # which ``.cuda()`` / ``.bfloat16()`` convert in place).
+        for name, param in norm.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        self._norm = (norm,)
+        self.clock = clock
+        self.timestep_scale = _zeros((hidden_size, NUM_FEATURES), config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._norm[0](x)
+        return out * (1.0 + self.timestep_scale.to(out.dtype) @ _features(self.clock, out))
+
+
+def conditioned_spec(spec: ModuleSpec, form: str, clock: StepHolder, config) -> ModuleSpec:
+    """The core layer's spec with branch gates in its bias-dropout-add slots and, for AdaLN,
+    scaled input norms (the layer's norms must be separate modules: ``layer_spec``'s
+    ``unfuse_input_norms`` on TE)."""
+    sub = spec.submodules
+
+    def gated_bda(bda):
+        if isinstance(bda, ModuleSpec) and bda.module is NormedBiasDropoutAdd:
+            return ModuleSpec(module=GatedNormedBiasDropoutAdd,
+                              params={**bda.params, "form": form, "clock": clock})
+        return ModuleSpec(module=GatedBiasDropoutAdd,
+                          params={"config": config, "inner": bda, "form": form, "clock": clock})
+
+    changes = {"self_attn_bda": gated_bda(sub.self_attn_bda), "mlp_bda": gated_bda(sub.mlp_bda)}
+    if form == "adaln":
+        for slot in ("input_layernorm", "pre_mlp_layernorm"):
+            changes[slot] = ModuleSpec(module=ScaledNorm,
+                                       params={"inner": getattr(sub, slot), "clock": clock})
+    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes))
 
 
 class TimestepConditioning(MegatronModule, LoopVariant):
-    """The model-level part: the clock, loop gating's q, and the per-layer modules it installed."""
+    """The model-level part: the clock the core's conditioned modules read (built into the
+    core's layer spec by ``conditioned_spec``), loop gating's q, and the loop-variant hooks."""
 
-    def __init__(self, config, form: str, core, norm_scheme: str, train_loops: int,
-                 inference: str, last: bool = True):
+    def __init__(self, config, form: str, clock: StepHolder, train_loops: int, inference: str,
+                 last: bool = True):
         super().__init__(config=config)
         if form not in FORMS:
             raise ValueError(f"unknown --timestep-conditioning {form!r}; choose one of none, "
                              f"{', '.join(FORMS)}")
         self.form, self.train_loops, self.inference = form, train_loops, inference
-        self.clock = StepHolder()
+        self.clock = clock
         self.clock.value = timestep_features(0, train_loops)
-        if form == "loop-gating":
-            # Used where a step ends: only the last pipeline stage owns it.
-            self.loop_gate = _zeros((NUM_FEATURES,), config) if last else None
-            return
-        for layer in core.layers:
-            cond = LayerConditioning(config, form, self.clock)
-            layer.add_module("timestep_conditioning", cond)
-            for branch, (sub, bda, norm) in enumerate((
-                    ("self_attention", "self_attn_bda", "input_layernorm"),
-                    ("mlp", "mlp_bda", "pre_mlp_layernorm"))):
-                if norm_scheme == "ouro":
-                    getattr(layer, bda).norm.register_forward_hook(cond.hook_gate_tensor(branch))
-                else:
-                    getattr(layer, sub).register_forward_hook(cond.hook_gate_pair(branch))
-                if form == "adaln":
-                    getattr(layer, norm).register_forward_hook(cond.hook_scale(branch))
+        # Loop gating is used where a step ends: only the last pipeline stage owns it.
+        self.loop_gate = _zeros((NUM_FEATURES,), config) \
+            if form == "loop-gating" and last else None
 
     def features(self, step: int, num_loops: int) -> list:
         """psi of loop step ``step`` (1-based) when ``num_loops`` loops are run."""
@@ -161,10 +206,11 @@ class TimestepConditioning(MegatronModule, LoopVariant):
         return out + g1 * (out - carry.entering)
 
 
-def build_timestep_conditioning(config, loop, core, norm_scheme: str, last: bool = True
+def build_timestep_conditioning(config, loop, clock: StepHolder, last: bool = True
                                 ) -> Optional[TimestepConditioning]:
-    """``last``: whether this pipeline stage ends each loop step (owns loop gating's q)."""
+    """``clock``: the one the core's layer spec was conditioned with (``conditioned_spec``);
+    ``last``: whether this pipeline stage ends each loop step (owns loop gating's q)."""
     if loop.timestep_conditioning == "none":
         return None
-    return TimestepConditioning(config, loop.timestep_conditioning, core, norm_scheme,
-                                loop.num_loops, loop.timestep_inference, last)
+    return TimestepConditioning(config, loop.timestep_conditioning, clock, loop.num_loops,
+                                loop.timestep_inference, last)

@@ -26,7 +26,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megaloop.model.config import LoopConfig, ModelConfig, with_layers
-from megaloop.model.conditioning import build_timestep_conditioning
+from megaloop.model.conditioning import build_timestep_conditioning, conditioned_spec
+from megaloop.model.loop_step import StepHolder
 from megaloop.model.injection import build_history_injection, build_injection
 from megaloop.model import recurrence
 from megaloop.model.lora import StepwiseLoRA
@@ -89,6 +90,12 @@ class LoopedGPTModel(LanguageModule):
                                unfuse_input_norms=loop.timestep_conditioning == "adaln",
                                lora=self.lora.setup) if self.lora else spec
 
+        # Branch gating / AdaLN: gated bias-dropout-adds (and scaled input norms) in the core's
+        # spec, reading the step in flight from one clock (megaloop.model.conditioning).
+        clock = StepHolder()
+        if loop.timestep_conditioning in ("branch-gating", "adaln"):
+            core_spec = conditioned_spec(core_spec, loop.timestep_conditioning, clock, config)
+
         def block(n: int, final_norm: bool, split: bool = False, spec=spec) -> TransformerBlock:
             # pre_process=True: we always hand the block its input explicitly. Only the core is
             # split over pipeline stages (megatron-core splits a block by its config's pipeline
@@ -130,8 +137,7 @@ class LoopedGPTModel(LanguageModule):
             self.coda.final_layernorm = build_norm(config, use_te, loop.step_norm)
         self.injection = build_injection(config, loop) if pre_process else None
         self.history_injection = build_history_injection(config, loop) if pre_process else None
-        self.timestep = build_timestep_conditioning(config, loop, self.core, model_cfg.norm_scheme,
-                                                    last=post_process)
+        self.timestep = build_timestep_conditioning(config, loop, clock, last=post_process)
         # SpiralFormer per-step resolutions and the Anchor / MeSH topologies (None: plain loop).
         # Under PP a step is down-scaled where it starts and up-scaled where it ends.
         self.spiral = build_spiral(config, loop, first=pre_process, last=post_process)
