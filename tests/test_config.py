@@ -152,3 +152,15 @@ def test_overlap_grad_reduce_refused_with_varying_loop_count(extra, flags):
     # A fixed loop count runs every core parameter and every LoRA adapter in every step.
     _check(["--num-loops", "3", "--global-batch-size", "4", "--lora-rank", "2",
             "--overlap-grad-reduce"], world_size=2)
+
+
+def test_per_step_grad_norms_refuse_full_recompute():
+    from megaloop.training.run_config import parse_args
+
+    flags = OK + ["--log-grad-norm-per-step", "--recompute-granularity", "full",
+                  "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    with pytest.raises(ValueError, match="--log-grad-norm-per-step cannot be used with "
+                                         "--recompute-granularity full"):
+        parse_args(flags).validate(world_size=1)
+    parse_args(OK + ["--log-grad-norm-per-step", "--recompute-granularity",
+                     "selective"]).validate(world_size=1)

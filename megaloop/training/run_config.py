@@ -61,7 +61,6 @@ class RunConfig:
                              "needs whole matrices; the distributed optimizer shards flat buffers "
                              "over data-parallel ranks): drop one of the two")
         self.logging.validate()
-        self._check_gpu_paths()
         self._check_compatibility(world_size)
         self.checkpoint.validate()
         self.tokenizer.validate()
@@ -79,6 +78,7 @@ class RunConfig:
             raise ValueError("--log-grad-norm-per-step cannot be used with "
                              "--recompute-granularity full (the recomputed forward bypasses the "
                              "per-step weight views); drop one of the two")
+        self._check_gpu_paths()
         self._check_pipeline(world_size)
         self._check_random_depth(world_size)
         self._check_spiral()
