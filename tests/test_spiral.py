@@ -336,7 +336,6 @@ def _probe_run(rank, world):
     probe = AttentionProbe(model)
     ids, pos, _ = lm_batch(VOCAB, SEQ, BATCH)
     with torch.no_grad():
-        probe.reset_sequence()
         model(ids, pos, None)
     h.remove()
     probe.close()

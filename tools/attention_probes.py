@@ -74,7 +74,6 @@ def main(argv=None) -> None:
     probe = AttentionProbe(model, gamma=args.gamma)
     with torch.no_grad():
         for ids in windows.split(args.batch_size):
-            probe.reset_sequence()
             model(ids, torch.arange(seq).expand_as(ids), None)
     probe.close()
     rows = probe.results()

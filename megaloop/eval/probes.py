@@ -1,8 +1,9 @@
 """Attention probes per loop step and head ("SpiralFormer" (arXiv 2602.11698) section 4):
 key-marginal entropy and local attention mass (LAM) of the shared core's attention.
 
-``AttentionProbe`` hooks a LoopedGPTModel (TP = 1, PP = 1): a pre-hook on the core counts loop
-steps, a forward hook on every core layer's ``core_attention`` recomputes the attention
+``AttentionProbe`` watches a LoopedGPTModel (TP = 1, PP = 1): as a loop variant it learns the step
+of each core pass from the recurrence, and a forward hook on every core layer's ``core_attention``
+(the one place that sees the post-RoPE query and key) recomputes the attention
 probabilities A(q, k) = softmax(q.k * scale + causal mask) from the query and key it was given
 (after RoPE and any qk-norm; grouped query heads expanded). At a coarse SpiralFormer step the
 sequence is the L_t chunk latents, so the metrics are those of the latent attention, as in
@@ -26,6 +27,8 @@ import math
 from collections import defaultdict
 
 import torch
+
+from megaloop.model.recurrence import LoopVariant
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
@@ -52,7 +55,7 @@ def local_attention_mass(probs: torch.Tensor, window: int) -> torch.Tensor:
     return (probs * local).sum(-1).mean(-1)
 
 
-class AttentionProbe:
+class AttentionProbe(LoopVariant):
     """Collects per-(step, layer, head) entropy and LAM sums while the model runs forwards."""
 
     def __init__(self, model, gamma: float = 32.0):
@@ -63,17 +66,15 @@ class AttentionProbe:
         self.step = 0
         self.sums = defaultdict(lambda: torch.zeros(3, dtype=torch.float64))  # (t, l, h)
         self.count = defaultdict(int)
-        self.handles = [model.core.register_forward_pre_hook(self._next_step)]
+        model.variants.append(self)
+        self.handles = []
         for l, layer in enumerate(model.core.layers):
             attn = layer.self_attention.core_attention
             self.handles.append(attn.register_forward_hook(self._hook(l, attn), with_kwargs=True))
 
-    def _next_step(self, module, args):
-        self.step += 1
-
-    def reset_sequence(self):
-        """Call before every model forward: loop steps count from 1 again."""
-        self.step = 0
+    def around_core(self, run, z, attention_mask, rotary_pos_emb, t, ctx):
+        self.step = t
+        return run(z, attention_mask, rotary_pos_emb)
 
     def _hook(self, layer: int, attn):
         def hook(module, args, kwargs, output):
@@ -104,6 +105,7 @@ class AttentionProbe:
         return rows
 
     def close(self):
+        self.model.variants.remove(self)
         for hd in self.handles:
             hd.remove()
 
