@@ -154,23 +154,25 @@ class LoopedGPTModel(LanguageModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def readout(self, y, attention_mask, rotary_pos_emb, gate: bool):
+    def readout(self, y, attention_mask, rotary_pos_emb, gate: bool, inference_context=None):
         """Coda, head and gate on y_t: (vocab-parallel logits [s, b, v/tp], gate logit or None)."""
         r = y
         if self.coda is not None:
             r = self.coda(hidden_states=y, attention_mask=attention_mask,
-                          rotary_pos_emb=rotary_pos_emb)
+                          rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
         weight = self.shared_embedding_or_output_weight() if \
             self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(r, weight=weight)
         return logits, (self.exit_gate(r) if gate else None)
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
-                num_loops: Optional[int] = None, no_grad_steps: int = 0):
+                num_loops: Optional[int] = None, no_grad_steps: int = 0, kv_cache=None):
         """With labels: a LoopOutput. Without: the last step's logits [b, s, v/tp].
         ``no_grad_steps``: truncated backpropagation, the first n steps (core and readout) run
-        without gradient; their losses still enter the objective's value, as constants."""
-        ctx = recurrence.context(self, input_ids, attention_mask, labels, num_loops)
+        without gradient; their losses still enter the objective's value, as constants.
+        ``kv_cache``: a megaloop.inference.kv_cache.LoopKVCache holding the positions before
+        ``input_ids`` (cached decoding; the caller advances it)."""
+        ctx = recurrence.context(self, input_ids, attention_mask, labels, num_loops, kv_cache)
         carry = recurrence.begin(self, input_ids, position_ids, ctx)
         return recurrence.fold(self, carry, ctx, no_grad_steps)
 

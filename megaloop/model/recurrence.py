@@ -24,6 +24,7 @@ listed in ``LoopedGPTModel.variants``. Adding a variant is one module and one li
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
@@ -49,6 +50,18 @@ class StepContext:
     rotary_pos_emb: Optional[torch.Tensor] = None
     labels: Optional[torch.Tensor] = None
     """[b, s] targets; None: an inference forward (logits of the last step only)."""
+    kv: Optional[object] = None
+    """Cached decoding: a megaloop.inference.kv_cache.LoopKVCache, whose dict for each (block,
+    step) is swapped into megatron-core's inference context around the block's call."""
+
+    @contextlib.contextmanager
+    def cache(self, block: str, step: Optional[int] = None):
+        """{"inference_context": ...} for a block call at ``step`` (empty without a cache)."""
+        if self.kv is None:
+            yield {}
+            return
+        with self.kv.use(block, step, new_tokens=self.length) as inference_context:
+            yield {"inference_context": inference_context}
 
     def reads_out(self, t: int) -> bool:
         """Whether step t runs coda, head and gate."""
@@ -92,8 +105,9 @@ class LoopVariant:
 
 
 def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
-            num_loops: Optional[int] = None) -> StepContext:
-    """The step context of one forward; refuses a loop count the model cannot run."""
+            num_loops: Optional[int] = None, kv=None) -> StepContext:
+    """The step context of one forward; refuses a loop count the model cannot run. ``kv``: a
+    KV cache holding the positions before ``input_ids``."""
     T = num_loops or model.loop.num_loops
     mode = model.loop.exit_loss if T > 1 else "expected"
     if mode != "last" and T > 1 and not model.loop.gated:
@@ -102,8 +116,13 @@ def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
                          f"{model.loop.exit_loss} (no gate); use --exit-loss last")
     rope = None
     if model.position_embedding_type == "rope":
-        rope = model.rotary_pos_emb(input_ids.size(1))
-    return StepContext(T, mode, input_ids.size(1), attention_mask, rope, labels)
+        # With a cache the table covers the cached positions too (attention slices the new ones).
+        # Under context parallelism input_ids hold this rank's two chunks of the sequence: the
+        # table is asked for the whole sequence and megatron-core's RotaryEmbedding keeps this
+        # rank's chunks of it (get_pos_emb_on_this_cp_rank), as GPTModel does.
+        length = input_ids.size(1) * model.config.context_parallel_size
+        rope = model.rotary_pos_emb(length + (kv.offset if kv is not None else 0))
+    return StepContext(T, mode, input_ids.size(1), attention_mask, rope, labels, kv)
 
 
 def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
@@ -111,8 +130,9 @@ def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
     h = model.embedding(input_ids=input_ids, position_ids=position_ids)
     source = h  # --injection-source embedding
     if model.prelude is not None:
-        h = model.prelude(hidden_states=h, attention_mask=ctx.attention_mask,
-                          rotary_pos_emb=ctx.rotary_pos_emb)
+        with ctx.cache("prelude") as cache:
+            h = model.prelude(hidden_states=h, attention_mask=ctx.attention_mask,
+                              rotary_pos_emb=ctx.rotary_pos_emb, **cache)
         if model.loop.injection_source == "prelude":
             source = h
     carry = Carry(h=h, source=source)
@@ -121,8 +141,10 @@ def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
     return carry
 
 
-def _core(core, z, attention_mask, rotary_pos_emb):
-    return core(hidden_states=z, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+def _core(core, ctx, t, z, attention_mask, rotary_pos_emb):
+    with ctx.cache("core", t) as cache:
+        return core(hidden_states=z, attention_mask=attention_mask,
+                    rotary_pos_emb=rotary_pos_emb, **cache)
 
 
 def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutput]:
@@ -132,7 +154,7 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
         carry.entering = carry.h
         for variant in model.variants:
             z = variant.before_core(z, carry, t, ctx)
-    run = partial(_core, model.core)
+    run = partial(_core, model.core, ctx, t)
     for variant in reversed(model.variants):  # the first listed is the outermost
         run = partial(variant.around_core, run, t=t, ctx=ctx)
     out = run(z, ctx.attention_mask, ctx.rotary_pos_emb)
@@ -147,7 +169,9 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
         return carry, StepOutput()
     T = ctx.num_loops
     gate = model.exit_gate is not None and (t < T or ctx.mode == "adaptive-gate")
-    logits, gate_logit = model.readout(y, ctx.attention_mask, ctx.rotary_pos_emb, gate)
+    with ctx.cache("coda", t) as cache:
+        logits, gate_logit = model.readout(y, ctx.attention_mask, ctx.rotary_pos_emb, gate,
+                                           **cache)
     if ctx.labels is None:
         return carry, StepOutput(logits=logits)
     loss = model.compute_language_model_loss(ctx.labels, logits)

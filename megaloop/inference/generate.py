@@ -1,0 +1,124 @@
+"""Token generation with a looped model: prefill, then one token at a time.
+
+The model's own forward (the recurrence's fold, megaloop/model/recurrence.py) runs every token:
+with a ``LoopKVCache`` it sees only the new positions and attends to the cached ones; without one
+(``kv_policy="none"``) it recomputes the whole sequence for every new token. Both give the same
+logits (tests/test_inference.py), so greedy outputs are identical.
+
+Prompts of different lengths share a batch as in megatron-core's static engine: the common
+prefix length is prefilled at once, then every row advances one position per forward; a row
+still inside its prompt is fed its next prompt token (its sampled token is discarded), a row past
+it is fed what it generated. A row stops at the end-of-document token or after ``max_tokens``.
+
+Under tensor parallelism the vocab-parallel logits are gathered, and every rank samples from the
+same CPU generator seeded alike, so all ranks pick the same token without a broadcast.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megaloop.device import current_device
+from megaloop.inference.kv_cache import LoopKVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingParams:
+    """How the next token is chosen from the logits."""
+
+    temperature: float = 0.0
+    """0: greedy (argmax); > 0: sample from softmax(logits / temperature)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches p (1: all)."""
+    seed: int = 0
+    """Seed of the sampling generator (the same on every rank)."""
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
+    """[b, v] fp32 logits -> [b] token ids."""
+    if params.temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = logits.topk(min(params.top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens before it already reach p (the first always stays).
+        drop = probs.cumsum(-1) - probs >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class Generator:
+    """Generates continuations of token-id prompts with a LoopedGPTModel (TP >= 1, PP = 1)."""
+
+    def __init__(self, model, vocab_size: int, num_loops: Optional[int] = None,
+                 kv_policy: str = "full", eod: Optional[int] = None):
+        self.model, self.vocab_size, self.eod = model, vocab_size, eod
+        self.num_loops = num_loops or model.loop.num_loops
+        self.kv_policy = kv_policy
+        if kv_policy != "none" and model.spiral is not None:
+            # A coarse step's latents change when a later token completes their chunk: a cache
+            # of them is not the uncached forward.
+            log.warning("SpiralFormer / Anchor / MeSH models decode by recomputation "
+                        "(no KV cache): each token runs the whole sequence")
+            self.kv_policy = "none"
+
+    def _logits(self, ids: torch.Tensor, kv: Optional[LoopKVCache]) -> torch.Tensor:
+        """Full-vocabulary fp32 logits [b, s, V] of ``ids`` (the positions after the cache)."""
+        from megatron.core import tensor_parallel
+
+        offset = kv.offset if kv is not None else 0
+        pos = torch.arange(offset, offset + ids.size(1), device=ids.device).expand_as(ids)
+        logits = self.model(ids, pos, None, num_loops=self.num_loops, kv_cache=kv)
+        if kv is not None:
+            kv.advance(ids.size(1))
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits[..., :self.vocab_size].float()
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 params: SamplingParams = SamplingParams()) -> list[list[int]]:
+        """The generated ids of every prompt (without the prompt), EOD included if reached."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        self.model.eval()
+        device = current_device()
+        b, lengths = len(prompts), [len(p) for p in prompts]
+        total = max(lengths) + max_tokens
+        seq = torch.zeros(b, total, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            seq[i, :len(p)] = torch.tensor(p)
+        seq = seq.to(device)
+        kv = None if self.kv_policy == "none" else LoopKVCache(b, total, self.kv_policy)
+        generator = torch.Generator().manual_seed(params.seed)
+        out = [[] for _ in range(b)]
+        done = [False] * b
+        pos = min(lengths)  # the first position to predict
+        fed = 0  # positions already in the cache
+        while pos < total and not all(done):
+            ids = seq[:, fed:pos] if kv is not None else seq[:, :pos]
+            logits = self._logits(ids, kv)[:, -1]
+            fed = pos
+            nxt = sample(logits.cpu(), params, generator)
+            for i in range(b):
+                if done[i] or pos < lengths[i]:
+                    continue  # finished, or still reading its prompt (seq holds that token)
+                token = int(nxt[i])
+                seq[i, pos] = token
+                out[i].append(token)
+                done[i] = len(out[i]) >= max_tokens or token == self.eod
+            pos += 1
+        return out

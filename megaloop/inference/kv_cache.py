@@ -1,0 +1,96 @@
+"""A KV cache for a looped model, on megatron-core's ``StaticInferenceContext``.
+
+megatron-core's attention finds its cache as ``context.key_value_memory_dict[layer_number]``.
+A looped model calls the same core layers (the same layer numbers) at every loop step, and its
+prelude, core and coda blocks each number their layers from 1, so one dict would mix them up.
+``LoopKVCache`` keeps one dict per (block, slot) and swaps it into the context around each block
+call (``use``); the context's offsets, allocation and slicing stay megatron-core's.
+
+Which slot a core or coda step uses is the KV policy:
+
+- ``full``: step t has its own slot (T slots): exactly the uncached forward;
+- ``last-step``: one slot for all steps; a token's K/V end up those of its last step (memory
+  1/T of ``full``);
+- ``first-step``: one slot holding each token's step-1 K/V; later steps read it (and their own
+  K/V for the current token) but do not keep what they wrote;
+- ``shared-mod-k``: step t uses slot (t - 1) mod k (Huginn's KV sharing; k = T is ``full``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Optional
+
+POLICIES = ("full", "last-step", "first-step", "shared-mod-k")
+
+
+def parse_policy(text: str) -> tuple[str, int]:
+    """``full`` | ``last-step`` | ``first-step`` | ``shared-mod-<k>`` -> (policy, k)."""
+    m = re.fullmatch(r"shared-mod-(\d+)", text)
+    if m:
+        if int(m.group(1)) < 1:
+            raise ValueError(f"--kv-policy {text}: k must be >= 1")
+        return "shared-mod-k", int(m.group(1))
+    if text not in POLICIES[:3]:
+        raise ValueError(f"unknown --kv-policy {text!r}; choose full, last-step, first-step, "
+                         f"shared-mod-<k> (or none: no cache)")
+    return text, 0
+
+
+class LoopKVCache:
+    """Per-(block, slot) key/value dicts around one megatron-core ``StaticInferenceContext``."""
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int, policy: str = "full"):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.policy, self.k = parse_policy(policy)
+        self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
+        self.dicts: dict = {}
+
+    @property
+    def offset(self) -> int:
+        """Tokens already in the cache (the position of the next token)."""
+        return self.context.sequence_len_offset
+
+    def advance(self, tokens: int) -> None:
+        """After a forward over ``tokens`` new positions."""
+        self.context.sequence_len_offset += tokens
+        if self.context.sequence_len_offset > 0:
+            self.context.enable_decode_mode()
+
+    def slot(self, step: int) -> int:
+        if self.policy == "full":
+            return step
+        if self.policy == "shared-mod-k":
+            return (step - 1) % self.k + 1
+        return 1  # last-step, first-step: one shared slot
+
+    def num_slots(self, num_loops: int) -> int:
+        return len({self.slot(t) for t in range(1, num_loops + 1)})
+
+    @contextlib.contextmanager
+    def use(self, block: str, step: Optional[int] = None, new_tokens: int = 0):
+        """Swap in the dict of ``block`` ("prelude", "core", "coda") at loop step ``step``.
+        ``first-step``: steps after the first keep nothing of what they write (the new
+        tokens' rows are restored after the call)."""
+        key = (block, 0 if step is None else self.slot(step))
+        memory = self.dicts.setdefault(key, {})
+        saved = None
+        if self.policy == "first-step" and step is not None and step > 1 and memory:
+            start = self.offset
+            rows = slice(start, start + new_tokens)
+            saved = {n: (k[rows].clone(), v[rows].clone()) for n, (k, v) in memory.items()}
+        self.context.key_value_memory_dict = memory
+        try:
+            yield self.context
+        finally:
+            if saved is not None:
+                for n, (k, v) in saved.items():
+                    memory[n][0][rows] = k
+                    memory[n][1][rows] = v
+
+    def nbytes(self) -> int:
+        """Bytes held by every cache tensor."""
+        return sum(t.numel() * t.element_size() for d in self.dicts.values()
+                   for kv in d.values() for t in kv)
