@@ -28,6 +28,10 @@ KNOWN_WARNINGS = (
     # ordering on GPU); it fires on CPU too, where the variable means nothing.
     (r"When using (async grad allreduce|sequence parallelism) it is recommended to set the "
      r"environment variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
+    # dist_checkpointing's torch_dist loader (megatron-core 0.16.1) still calls torch's
+    # deprecated DCP entry point and ShardedTensor on every --load: nothing a user can change.
+    (r"`load_state_dict` is deprecated", FutureWarning),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
 )
 
 # megatron-core logging records (logger name, message substring) dropped the same way. GPTDataset

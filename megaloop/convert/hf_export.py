@@ -170,10 +170,10 @@ def _copy_tokenizer(tokenizer_model: str | None, out_dir: str) -> None:
             shutil.copy(path, os.path.join(out_dir, name))
 
 
-def load_model(load_dir: str):
-    """(model at TP = 1, its ModelConfig, LoopConfig, saved run config) from ``load_dir``'s latest
-    checkpoint, whatever layout saved it (dist_checkpointing reshards). Collective: needs
-    torch.distributed and megatron-core's parallel state at TP = 1."""
+def load_model(load_dir: str, tp_size: int = 1):
+    """(model at TP = ``tp_size``, its ModelConfig, LoopConfig, saved run config) from
+    ``load_dir``'s latest checkpoint, whatever layout saved it (dist_checkpointing reshards).
+    Collective: needs torch.distributed and megatron-core's parallel state at that TP size."""
     from megatron.core import dist_checkpointing
 
     from megaloop.model.looped_gpt import build_model
@@ -188,7 +188,7 @@ def load_model(load_dir: str):
     path = checkpoint_dir(load_dir, read_tracker(load_dir))
     meta = dist_checkpointing.load_tensors_metadata(path)
     rows = meta["embedding.word_embeddings.weight"].global_shape[0]
-    model = build_model(model_cfg, loop, rows, tp_size=1)
+    model = build_model(model_cfg, loop, rows, tp_size=tp_size)
     load_checkpoint(load_dir, model, load_optim=False, load_rng=False)
     return model, model_cfg, loop, run
 

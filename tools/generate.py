@@ -1,0 +1,98 @@
+"""Generate text with a looped model trained by megaloop.
+
+    python tools/generate.py --load CKPT --prompt "x = 3 ; y = x + 4 ; y ?" --max-tokens 16
+    python tools/generate.py --load CKPT --prompt-ids 5,6,7,8 --max-tokens 12 --kv-policy full
+    torchrun --nproc_per_node 2 tools/generate.py --load CKPT ...      # tensor parallel
+
+``--load`` is a checkpoint directory written by pretrain_looplm.py (its run config names the
+model and the tokenizer; any TP size that saved it). ``--prompt-ids`` prints the generated ids as
+comma-separated integers on stdout (one line per prompt); ``--prompt`` prints the decoded text.
+``--num-loops`` may differ from the trained value (fewer: under-unrolling, more: extrapolation).
+``--kv-policy``: ``full`` (a KV cache per loop step, exact), ``last-step``, ``first-step``,
+``shared-mod-<k>`` (smaller caches, approximate), ``none`` (no cache: recompute every token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megaloop import runtime  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--load", required=True, help="megaloop checkpoint directory")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", action="append",
+                        help="prompt text (repeat for a batch); the output is decoded text")
+    prompt.add_argument("--prompt-ids", action="append",
+                        help="comma-separated token ids (repeat for a batch); the output is ids")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--num-loops", type=int, default=None,
+                   help="loop steps per token (default: the trained --num-loops)")
+    p.add_argument("--kv-policy", default="full",
+                   help="full | last-step | first-step | shared-mod-<k> | none (default: full)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--no-stop-at-eod", action="store_true",
+                   help="keep generating past the end-of-document token")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_tokens < 1:
+        print("error: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    from megaloop.inference.kv_cache import parse_policy
+    from megaloop.inference.loading import parse_prompt_ids
+
+    try:
+        if args.kv_policy != "none":
+            parse_policy(args.kv_policy)
+        prompts_ids = [parse_prompt_ids(t) for t in args.prompt_ids] if args.prompt_ids else None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.load):
+        print(f"error: --load {args.load}: no such directory", file=sys.stderr)
+        return 2
+
+    runtime.quiet_megatron()
+    from megaloop.inference.generate import Generator, SamplingParams
+    from megaloop.inference.loading import load_for_generation, setup_processes
+    from megaloop.parallel import initialize
+
+    tp = setup_processes(args.seed)
+    try:
+        model, tokenizer, _ = load_for_generation(args.load, tp)
+        prompts = prompts_ids or [tokenizer.tokenize(t) for t in args.prompt]
+        bad = [i for p in prompts for i in p if not 0 <= i < tokenizer.vocab_size]
+        if bad:
+            print(f"error: token id {bad[0]} is outside the vocabulary (size "
+                  f"{tokenizer.vocab_size})", file=sys.stderr)
+            return 2
+        gen = Generator(model, tokenizer.vocab_size, num_loops=args.num_loops,
+                        kv_policy=args.kv_policy,
+                        eod=None if args.no_stop_at_eod else tokenizer.eod)
+        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        outputs = gen.generate(prompts, args.max_tokens, params)
+        if runtime.is_rank_zero():
+            for out in outputs:
+                if prompts_ids is not None:
+                    print(",".join(str(i) for i in out), flush=True)
+                else:
+                    print(tokenizer.detokenize(out), flush=True)
+    finally:
+        initialize.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
