@@ -189,3 +189,111 @@ def test_generate_tool_with_and_without_cache(tmp_path):
     bad = run_distributed(_generate_tool, 1, ["--load", ckpt, "--prompt-ids", "5,x"],
                           str(tmp_path / "bad"))[0]
     assert bad[0] == 2
+
+
+# --- early exit -------------------------------------------------------------------------------
+def _sharp_gate(model):
+    """A gate with large weights: exit probabilities spread over (0, 1) token by token, so a
+    Q-exit threshold sends tokens out at different steps."""
+    with torch.no_grad():
+        model.exit_gate.linear.weight.mul_(40.0)
+
+
+def _exit_decode(rank, world, rule_text, loop_kw, one_by_one, model_kw=None):
+    from megaloop.inference.early_exit import parse_exit
+    from megaloop.inference.generate import Generator
+
+    setup_parallel(world)
+    model = _model(model_kw or {}, {"num_loops": 4, **loop_kw})
+    _sharp_gate(model)
+    gen_kw = dict(vocab_size=VOCAB - 6, num_loops=4, kv_policy="full",
+                  exit_rule=parse_exit(rule_text))
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+    if not one_by_one:
+        gen = Generator(model, **gen_kw)
+        return gen.generate(prompts, max_tokens=8), gen.depths
+    outs, depths = [], []
+    for p in prompts:  # each row alone: nothing to compact
+        gen = Generator(model, **gen_kw)
+        outs += gen.generate([p], max_tokens=8)
+        depths.append(gen.depths)
+    # interleave the per-row depths in the batch's order (token by token)
+    return outs, [d for step in zip(*depths) for d in step]
+
+
+@pytest.mark.parametrize("rule", ["q:0.5", "kl:0.5"])
+def test_early_exit_batch_equals_rows_alone(rule):
+    """Rows that exit leave the batch (carry and caches compacted): a batch decodes exactly as
+    each row decoded alone, while tokens exit at different steps. (A larger init makes the
+    successive steps' distributions differ enough for the KL rule to spread.)"""
+    loop_kw = {"num_coda_layers": 1, "num_prelude_layers": 1} if rule.startswith("q") else {}
+    model_kw = {} if rule.startswith("q") else {"init_method_std": 0.3}
+    batched, depths = run_distributed(_exit_decode, 1, rule, loop_kw, False, model_kw)[0]
+    alone, alone_depths = run_distributed(_exit_decode, 1, rule, loop_kw, True, model_kw)[0]
+    assert batched == alone and depths == alone_depths
+    assert len(set(depths)) > 1, depths  # compaction really happened
+
+
+def test_early_exit_that_never_fires_is_plain_decoding():
+    plain = run_distributed(_exit_decode, 1, "fixed:4", {}, False)[0]
+    never = run_distributed(_exit_decode, 1, "q:1.0", {}, False)[0]
+    ref = run_distributed(_exit_decode, 1, None, {}, False)[0]
+    assert plain[0] == never[0] == ref[0] and set(plain[1]) == {4}
+
+
+def _exited_kv_filled(rank, world):
+    from megaloop.inference.early_exit import decode_step, parse_exit, prefill
+    from megaloop.inference.kv_cache import LoopKVCache
+
+    setup_parallel(world)
+    model = _model({}, {"num_loops": 4, "num_coda_layers": 1, "num_prelude_layers": 1})
+    _sharp_gate(model)
+    model.eval()
+    ids, pos, _ = lm_batch(VOCAB, SEQ, 4)
+    kv = LoopKVCache(4, SEQ)
+    prefill(model, ids[:, :PREFILL], pos[:, :PREFILL], kv, 4)
+    kv.advance(PREFILL)
+    _, depth = decode_step(model, ids[:, PREFILL:PREFILL + 1], pos[:, PREFILL:PREFILL + 1], kv, 4,
+                           parse_exit("q:0.5"))
+    same = []
+    for r, d in enumerate(depth.tolist()):
+        for block in ("core", "coda"):
+            src = kv.dicts[(block, d)]
+            for t in range(d + 1, 5):
+                for n in src:
+                    same.append(torch.equal(kv.dicts[(block, t)][n][0][PREFILL, r],
+                                            src[n][0][PREFILL, r]))
+    return depth.tolist(), same
+
+
+def test_exited_token_kv_is_filled_from_its_exit_step():
+    depth, same = run_distributed(_exited_kv_filled, 1)[0]
+    assert min(depth) < 4 and same and all(same)
+
+
+def _score(rank, world, rule_text):
+    from megaloop.inference.early_exit import parse_exit, score
+
+    setup_parallel(world)
+    model = _model({}, {"num_loops": 4})
+    _sharp_gate(model)
+    model.eval()
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
+    with torch.no_grad():
+        loss, depth = score(model, ids, pos, labels, 4, parse_exit(rule_text))
+        ref = model(ids, pos, None, labels=labels)  # the training forward: every step's loss
+    return loss, depth, ref.step_losses, ref.exit_probs
+
+
+def test_teacher_forced_scoring_under_q_exit():
+    """Independent of the decoder: the exit step is the first t whose cumulative p_t from the
+    training forward's exit distribution reaches q, the loss that step's training loss."""
+    loss, depth, step_losses, probs = run_distributed(_score, 1, "q:0.5")[0]
+    cdf = probs.cumsum(0)
+    want = torch.where(cdf >= 0.5 - 1e-6, 1, 0).argmax(0) + 1  # first step reaching q
+    want = torch.where((cdf >= 0.5 - 1e-6).any(0), want, 4)
+    assert torch.equal(depth, want) and len(set(depth.flatten().tolist())) > 1
+    picked = step_losses.gather(0, (depth - 1).unsqueeze(0)).squeeze(0)
+    assert torch.allclose(loss, picked, atol=1e-5)
+    loss_none, depth_none, step_losses, _ = run_distributed(_score, 1, "none")[0]
+    assert torch.allclose(loss_none, step_losses[-1], atol=1e-5) and (depth_none == 4).all()

@@ -10,6 +10,9 @@ comma-separated integers on stdout (one line per prompt); ``--prompt`` prints th
 ``--num-loops`` may differ from the trained value (fewer: under-unrolling, more: extrapolation).
 ``--kv-policy``: ``full`` (a KV cache per loop step, exact), ``last-step``, ``first-step``,
 ``shared-mod-<k>`` (smaller caches, approximate), ``none`` (no cache: recompute every token).
+``--exit``: per-token early exit that skips the remaining steps: ``q:<q>`` (Ouro's Q-exit on the
+cumulative exit probability), ``kl:<eps>`` (Huginn: successive steps' next-token distributions
+closer than eps), ``fixed:<n>``; the mean executed depth is printed on stderr.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="loop steps per token (default: the trained --num-loops)")
     p.add_argument("--kv-policy", default="full",
                    help="full | last-step | first-step | shared-mod-<k> | none (default: full)")
+    p.add_argument("--exit", default=None,
+                   help="early exit: q:<q> | kl:<eps> | fixed:<n> (default: all steps)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -50,6 +55,7 @@ def main(argv=None) -> int:
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
+    from megaloop.inference.early_exit import parse_exit
     from megaloop.inference.kv_cache import parse_policy
     from megaloop.inference.loading import parse_prompt_ids
 
@@ -57,6 +63,7 @@ def main(argv=None) -> int:
         if args.kv_policy != "none":
             parse_policy(args.kv_policy)
         prompts_ids = [parse_prompt_ids(t) for t in args.prompt_ids] if args.prompt_ids else None
+        rule = parse_exit(args.exit)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -78,17 +85,24 @@ def main(argv=None) -> int:
             print(f"error: token id {bad[0]} is outside the vocabulary (size "
                   f"{tokenizer.vocab_size})", file=sys.stderr)
             return 2
-        gen = Generator(model, tokenizer.vocab_size, num_loops=args.num_loops,
-                        kv_policy=args.kv_policy,
-                        eod=None if args.no_stop_at_eod else tokenizer.eod)
+        try:
+            gen = Generator(model, tokenizer.vocab_size, num_loops=args.num_loops,
+                            kv_policy=args.kv_policy, exit_rule=rule,
+                            eod=None if args.no_stop_at_eod else tokenizer.eod)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
         outputs = gen.generate(prompts, args.max_tokens, params)
         if runtime.is_rank_zero():
-            for out in outputs:
+            for i, out in enumerate(outputs):
                 if prompts_ids is not None:
-                    print(",".join(str(i) for i in out), flush=True)
-                else:
-                    print(tokenizer.detokenize(out), flush=True)
+                    print(",".join(str(t) for t in out), flush=True)
+                else:  # the prompt, then its continuation
+                    print(f"{args.prompt[i]} {tokenizer.detokenize(out)}", flush=True)
+            if gen.depths:
+                print(f"mean executed depth {sum(gen.depths) / len(gen.depths):.2f} of "
+                      f"{gen.num_loops} over {len(gen.depths)} decoded tokens", file=sys.stderr)
     finally:
         initialize.destroy()
     return 0

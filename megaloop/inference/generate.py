@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from megaloop.device import current_device
+from megaloop.inference import early_exit
 from megaloop.inference.kv_cache import LoopKVCache
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,17 @@ class Generator:
     """Generates continuations of token-id prompts with a LoopedGPTModel (TP >= 1, PP = 1)."""
 
     def __init__(self, model, vocab_size: int, num_loops: Optional[int] = None,
-                 kv_policy: str = "full", eod: Optional[int] = None):
+                 kv_policy: str = "full", eod: Optional[int] = None, exit_rule=None):
         self.model, self.vocab_size, self.eod = model, vocab_size, eod
         self.num_loops = num_loops or model.loop.num_loops
-        self.kv_policy = kv_policy
+        self.kv_policy, self.exit_rule = kv_policy, exit_rule
+        self.depths: list = []  # executed loop steps of every decoded token (early exit)
+        if exit_rule is not None and (kv_policy == "none" or model.spiral is not None):
+            raise ValueError("early exit (--exit) skips the remaining steps of a token, which "
+                             "needs a KV cache: use --kv-policy full (or another cache policy)")
+        if exit_rule is not None and exit_rule.kind == "q" and model.exit_gate is None:
+            raise ValueError("--exit q:... reads the exit gate; this model has none (trained with "
+                             "--exit-loss last or --num-loops 1)")
         if kv_policy != "none" and model.spiral is not None:
             # A coarse step's latents change when a later token completes their chunk: a cache
             # of them is not the uncached forward.
@@ -82,7 +90,14 @@ class Generator:
 
         offset = kv.offset if kv is not None else 0
         pos = torch.arange(offset, offset + ids.size(1), device=ids.device).expand_as(ids)
-        logits = self.model(ids, pos, None, num_loops=self.num_loops, kv_cache=kv)
+        if self.exit_rule is not None and ids.size(1) == 1 and kv.offset > 0:
+            logits, depth = early_exit.decode_step(self.model, ids, pos, kv, self.num_loops,
+                                                   self.exit_rule)
+            self.depths.extend(depth.tolist())
+        elif self.exit_rule is not None:
+            logits = early_exit.prefill(self.model, ids, pos, kv, self.num_loops)
+        else:
+            logits = self.model(ids, pos, None, num_loops=self.num_loops, kv_cache=kv)
         if kv is not None:
             kv.advance(ids.size(1))
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)

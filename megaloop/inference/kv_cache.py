@@ -90,6 +90,41 @@ class LoopKVCache:
                     memory[n][0][rows] = k
                     memory[n][1][rows] = v
 
+    @contextlib.contextmanager
+    def rows(self, rows):
+        """Run the model on a subset of the batch rows (a LongTensor of row indices): every
+        cache is swapped for a compact copy of those rows, written back afterwards. Early exit
+        runs later loop steps on the rows still going only (compacted, not masked)."""
+        full = {key: dict(memory) for key, memory in self.dicts.items()}
+        for key, memory in self.dicts.items():
+            for n, (k, v) in memory.items():
+                memory[n] = (k.index_select(1, rows), v.index_select(1, rows))
+        try:
+            yield
+        finally:
+            for key, memory in self.dicts.items():
+                for n, (k, v) in memory.items():
+                    full_k, full_v = full[key][n]
+                    full_k.index_copy_(1, rows, k)
+                    full_v.index_copy_(1, rows, v)
+                    memory[n] = (full_k, full_v)
+
+    def fill_exited(self, rows, position: int, exit_step: int, num_loops: int) -> None:
+        """Rows whose token left the loop at ``exit_step`` have no K/V at later steps: copy their
+        exit step's K/V (core and coda) into the slots of steps exit_step+1 .. T at
+        ``position``, so later tokens attend to them at every step."""
+        for block in ("core", "coda"):
+            source = self.dicts.get((block, self.slot(exit_step)))
+            if not source:
+                continue
+            for step in range(exit_step + 1, num_loops + 1):
+                target = self.dicts.get((block, self.slot(step)))
+                if target is None or target is source:
+                    continue
+                for n, (k, v) in source.items():
+                    target[n][0][position, rows] = k[position, rows]
+                    target[n][1][position, rows] = v[position, rows]
+
     def nbytes(self) -> int:
         """Bytes held by every cache tensor."""
         return sum(t.numel() * t.element_size() for d in self.dicts.values()

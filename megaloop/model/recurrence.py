@@ -50,6 +50,9 @@ class StepContext:
     rotary_pos_emb: Optional[torch.Tensor] = None
     labels: Optional[torch.Tensor] = None
     """[b, s] targets; None: an inference forward (logits of the last step only)."""
+    read_every_step: bool = False
+    """Read out (coda, head, gate) at every step also without labels: decoding with an early-exit
+    rule, which needs every step's gate and logits (and the coda's cache at every step)."""
     kv: Optional[object] = None
     """Cached decoding: a megaloop.inference.kv_cache.LoopKVCache, whose dict for each (block,
     step) is swapped into megatron-core's inference context around the block's call."""
@@ -65,7 +68,8 @@ class StepContext:
 
     def reads_out(self, t: int) -> bool:
         """Whether step t runs coda, head and gate."""
-        return t == self.num_loops or (self.labels is not None and self.mode != "last")
+        return t == self.num_loops or self.read_every_step or (
+            self.labels is not None and self.mode != "last")
 
 
 @dataclass
@@ -80,6 +84,8 @@ class StepOutput:
     """[b, s] p_t, detached."""
     logits: Optional[torch.Tensor] = None
     """[s, b, v/tp] vocab-parallel logits of this step."""
+    gate_logit: Optional[torch.Tensor] = None
+    """[b, s] the exit gate's logit at this step (steps before the last), detached."""
 
 
 class LoopVariant:
@@ -122,7 +128,7 @@ def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
         # rank's chunks of it (get_pos_emb_on_this_cp_rank), as GPTModel does.
         length = input_ids.size(1) * model.config.context_parallel_size
         rope = model.rotary_pos_emb(length + (kv.offset if kv is not None else 0))
-    return StepContext(T, mode, input_ids.size(1), attention_mask, rope, labels, kv)
+    return StepContext(T, mode, input_ids.size(1), attention_mask, rope, labels, kv=kv)
 
 
 def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
@@ -173,7 +179,8 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
         logits, gate_logit = model.readout(y, ctx.attention_mask, ctx.rotary_pos_emb, gate,
                                            **cache)
     if ctx.labels is None:
-        return carry, StepOutput(logits=logits)
+        return carry, StepOutput(logits=logits, gate_logit=None if gate_logit is None
+                                 else gate_logit.detach())
     loss = model.compute_language_model_loss(ctx.labels, logits)
     loop = model.loop
     objective = ExitObjective.resume(
@@ -183,7 +190,8 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
     objective.add_step(loss, gate_logit)
     carry.log_survival, carry.previous_loss = objective.log_survival, objective.previous_loss
     prob = objective.exit_probs[-1] if objective.exit_probs else None
-    return carry, StepOutput(objective.share(), loss.detach(), prob, logits)
+    # No logits: megatron-core's vocab-parallel cross-entropy has overwritten them in place.
+    return carry, StepOutput(objective.share(), loss.detach(), prob)
 
 
 def fold(model, carry: Carry, ctx: StepContext, no_grad_steps: int = 0):

@@ -1,0 +1,188 @@
+"""Early exit: per token, stop the loop once a rule says the answer is ready.
+
+Rules (``--exit``):
+
+- ``q:<q>`` (Ouro's Q-exit): stop at the first step t whose cumulative exit probability
+  CDF_t = 1 - prod_{s<=t} (1 - lambda_s) reaches q (lambda_s = sigmoid of the exit gate);
+- ``kl:<eps>`` (Huginn): stop at the first step t >= 2 where KL(p_t || p_{t-1}) between the
+  next-token distributions of successive steps is below eps;
+- ``fixed:<n>``: always n steps (the same as running ``--num-loops n``).
+
+Every rule stops at T at the latest. In decoding (``decode_step``) a token's steps run through
+the recurrence's own ``step`` (megaloop/model/recurrence.py) on the rows still going: a row that
+exits leaves the batch (the carry and the KV caches are compacted to the remaining rows, not
+masked), so its later steps cost nothing. A token that exits at step t has no K/V at later
+steps; they are filled with its step-t K/V, so the tokens after it attend to it at every step
+(the choice Ouro-style "exit = stop updating the state" implies: its state stays h_t).
+
+``score`` applies the same rule in teacher-forced scoring: the loss of each token at its exit
+step and the mean executed depth, so a rule's quality cost is measurable on held-out text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megaloop.model import recurrence
+from megaloop.model.carry import Carry
+
+
+@dataclass
+class ExitRule:
+    kind: str
+    """``q``, ``kl`` or ``fixed``."""
+    value: float
+
+
+def parse_exit(text: Optional[str]) -> Optional[ExitRule]:
+    """``q:0.5`` | ``kl:1e-3`` | ``fixed:2`` | None."""
+    if not text or text == "none":
+        return None
+    kind, _, value = text.partition(":")
+    try:
+        rule = ExitRule(kind, float(value))
+    except ValueError:
+        rule = None
+    if rule is None or kind not in ("q", "kl", "fixed") or rule.value < 0 or (
+            kind == "q" and not 0 < rule.value <= 1) or (kind == "fixed" and rule.value < 1):
+        raise ValueError(f"--exit {text!r}: write q:<q in (0, 1]>, kl:<eps >= 0> or "
+                         f"fixed:<steps >= 1>")
+    return rule
+
+
+def full_vocab_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel logits [..., v/tp] -> full log-probabilities [..., V] (fp32)."""
+    from megatron.core import tensor_parallel
+
+    return F.log_softmax(
+        tensor_parallel.gather_from_tensor_model_parallel_region(logits).float(), dim=-1)
+
+
+class _Decision:
+    """Per-row exit bookkeeping of one token (rows indexed in the full batch)."""
+
+    def __init__(self, rule: ExitRule, batch: int, num_loops: int, device):
+        self.rule, self.T = rule, num_loops
+        self.log_survival = torch.zeros(batch, device=device)
+        self.previous = None  # [b, V] log-probs of the previous step (kl)
+
+    def exits(self, t: int, rows, out) -> torch.Tensor:
+        """Bool [len(rows)]: which of the running ``rows`` stop after step t."""
+        if t >= self.T:
+            return torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+        kind, value = self.rule.kind, self.rule.value
+        if kind == "fixed":
+            return torch.full((len(rows),), t >= value, dtype=torch.bool, device=rows.device)
+        if kind == "q":
+            self.log_survival[rows] += F.logsigmoid(-out.gate_logit[:, -1].float())
+            return 1 - self.log_survival[rows].exp() >= value
+        logp = full_vocab_log_probs(out.logits[-1])  # [rows, V]
+        if self.previous is None:
+            self.previous = torch.zeros(len(self.log_survival), logp.size(-1),
+                                        device=logp.device)
+            stop = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
+        else:
+            kl = (logp.exp() * (logp - self.previous[rows])).sum(-1)
+            stop = kl < value
+        self.previous[rows] = logp
+        return stop
+
+
+def _rows_of(carry: Carry, rows) -> Carry:
+    """The carry of a subset of batch rows ([s, b, d] blocks: dim 1; [b, s] sides: dim 0)."""
+    def pick(x, dim=1):
+        return None if x is None else x.index_select(dim, rows)
+    return Carry(h=pick(carry.h), source=pick(carry.source),
+                 history=[pick(x) for x in carry.history], entering=pick(carry.entering),
+                 anchor=pick(carry.anchor),
+                 memory=None if carry.memory is None else [pick(x) for x in carry.memory],
+                 log_survival=pick(carry.log_survival, 0),
+                 previous_loss=pick(carry.previous_loss, 0))
+
+
+@torch.no_grad()
+def decode_step(model, ids, position_ids, kv, num_loops: int, rule: ExitRule):
+    """One new token per row (ids [b, 1]) with early exit: (vocab-parallel logits [b, 1, v/tp]
+    of each row's exit step, exit step per row [b]). The caller advances ``kv``."""
+    b = ids.size(0)
+    ctx = recurrence.context(model, ids, None, None, num_loops, kv)
+    ctx.read_every_step = True
+    carry = recurrence.begin(model, ids, position_ids, ctx)
+    running = torch.arange(b, device=ids.device)
+    decision = _Decision(rule, b, num_loops, ids.device)
+    logits, depth = None, torch.zeros(b, dtype=torch.long, device=ids.device)
+    position = kv.offset
+    for t in range(1, num_loops + 1):
+        compact = len(running) < b
+        with kv.rows(running) if compact else contextlib.nullcontext():
+            carry, out = recurrence.step(model, carry, t, ctx)
+        if logits is None:
+            logits = out.logits.new_zeros((b,) + tuple(out.logits.shape[2:]))
+        stop = decision.exits(t, running, out)
+        done = running[stop]
+        if len(done):
+            logits[done] = out.logits[-1][stop]
+            depth[done] = t
+            kv.fill_exited(done, position, t, num_loops)
+        keep = ~stop
+        if not keep.any():
+            break
+        local = keep.nonzero().squeeze(-1)
+        carry, running = _rows_of(carry, local), running[keep]
+    return logits.unsqueeze(1), depth
+
+
+@torch.no_grad()
+def prefill(model, ids, position_ids, kv, num_loops: int):
+    """The prompt through all T steps, reading out at every step so that the coda's cache of
+    every step holds the prompt (a later token may exit at any step): last-step logits
+    [b, s, v/tp]. The caller advances ``kv``."""
+    ctx = recurrence.context(model, ids, None, None, num_loops, kv)
+    ctx.read_every_step = True
+    carry = recurrence.begin(model, ids, position_ids, ctx)
+    for t in range(1, num_loops + 1):
+        carry, out = recurrence.step(model, carry, t, ctx)
+    return out.logits.transpose(0, 1)
+
+
+@torch.no_grad()
+def score(model, ids, position_ids, labels, num_loops: int, rule: Optional[ExitRule]):
+    """Teacher-forced scoring under an exit rule: (per-token LM loss at each token's exit step
+    [b, s], exit step [b, s]). Without a rule: the last step's loss, depth T."""
+    ctx = recurrence.context(model, ids, None, None, num_loops)
+    ctx.read_every_step = True
+    carry = recurrence.begin(model, ids, position_ids, ctx)
+    loss = torch.zeros(labels.shape, device=labels.device)
+    depth = torch.zeros(labels.shape, dtype=torch.long, device=labels.device)
+    running = torch.ones(labels.shape, dtype=torch.bool, device=labels.device)
+    log_survival, previous = torch.zeros(labels.shape, device=labels.device), None
+    for t in range(1, num_loops + 1):
+        carry, out = recurrence.step(model, carry, t, ctx)
+        # (megatron-core's vocab-parallel cross-entropy overwrites its input: give it a copy)
+        step_loss = model.compute_language_model_loss(labels, out.logits.clone()).float()
+        if t == num_loops or rule is None:
+            stop = torch.ones_like(running) if t == num_loops else torch.zeros_like(running)
+        elif rule.kind == "fixed":
+            stop = torch.full_like(running, t >= rule.value)
+        elif rule.kind == "q":
+            log_survival = log_survival + F.logsigmoid(-out.gate_logit.float())
+            stop = 1 - log_survival.exp() >= rule.value
+        else:
+            logp = full_vocab_log_probs(out.logits).transpose(0, 1)  # [b, s, V]
+            stop = torch.zeros_like(running) if previous is None else \
+                (logp.exp() * (logp - previous)).sum(-1) < rule.value
+            previous = logp
+        now = running & stop
+        loss[now], depth[now] = step_loss[now], t
+        running &= ~stop
+    return loss, depth
+
+
+def expected_depth(depth: torch.Tensor) -> float:
+    return depth.float().mean().item() if depth.numel() else math.nan
