@@ -94,6 +94,84 @@ class ModelConfig:
     residual); `pre` u + B(N(u)); `post` N(u + B(u)); `sandwich` N2(u + B(N1(u))); `magic` pre-norm
     whose norms have no learnable scale."""
 
+    # --- Kernels. Megatron-LM's fusion switches, with its names and meanings; on a machine
+    # without a GPU every fusion stays off whatever they say (megaloop.model.config.kernel_settings
+    # makes the decision; RunConfig.validate refuses the combinations a looped model gets wrong).
+
+    no_masked_softmax_fusion: bool = False
+    """Disable fusion of query-key scaling, masking and softmax (the local spec's attention on a
+    GPU; the kernel comes from apex, and Transformer Engine attention does not read it). The fused
+    causal kernel applies the causal mask only, so with --reset-attention-mask on a GPU validation
+    asks for this flag."""
+
+    no_bias_swiglu_fusion: bool = False
+    """Disable the fused bias + SwiGLU of the MLP (GPU; a GELU MLP is never fused)."""
+
+    no_bias_dropout_fusion: bool = False
+    """Disable the fused bias + dropout + residual add (GPU)."""
+
+    no_rope_fusion: bool = False
+    """Disable the fused RoPE kernel (Transformer Engine's, so GPU with the TE spec only)."""
+
+    gradient_accumulation_fusion: bool = False
+    """Fuse the weight-gradient GEMM with its accumulation into the fp32 `main_grad` (GPU; the
+    local spec needs apex's fused_weight_gradient_mlp_cuda). Off by default, unlike Megatron-LM:
+    a Transformer Engine linear called T times per micro-batch overwrites instead of accumulating
+    (Megatron-LM PR #6965), so validation allows it only where no TE layer repeats."""
+
+    no_gradient_accumulation_fusion: bool = False
+    """Megatron-LM's flag: keep gradient-accumulation fusion off (megaloop's default already)."""
+
+    cross_entropy_loss_fusion: bool = False
+    """Fused vocab-parallel cross-entropy for the per-step LM losses (GPU)."""
+
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    """Implementation of --cross-entropy-loss-fusion: megatron-core's `native` one or
+    Transformer Engine's parallel cross-entropy `te` (needs TE)."""
+
+    attention_backend: Literal["flash", "fused", "unfused", "local", "auto"] = "auto"
+    """Attention backend (megatron-core's AttnBackend): Transformer Engine's `flash`, `fused` or
+    `unfused` attention, megatron-core's `local` attention (the local spec), or `auto` (TE
+    chooses; the local spec uses its own)."""
+
+    # --- FP8 (Transformer Engine, GPU only): Megatron-LM's flags, names and defaults.
+
+    fp8_format: Optional[Literal["e4m3", "hybrid"]] = None
+    """Train the Transformer Engine linears in FP8: `e4m3` for all FP8 tensors, or `hybrid` (e4m3
+    for activations and weights, e5m2 for gradients). Needs a GPU, the TE spec and --bf16. A
+    core layer runs T times per micro-batch; see the README's "FP8 and the loop"."""
+
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    """FP8 scaling recipe: `delayed` (scales from an amax history, updated at every block call,
+    i.e. T times per micro-batch for the core), `tensorwise` (per-tensor current scaling),
+    `blockwise` (block scaling) or `mxfp8` (Blackwell). For loops prefer the current-scaling
+    recipes `tensorwise` / `mxfp8`."""
+
+    fp8_margin: int = 0
+    """Margin (power of two) for the FP8 scaling factor computation."""
+
+    fp8_amax_history_len: int = 1
+    """Length of the amax history window of the delayed recipe."""
+
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"
+    """How the delayed recipe picks amax from its history: `most_recent` or `max`."""
+
+    fp8_param_gather: bool = False
+    """Keep the compute parameters in FP8 and all-gather them in FP8 (needs
+    --use-distributed-optimizer)."""
+
+    first_last_layers_bf16: bool = False
+    """Keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in
+    BF16 under FP8 (not with the delayed recipe). megatron-core counts them per block, so megaloop
+    allows it for a core-only layout (no prelude or coda): those core layers run in BF16 at every
+    loop step."""
+
+    num_layers_at_start_in_bf16: int = 1
+    """Layers at the start kept in BF16 by --first-last-layers-bf16."""
+
+    num_layers_at_end_in_bf16: int = 1
+    """Layers at the end kept in BF16 by --first-last-layers-bf16."""
+
     def validate(self) -> None:
         """Raise ValueError naming the flag and the fix; called before any process group starts."""
         if self.hidden_size % self.num_attention_heads:
@@ -113,6 +191,15 @@ class ModelConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} {p} must be in [0, 1)")
+        if self.gradient_accumulation_fusion and self.no_gradient_accumulation_fusion:
+            raise ValueError("--gradient-accumulation-fusion and --no-gradient-accumulation-fusion "
+                             "contradict each other; pass one of them")
+        if self.fp8_margin < 0 or self.fp8_amax_history_len < 1:
+            raise ValueError(f"--fp8-margin {self.fp8_margin} must be >= 0 and "
+                             f"--fp8-amax-history-len {self.fp8_amax_history_len} >= 1")
+        if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
+            raise ValueError("--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 must "
+                             "be >= 0")
 
 
 @dataclass
@@ -331,14 +418,110 @@ def use_transformer_engine(model: ModelConfig) -> bool:
     return True
 
 
+def kernel_settings(model: ModelConfig, *, cuda: bool, te: bool,
+                    fused_softmax: bool = True) -> dict:
+    """TransformerConfig fields for fusions, attention backend and FP8: a pure function of the
+    flags, whether a GPU is used (``cuda``), whether the layers are Transformer Engine's (``te``)
+    and whether apex's fused softmax kernel exists (``fused_softmax``), so a CPU test can check
+    every combination. Rules that depend on the loop or the data (a TE layer repeated T times,
+    an explicit attention mask) are refused by RunConfig.validate, not silently changed here.
+
+    - Without a GPU every fusion is off (no CPU kernel, or a slow torch.compile) and FP8 is off.
+    - RoPE fusion is Transformer Engine's kernel: TE spec and rotary embeddings only.
+    - Masked-softmax fusion only exists in the local spec's attention (apex kernel).
+    - persist_layer_norm is never on: megatron-core's torch RMSNorm wrapper asserts on it, and the
+      TE norms do not read it.
+    - FP8 exists only in TE layers: a local-spec model (e.g. a checkpoint loaded on CPU) computes
+      in its usual precision.
+    """
+    from megatron.core.transformer.enums import AttnBackend
+
+    gpu = bool(cuda)
+    out = dict(
+        bias_activation_fusion=gpu and model.swiglu and not model.no_bias_swiglu_fusion,
+        masked_softmax_fusion=(gpu and not te and fused_softmax
+                               and not model.no_masked_softmax_fusion),
+        bias_dropout_fusion=gpu and not model.no_bias_dropout_fusion,
+        apply_rope_fusion=(gpu and te and model.position_embedding_type == "rope"
+                           and not model.no_rope_fusion),
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=(gpu and model.gradient_accumulation_fusion
+                                      and not model.no_gradient_accumulation_fusion),
+        cross_entropy_loss_fusion=gpu and model.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=model.cross_entropy_fusion_impl,
+        attention_backend=AttnBackend[model.attention_backend],
+    )
+    if gpu and te and model.fp8_format is not None:
+        out.update(
+            fp8=model.fp8_format,
+            fp8_recipe=model.fp8_recipe,
+            fp8_margin=model.fp8_margin,
+            fp8_amax_history_len=model.fp8_amax_history_len,
+            fp8_amax_compute_algo=model.fp8_amax_compute_algo,
+            fp8_param=model.fp8_param_gather,
+            first_last_layers_bf16=model.first_last_layers_bf16,
+            num_layers_at_start_in_bf16=model.num_layers_at_start_in_bf16,
+            num_layers_at_end_in_bf16=model.num_layers_at_end_in_bf16,
+        )
+    return out
+
+
+def fp8_gemm_dims(run) -> list:
+    """(what, size per rank, how to fix it) of every dimension of the Transformer Engine GEMMs of
+    a RunConfig ``run``: the linears' sizes per tensor-parallel shard and the tokens one rank
+    multiplies (micro-batch x sequence, split over context-parallel ranks, and over TP ranks
+    under sequence parallelism; a coarse SpiralFormer step has floor(L / g_t) positions)."""
+    from megaloop.model.spiral import chunk_sizes
+
+    m, par, tr = run.model, run.parallel, run.training
+    tp = par.tensor_model_parallel_size
+    cp = getattr(par, "context_parallel_size", 1)
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    tp_fix = "choose sizes that are multiples of it per --tensor-model-parallel-size shard"
+    dims = [
+        ("--hidden-size", m.hidden_size, "choose another --hidden-size"),
+        ("the attention output width per TP shard (heads x kv-channels / TP)",
+         m.num_attention_heads * kv // tp, tp_fix),
+        ("the QKV width per TP shard ((heads + 2 x query groups) x kv-channels / TP)",
+         (m.num_attention_heads + 2 * groups) * kv // tp, tp_fix),
+        ("--ffn-hidden-size per TP shard", ffn // tp, tp_fix),
+    ]
+    split = cp * (tp if par.sequence_parallel else 1)
+    for g in sorted(set(chunk_sizes(run.loop))):
+        positions = tr.seq_length // g
+        what = "tokens per rank (micro-batch x sequence" + (
+            f" / {split} ranks" if split > 1 else "") + (
+            f", at a loop step of resolution 1/{g}" if g > 1 else "") + ")"
+        dims.append((what, tr.micro_batch_size * positions // split,
+                     "change --seq-length or --micro-batch-size"))
+    return dims
+
+
+def _fused_softmax_available() -> bool:
+    """Whether apex's fused causal softmax kernel (megatron-core's masked-softmax fusion) exists."""
+    import importlib.util
+
+    return importlib.util.find_spec("scaled_upper_triang_masked_softmax_cuda") is not None
+
+
 def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
                        sequence_parallel: bool = False, bf16: bool = False,
-                       recompute: Optional[dict] = None):
-    """The megatron-core TransformerConfig of one block of `num_layers` layers."""
+                       recompute: Optional[dict] = None, cuda: Optional[bool] = None,
+                       te: Optional[bool] = None):
+    """The megatron-core TransformerConfig of one block of `num_layers` layers. ``cuda`` / ``te``
+    default to this machine's (a GPU is present; megaloop.model.config.use_transformer_engine);
+    tests pass them to check another machine's config."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
-    on_cpu = not torch.cuda.is_available()
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if te is None:
+        te = use_transformer_engine(model)
+    kernels = kernel_settings(model, cuda=cuda, te=te,
+                              fused_softmax=cuda and _fused_softmax_available())
     cfg = TransformerConfig(
         num_layers=num_layers,
         hidden_size=model.hidden_size,
@@ -356,7 +539,6 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         tensor_model_parallel_size=tp_size,
-        context_parallel_size=_context_parallel_size(),
         sequence_parallel=sequence_parallel,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -367,28 +549,12 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         # layout rely on. On GPU, per-device initialisation would draw each slice from that
         # rank's own RNG stream, so the weights would depend on the TP degree.
         use_cpu_initialization=True,
-        # Fusions either have no CPU kernel or trigger a slow torch.compile on CPU.
-        bias_activation_fusion=False if on_cpu else model.swiglu,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        # Fusions (off on CPU: no CPU kernel, or a slow torch.compile), attention backend, FP8.
+        **kernels,
         calculate_per_token_loss=True,
         **(recompute or {}),
     )
     return cfg
-
-
-def _context_parallel_size() -> int:
-    """The CP size of megatron-core's parallel state (initialised from --context-parallel-size),
-    1 before any group exists (config translation without a process group)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_context_parallel_group(check_initialized=False) is None:
-        return 1
-    return parallel_state.get_context_parallel_world_size()
 
 
 def _activation(swiglu: bool):

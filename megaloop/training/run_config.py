@@ -78,8 +78,8 @@ class RunConfig:
             raise ValueError("--log-grad-norm-per-step cannot be used with "
                              "--recompute-granularity full (the recomputed forward bypasses the "
                              "per-step weight views); drop one of the two")
-        self._check_context_parallel()
         self._check_gpu_paths()
+        self._check_kernels()
         self._check_pipeline(world_size)
         self._check_random_depth(world_size)
         self._check_spiral()
@@ -149,55 +149,6 @@ class RunConfig:
             raise ValueError(f"--seq-length {self.training.seq_length} is shorter than the "
                              f"coarsest chunk ({max(sizes)} tokens) of --loop-resolutions")
 
-    def _check_context_parallel(self) -> None:
-        """--context-parallel-size > 1: what megatron-core's CP (TE attention, load-balanced
-        sequence split) needs, and the features that would read across the split."""
-        from megaloop.model.config import use_transformer_engine
-        from megaloop.model.spiral import chunk_sizes
-
-        cp, par = self.parallel.context_parallel_size, self.parallel
-        if cp == 1:
-            return
-        impl = self.model.transformer_impl
-        te = impl == "transformer_engine" or (impl == "auto" and use_transformer_engine(self.model))
-        if not te and not _cp_test_route():
-            raise ValueError(
-                f"--context-parallel-size {cp} needs the Transformer Engine layer spec: "
-                f"megatron-core's local attention asserts context_parallel_size == 1 and only TE "
-                f"attention runs the CP ring; run on a GPU with --transformer-impl "
-                f"transformer_engine (or auto with TE installed), or use "
-                f"--context-parallel-size 1")
-        backend = getattr(self.model, "attention_backend", None)  # --attention-backend, if any
-        if te and str(backend) in ("unfused", "local"):
-            raise ValueError(
-                f"--context-parallel-size {cp} with --attention-backend {backend}: TE runs "
-                f"context-parallel attention only with its flash or fused backends; use "
-                f"--attention-backend auto (or flash / fused)")
-        seq = self.training.seq_length
-        if seq % (2 * cp):
-            raise ValueError(
-                f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp}: "
-                f"megatron-core's load-balanced split cuts each sequence into {2 * cp} equal "
-                f"chunks; use a --seq-length that is a multiple of {2 * cp}")
-        tp = par.tensor_model_parallel_size
-        if par.sequence_parallel and (seq // cp) % tp:
-            raise ValueError(
-                f"--seq-length {seq} / --context-parallel-size {cp} = {seq // cp} tokens per CP "
-                f"rank is not divisible by --tensor-model-parallel-size {tp} (--sequence-parallel "
-                f"splits them again); use a --seq-length that is a multiple of {2 * cp * tp}")
-        if self.data.reset_attention_mask:
-            raise ValueError(
-                f"--reset-attention-mask with --context-parallel-size {cp}: TE's CP attention "
-                f"is causal over the whole sequence and reads no per-document mask; drop "
-                f"--reset-attention-mask or use --context-parallel-size 1")
-        if any(g > 1 for g in chunk_sizes(self.loop)):
-            raise ValueError(
-                f"--loop-resolutions with a coarse step (r < 1) and --context-parallel-size {cp}: "
-                f"a coarse step pools runs of consecutive tokens, and megatron-core's "
-                f"load-balanced split gives each CP rank two non-adjacent chunks, so runs (and "
-                f"the shift that keeps them causal) straddle ranks; use --context-parallel-size 1 "
-                f"or full-resolution steps")
-
     def _check_gpu_paths(self) -> None:
         """Combinations that megatron-core or Transformer Engine would get wrong on a GPU (or
         assert on), refused before any process group."""
@@ -234,21 +185,128 @@ class RunConfig:
                 f"the shared and per-step parameters receive gradients{lora}, so the reduction "
                 f"never starts; drop --overlap-grad-reduce")
 
+    def _check_kernels(self) -> None:
+        """Fusion, attention-backend and FP8 flags (megaloop.model.config.kernel_settings turns
+        them into the TransformerConfig): what a looped model or this machine cannot run."""
+        import torch
+
+        from megaloop.model import config as model_config
+        from megaloop.model.config import use_transformer_engine
+
+        m, loop = self.model, self.loop
+        cuda = torch.cuda.is_available()
+        te = m.transformer_impl == "transformer_engine" or (
+            m.transformer_impl == "auto" and use_transformer_engine(m))
+        if m.attention_backend in ("flash", "fused", "unfused") and not te:
+            raise ValueError(
+                f"--attention-backend {m.attention_backend} is a Transformer Engine attention "
+                f"backend, but the layers are megatron-core's local spec; run on a GPU with "
+                f"--transformer-impl transformer_engine, or use --attention-backend auto")
+        if m.attention_backend == "local" and te:
+            raise ValueError(
+                "--attention-backend local is the local spec's attention (Megatron-LM allows it "
+                "only with --spec local), but the layers are Transformer Engine's; add "
+                "--transformer-impl local or choose flash, fused, unfused or auto")
+        if (self.data.reset_attention_mask and cuda and not te and not m.no_masked_softmax_fusion
+                and model_config._fused_softmax_available()):
+            raise ValueError(
+                "--reset-attention-mask on a GPU with the local spec: megatron-core's fused "
+                "masked softmax (on by default where apex's kernel exists, as here) applies only "
+                "the causal mask under causal attention and drops the explicit document mask; "
+                "add --no-masked-softmax-fusion")
+        if (cuda and m.cross_entropy_loss_fusion and m.cross_entropy_fusion_impl == "te"
+                and not _te_installed()):
+            raise ValueError("--cross-entropy-fusion-impl te needs Transformer Engine installed; "
+                             "use --cross-entropy-fusion-impl native")
+        if m.gradient_accumulation_fusion:
+            repeated = loop.num_loops > 1 or loop.random_depth_mean > 0
+            if te and repeated:
+                raise ValueError(
+                    f"--gradient-accumulation-fusion with Transformer Engine layers and "
+                    f"--num-loops {loop.num_loops}"
+                    f"{' / --random-depth-mean' if loop.random_depth_mean > 0 else ''}: a core "
+                    f"layer runs several times per micro-batch, TE adds its weight gradient into "
+                    f"main_grad only when is_first_microbatch is false, and the backward of loop "
+                    f"step 1 (run last) overwrites the gradients of steps 2..T (Megatron-LM PR "
+                    f"#6965); drop --gradient-accumulation-fusion (autograd then sums the T "
+                    f"contributions)")
+            if self.logging.log_grad_norm_per_step:
+                raise ValueError(
+                    "--gradient-accumulation-fusion cannot be used with --log-grad-norm-per-step: "
+                    "the per-step weight views have no main_grad for the fused accumulation; "
+                    "drop one of the two")
+        self._check_fp8(cuda, te)
+
+    def _check_fp8(self, cuda: bool, te: bool) -> None:
+        m, par, tr = self.model, self.parallel, self.training
+        if m.fp8_format is None:
+            for flag, on in (("--fp8-param-gather", m.fp8_param_gather),
+                             ("--first-last-layers-bf16", m.first_last_layers_bf16)):
+                if on:
+                    raise ValueError(f"{flag} needs --fp8-format (it only changes FP8 training)")
+            return
+        fmt = f"--fp8-format {m.fp8_format}"
+        if not cuda:
+            raise ValueError(f"{fmt} needs a GPU with Transformer Engine (FP8 GEMMs are TE "
+                             f"kernels); this machine has no GPU: drop {fmt}")
+        if not te:
+            raise ValueError(f"{fmt} needs the Transformer Engine layer spec: add "
+                             f"--transformer-impl transformer_engine (or auto with TE installed)")
+        if not tr.bf16:
+            raise ValueError(f"{fmt} needs --bf16 (FP8 GEMMs inside bf16 training, as "
+                             f"Megatron-LM); add --bf16")
+        if m.fp8_recipe == "mxfp8" and torch_capability() < (10, 0):
+            raise ValueError("--fp8-recipe mxfp8 needs a Blackwell GPU (compute capability >= "
+                             "10.0); use --fp8-recipe tensorwise")
+        if m.fp8_param_gather and not par.use_distributed_optimizer:
+            raise ValueError("--fp8-param-gather needs --use-distributed-optimizer (as "
+                             "Megatron-LM): add it or drop --fp8-param-gather")
+        if m.first_last_layers_bf16:
+            if m.fp8_recipe == "delayed":
+                raise ValueError("--first-last-layers-bf16 does not work with --fp8-recipe "
+                                 "delayed (megatron-core: entering FP8 per layer breaks the amax "
+                                 "reduction); use --fp8-recipe tensorwise, blockwise or mxfp8")
+            if self.loop.num_prelude_layers or self.loop.num_coda_layers:
+                raise ValueError(
+                    "--first-last-layers-bf16 with --num-prelude-layers / --num-coda-layers: "
+                    "megatron-core counts the BF16 layers per block, so prelude, core and coda "
+                    "would each keep their first and last layers in BF16, not the network's; "
+                    "drop it, or use a core-only layout (its first and last layers then run in "
+                    "BF16 at every loop step)")
+            per_stage = self.loop.num_core_layers(m.num_layers) // \
+                par.pipeline_model_parallel_size
+            for flag, n in (("--num-layers-at-start-in-bf16", m.num_layers_at_start_in_bf16),
+                            ("--num-layers-at-end-in-bf16", m.num_layers_at_end_in_bf16)):
+                if n > per_stage:
+                    raise ValueError(f"{flag} {n} exceeds the {per_stage} core layers per "
+                                     f"pipeline stage; lower it")
+        from megaloop.model.config import fp8_gemm_dims
+
+        align = 32 if m.fp8_recipe == "mxfp8" else 16
+        for name, size, fix in fp8_gemm_dims(self):
+            if size % align:
+                raise ValueError(
+                    f"{fmt} --fp8-recipe {m.fp8_recipe}: {name} is {size}, not a multiple of "
+                    f"{align}. Transformer Engine runs an FP8 GEMM only when its rows are a "
+                    f"multiple of 8 and its columns of 16 (MXFP8: blocks of 32), and the backward "
+                    f"GEMMs transpose both, so every dimension per rank must be a multiple of "
+                    f"{align}; {fix}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-# TEST ONLY. CP's batch split, loss reduction and DP x CP gradient reduction are checked on CPU
-# with a model whose layers have no attention (tests/test_context_parallel.py swaps the layer
-# spec); megatron-core's local attention cannot run CP. With this variable set *inside pytest*,
-# validation lets --context-parallel-size > 1 through without Transformer Engine.
-CP_TEST_ROUTE_ENV = "MEGALOOP_TEST_CP_WITHOUT_ATTENTION"
+def _te_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
-def _cp_test_route() -> bool:
-    import os
+def torch_capability() -> tuple:
+    """Compute capability of the current GPU ((0, 0) without one)."""
+    import torch
 
-    return os.environ.get(CP_TEST_ROUTE_ENV) == "1" and "PYTEST_CURRENT_TEST" in os.environ
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
