@@ -10,8 +10,8 @@ a CI machine:
 1. ``torch.cuda`` device queries answer "cpu", synchronize/empty_cache are no-ops, and the CUDA
    RNG state used by megatron-core's ``CudaRNGStatesTracker`` is the CPU generator (so the
    tracker's per-tensor-parallel-rank streams still differ, and dropout inside a fork uses them);
-2. a process-wide ``TorchFunctionMode`` rewrites ``device="cuda"`` to cpu and makes ``.cuda()`` a
-   no-op;
+2. a process-wide ``TorchFunctionMode`` rewrites ``device="cuda"`` to cpu, makes ``.cuda()`` a
+   no-op and drops ``pin_memory=True`` (no pinned allocator without CUDA);
 3. ``Tensor.type()`` reports CPU tensors with CUDA type strings, for megatron-core's asserts.
 
 It is enabled only when ``torch.cuda.is_available()`` is false and never on a GPU machine.
@@ -93,9 +93,12 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Level 2: every ``device=cuda`` argument becomes cpu, ``.cuda()`` returns the tensor."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if _CHECK:
-            return _checked_call(func, args, kwargs or {})
         kwargs = kwargs or {}
+        if kwargs.get("pin_memory"):  # no pinned allocator without CUDA (e.g. rope's CP slice)
+            _record(f"{getattr(func, '__name__', func)}(pin_memory=True)")
+            kwargs = dict(kwargs, pin_memory=False)
+        if _CHECK:
+            return _checked_call(func, args, kwargs)
         if func is torch.Tensor.cuda:
             _record("Tensor.cuda")
             return args[0]

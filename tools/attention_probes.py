@@ -24,24 +24,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def validation_windows(prefix: str, num: int, length: int):
-    """num windows of length tokens from the last documents of an indexed dataset."""
-    import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    ds = IndexedDataset(prefix)
-    need, parts, i = num * length, [], len(ds) - 1
-    while need > 0 and i >= 0:
-        doc = np.asarray(ds[i], dtype=np.int64)
-        parts.insert(0, doc)
-        need -= len(doc)
-        i -= 1
-    tokens = np.concatenate(parts)[-num * length:]
-    if len(tokens) < num * length:
-        raise ValueError(f"{prefix} has fewer than {num * length} tokens")
-    return tokens.reshape(num, length)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint folder (its latest iteration)")
@@ -62,6 +44,7 @@ def main(argv=None) -> None:
 
     cpu_shim.enable()
     from megaloop.convert.hf_export import load_model
+    from megaloop.data.heldout import validation_windows
     from megaloop.eval.probes import AttentionProbe, write_plot, write_table
     from megaloop.parallel.initialize import initialize_single_process
 

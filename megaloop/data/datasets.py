@@ -14,7 +14,8 @@ function of the seed, so ranks agree without communication, and rank 0 writes th
 The stream follows Megatron-LM's pretraining sampler: global sample ``consumed_samples`` comes
 next; each chunk of ``micro_batch_size * data_parallel_size`` consecutive samples is cut so
 that DP rank r takes samples ``[r * mbs, (r + 1) * mbs)`` of it. Resuming therefore needs only
-``consumed_samples``.
+``consumed_samples``. Context-parallel ranks of one data-parallel rank read the same samples and
+each keeps its part of every sequence (``on_this_context_parallel_rank``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix, parse_and_normalize_split)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megaloop.data.config import DataConfig
 from megaloop.data.sft import SFTDataset, lossmask_prefix
@@ -177,8 +179,10 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int,
     ``cyclic`` wraps around the dataset forever (validation); otherwise the stream ends after the
     last complete global batch.
 
-    Every batch comes out on the accelerator (``megaloop.device.to_device``): the trainer, the
-    pipeline and evaluation all read batches from here, so this is the one place they move.
+    Every batch comes out on the accelerator (``megaloop.device.to_device``) and, under context
+    parallelism, cut to this rank's part of the sequence (``on_this_context_parallel_rank``): the
+    trainer, the pipeline and evaluation all read batches from here, so this is the one place
+    they move and are split.
     """
     sampler = PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size,
                                       data_parallel_rank, data_parallel_size, cyclic)
@@ -190,7 +194,22 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int,
                                          collate_fn=_collate, persistent_workers=num_workers > 0,
                                          pin_memory=torch.cuda.is_available(),
                                          generator=torch.Generator().manual_seed(0))
-    return map(to_device, loader)
+    return map(on_this_context_parallel_rank, map(to_device, loader))
+
+
+def on_this_context_parallel_rank(batch: dict) -> dict:
+    """This context-parallel rank's part of a [mbs, seq] batch: megatron-core's load-balanced
+    split (``get_batch_on_this_cp_rank``): the sequence is cut into 2 x CP chunks and CP rank r
+    keeps chunks r and 2 x CP - 1 - r (causal attention costs the same on every rank). Every
+    key is split, so tokens, labels, loss mask and positions stay aligned (the rotary table is
+    cut the same way, megaloop.model.recurrence.context). Unchanged without context parallelism
+    (CP = 1, or megatron-core's groups not initialised)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_context_parallel_group(check_initialized=False)
+    if group is None or group.size() == 1:
+        return batch
+    return get_batch_on_this_cp_rank(dict(batch), cp_group=group)
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:

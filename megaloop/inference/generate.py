@@ -17,6 +17,7 @@ same CPU generator seeded alike, so all ranks pick the same token without a broa
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -71,6 +72,9 @@ class Generator:
         self.num_loops = num_loops or model.loop.num_loops
         self.kv_policy, self.exit_rule = kv_policy, exit_rule
         self.depths: list = []  # executed loop steps of every decoded token (early exit)
+        # Of the last generate(): seconds of the first (prefill) forward and of the rest, the
+        # forwards after the prefill, and the KV cache's bytes.
+        self.stats: dict = {}
         if exit_rule is not None and (kv_policy == "none" or model.spiral is not None):
             raise ValueError("early exit (--exit) skips the remaining steps of a token, which "
                              "needs a KV cache: use --kv-policy full (or another cache policy)")
@@ -123,9 +127,12 @@ class Generator:
         done = [False] * b
         pos = min(lengths)  # the first position to predict
         fed = 0  # positions already in the cache
+        clock, timings = time.perf_counter(), []
         while pos < total and not all(done):
             ids = seq[:, fed:pos] if kv is not None else seq[:, :pos]
             logits = self._logits(ids, kv)[:, -1]
+            timings.append(time.perf_counter() - clock)
+            clock = time.perf_counter()
             fed = pos
             nxt = sample(logits.cpu(), params, generator)
             for i in range(b):
@@ -136,4 +143,7 @@ class Generator:
                 out[i].append(token)
                 done[i] = len(out[i]) >= max_tokens or token == self.eod
             pos += 1
+        self.stats = {"prefill_s": timings[0], "decode_s": sum(timings[1:]),
+                      "decode_forwards": len(timings) - 1,
+                      "kv_bytes": kv.nbytes() if kv is not None else 0}
         return out

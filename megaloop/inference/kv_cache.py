@@ -47,6 +47,7 @@ class LoopKVCache:
         self.policy, self.k = parse_policy(policy)
         self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
         self.dicts: dict = {}
+        self._rows = None  # the batch rows a compacted call runs on (``rows``)
 
     @property
     def offset(self) -> int:
@@ -76,6 +77,14 @@ class LoopKVCache:
         tokens' rows are restored after the call)."""
         key = (block, 0 if step is None else self.slot(step))
         memory = self.dicts.setdefault(key, {})
+        full = None
+        # (An empty dict here is a block without attention layers, e.g. no coda: the prefill of
+        # an early-exit decode reads out every step, so every cache a step uses exists.)
+        if self._rows is not None and memory:
+            # Compact only the caches this call reads: a copy of the running rows, written back.
+            full = dict(memory)
+            memory = {n: (k.index_select(1, self._rows), v.index_select(1, self._rows))
+                      for n, (k, v) in full.items()}
         saved = None
         if self.policy == "first-step" and step is not None and step > 1 and memory:
             start = self.offset
@@ -89,25 +98,21 @@ class LoopKVCache:
                 for n, (k, v) in saved.items():
                     memory[n][0][rows] = k
                     memory[n][1][rows] = v
+            if full is not None:
+                for n, (k, v) in memory.items():
+                    full[n][0].index_copy_(1, self._rows, k)
+                    full[n][1].index_copy_(1, self._rows, v)
 
     @contextlib.contextmanager
     def rows(self, rows):
-        """Run the model on a subset of the batch rows (a LongTensor of row indices): every
-        cache is swapped for a compact copy of those rows, written back afterwards. Early exit
-        runs later loop steps on the rows still going only (compacted, not masked)."""
-        full = {key: dict(memory) for key, memory in self.dicts.items()}
-        for key, memory in self.dicts.items():
-            for n, (k, v) in memory.items():
-                memory[n] = (k.index_select(1, rows), v.index_select(1, rows))
+        """Run the model on a subset of the batch rows (a LongTensor of row indices): each cache
+        a block call uses is swapped for a compact copy of those rows and written back after the
+        call. Early exit runs later loop steps on the rows still going (compacted, not masked)."""
+        self._rows = rows
         try:
             yield
         finally:
-            for key, memory in self.dicts.items():
-                for n, (k, v) in memory.items():
-                    full_k, full_v = full[key][n]
-                    full_k.index_copy_(1, rows, k)
-                    full_v.index_copy_(1, rows, v)
-                    memory[n] = (full_k, full_v)
+            self._rows = None
 
     def fill_exited(self, rows, position: int, exit_step: int, num_loops: int) -> None:
         """Rows whose token left the loop at ``exit_step`` have no K/V at later steps: copy their

@@ -539,6 +539,7 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         tensor_model_parallel_size=tp_size,
+        context_parallel_size=_context_parallel_size(),
         sequence_parallel=sequence_parallel,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -555,6 +556,16 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         **(recompute or {}),
     )
     return cfg
+
+
+def _context_parallel_size() -> int:
+    """The CP size of megatron-core's parallel state (initialised from --context-parallel-size),
+    1 before any group exists (config translation without a process group)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_group(check_initialized=False) is None:
+        return 1
+    return parallel_state.get_context_parallel_world_size()
 
 
 def _activation(swiglu: bool):

@@ -2,9 +2,12 @@
 
 megatron-core's schedules call ``loss_func`` on each micro-batch's output (with
 ``calculate_per_token_loss``: the *sum* of the masked per-token objective and the token count;
-``finalize_model_grads`` divides by the tokens of the global batch). The statistics of a
-micro-batch are named sums over its kept tokens (``LoopStats``); ``reduce_stats`` adds them over
-micro-batches, pipeline stages and data-parallel ranks and turns them into means. Both the
+``finalize_model_grads`` divides by the tokens of the global batch, summed over data- and
+context-parallel ranks). The statistics of a micro-batch are named sums over its kept tokens
+(``LoopStats``); ``reduce_stats`` adds them over micro-batches, pipeline stages and data- and
+context-parallel ranks and turns them into means. Under context parallelism a rank holds a part
+of each sequence; every statistic is a per-token sum, so the sums over CP ranks are those of the
+whole sequences. Both the
 single-stage trainer and the pipeline's chunks use these, so they live below both.
 """
 
@@ -52,7 +55,8 @@ def loss_func(loss_mask: torch.Tensor, num_loops: int, out: LoopOutput, count_to
 
 def reduce_stats(reports: list, num_loops: int, device=None) -> dict:
     """Sum the micro-batch stats, all-reduce over pipeline stages (only the last computes
-    losses) and data-parallel ranks, and turn the sums into per-token means."""
+    losses) and data x context-parallel ranks (a CP rank saw its part of each sequence), and
+    turn the sums into per-token means."""
     from megatron.core import parallel_state
 
     sizes = {"objective": 1, "tokens": 1, "step_losses": num_loops, "exit_probs": num_loops}
@@ -69,7 +73,8 @@ def reduce_stats(reports: list, num_loops: int, device=None) -> dict:
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(packed,
                                      group=parallel_state.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(packed, group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_reduce(
+        packed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     sums = dict(zip(STAT_FIELDS, packed.split([sizes[k] for k in STAT_FIELDS])))
     tokens = max(sums["tokens"].item(), 1.0)
     step_losses = (sums["step_losses"] / tokens).tolist()

@@ -1,4 +1,4 @@
-"""Parallel layout: sizes of the tensor-, pipeline- and data-parallel groups."""
+"""Parallel layout: sizes of the tensor-, context-, pipeline- and data-parallel groups."""
 
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size: the core's layers are split over this many stages (prelude on the
     first, coda/gate/head on the last) and each micro-batch travels the ring once per loop step."""
+
+    context_parallel_size: int = 1
+    """Context-parallel size (megatron-core's CP): each sequence is split over this many ranks
+    in megatron-core's load-balanced layout (2 x CP chunks, rank r keeps chunks r and
+    2 x CP - 1 - r), attention runs Transformer Engine's CP ring (the looped core reuses the same
+    ring at every loop step), and gradients and token counts are reduced over data x context
+    parallel ranks. Needs the Transformer Engine layer spec (GPU) and --seq-length divisible by
+    2 x CP."""
 
     decoder_first_pipeline_num_layers: Optional[int] = None
     """Uneven pipeline split (Megatron-LM's rule, applied to the core): core layers on the first
@@ -44,18 +52,27 @@ class ParallelConfig:
 
     def data_parallel_size(self, world_size: int | None = None) -> int:
         world = self.world_size() if world_size is None else world_size
-        return world // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return world // self.model_parallel_size()
+
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica of the model and see one stream of samples: TP x CP x PP
+        (context-parallel ranks share their samples, each keeping a part of every sequence)."""
+        return (self.tensor_model_parallel_size * self.context_parallel_size
+                * self.pipeline_model_parallel_size)
 
     def validate(self, num_attention_heads: int, num_query_groups: int | None,
                  world_size: int | None = None) -> None:
         world = self.world_size() if world_size is None else world_size
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if tp < 1 or pp < 1:
-            raise ValueError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
-        if world % (tp * pp):
+        cp = self.context_parallel_size
+        if tp < 1 or pp < 1 or cp < 1:
+            raise ValueError("--tensor-model-parallel-size, --context-parallel-size and "
+                             "--pipeline-model-parallel-size must be >= 1")
+        if world % (tp * cp * pp):
             raise ValueError(
                 f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-                f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes")
+                f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp}; launch a "
+                f"multiple of {tp * cp * pp} processes")
         if num_attention_heads % tp:
             raise ValueError(
                 f"--num-attention-heads {num_attention_heads} is not divisible by "

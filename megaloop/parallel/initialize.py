@@ -29,7 +29,8 @@ def initialize(parallel: ParallelConfig, seed: int) -> None:
                                              timeout=timedelta(minutes=10))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size)
     set_seed(seed)
 
 

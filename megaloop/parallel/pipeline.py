@@ -88,7 +88,9 @@ class PipelineStage(LoopedGPTModel):
                                  labels, num_loops, no_grad_steps)
 
     def carry_layout(self, batch: int, seq: int, num_loops: int) -> CarryLayout:
-        """The p2p layout of the carry for ``num_loops`` loops (the same on every stage)."""
+        """The p2p layout of the carry for ``num_loops`` loops (the same on every stage).
+        ``seq``: this rank's tokens of a sequence (--seq-length / CP under context parallelism:
+        its two chunks; the exit objective is per token, so its accumulators are too)."""
         loop, T = self.loop, num_loops
         sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
         mode = loop.exit_loss if T > 1 else "expected"
@@ -293,14 +295,18 @@ class LoopPipeline:
         backend = torch.distributed.get_backend(parallel_state.get_pipeline_model_parallel_group())
         config.batch_p2p_comm = backend == "nccl" and not interleaved
         config.overlap_p2p_comm = False
-        layout = self.stage.carry_layout(micro_batch_size, seq_length, T)
+        # Under context parallelism a rank holds seq / CP tokens of each sequence (its two
+        # chunks) and the carry, per-token accumulators included, is that rank's part; the
+        # schedule divides the length it is told by CP, so it is told CP times the carry's.
+        cp = parallel_state.get_context_parallel_world_size()
+        layout = self.stage.carry_layout(micro_batch_size, seq_length // cp, T)
         reports = []
         iterators = list(itertools.tee(data_iterator, T)) if interleaved else data_iterator
         schedule = get_forward_backward_func(pp_size=self.pp_size, vp_size=T if interleaved else None)
         out = schedule(forward_step_func=partial(forward_step, num_loops=T, reports=reports,
                                                  config=config, no_grad_steps=no_grad_steps),
                        data_iterator=iterators, model=self.chunks(T),
-                       num_microbatches=num_microbatches, seq_length=layout.seq_length,
+                       num_microbatches=num_microbatches, seq_length=layout.seq_length * cp,
                        micro_batch_size=micro_batch_size, forward_only=forward_only)
         return list(out) + reports
 

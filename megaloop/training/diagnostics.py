@@ -104,7 +104,8 @@ class StepGradNorms(LoopVariant):
         self.model.variants.remove(self)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        dp_group = parallel_state.get_data_parallel_group()
+        # Context-parallel ranks hold gradients of their parts of the sequences: summed with DP.
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         # On the accelerator: NCCL reduces GPU tensors only (and the sums stay asynchronous).
         squares = torch.zeros(self.num_layers, self.num_loops, dtype=torch.float64,
                               device=current_device())
@@ -163,7 +164,9 @@ class LoopGeometry(LoopVariant):
         packed = torch.cat([self.sums.flatten(), self.tokens])
         if self.model.config.sequence_parallel:  # each TP rank saw a slice of the tokens
             torch.distributed.all_reduce(packed, group=parallel_state.get_tensor_model_parallel_group())
-        torch.distributed.all_reduce(packed, group=parallel_state.get_data_parallel_group())
+        # Per-token sums: over data- and context-parallel ranks (each CP rank saw its chunks).
+        torch.distributed.all_reduce(
+            packed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         sums = packed[:3 * self.num_loops].view(3, self.num_loops)
         tokens = packed[3 * self.num_loops:]
         if tokens.min().item() == 0:

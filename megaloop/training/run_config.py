@@ -78,6 +78,7 @@ class RunConfig:
             raise ValueError("--log-grad-norm-per-step cannot be used with "
                              "--recompute-granularity full (the recomputed forward bypasses the "
                              "per-step weight views); drop one of the two")
+        self._check_context_parallel()
         self._check_gpu_paths()
         self._check_kernels()
         self._check_pipeline(world_size)
@@ -148,6 +149,55 @@ class RunConfig:
         if coarse and self.training.seq_length < max(sizes):
             raise ValueError(f"--seq-length {self.training.seq_length} is shorter than the "
                              f"coarsest chunk ({max(sizes)} tokens) of --loop-resolutions")
+
+    def _check_context_parallel(self) -> None:
+        """--context-parallel-size > 1: what megatron-core's CP (TE attention, load-balanced
+        sequence split) needs, and the features that would read across the split."""
+        from megaloop.model.config import use_transformer_engine
+        from megaloop.model.spiral import chunk_sizes
+
+        cp, par = self.parallel.context_parallel_size, self.parallel
+        if cp == 1:
+            return
+        impl = self.model.transformer_impl
+        te = impl == "transformer_engine" or (impl == "auto" and use_transformer_engine(self.model))
+        if not te and not _cp_test_route():
+            raise ValueError(
+                f"--context-parallel-size {cp} needs the Transformer Engine layer spec: "
+                f"megatron-core's local attention asserts context_parallel_size == 1 and only TE "
+                f"attention runs the CP ring; run on a GPU with --transformer-impl "
+                f"transformer_engine (or auto with TE installed), or use "
+                f"--context-parallel-size 1")
+        backend = getattr(self.model, "attention_backend", None)  # --attention-backend, if any
+        if te and str(backend) in ("unfused", "local"):
+            raise ValueError(
+                f"--context-parallel-size {cp} with --attention-backend {backend}: TE runs "
+                f"context-parallel attention only with its flash or fused backends; use "
+                f"--attention-backend auto (or flash / fused)")
+        seq = self.training.seq_length
+        if seq % (2 * cp):
+            raise ValueError(
+                f"--seq-length {seq} is not divisible by 2 x --context-parallel-size {cp}: "
+                f"megatron-core's load-balanced split cuts each sequence into {2 * cp} equal "
+                f"chunks; use a --seq-length that is a multiple of {2 * cp}")
+        tp = par.tensor_model_parallel_size
+        if par.sequence_parallel and (seq // cp) % tp:
+            raise ValueError(
+                f"--seq-length {seq} / --context-parallel-size {cp} = {seq // cp} tokens per CP "
+                f"rank is not divisible by --tensor-model-parallel-size {tp} (--sequence-parallel "
+                f"splits them again); use a --seq-length that is a multiple of {2 * cp * tp}")
+        if self.data.reset_attention_mask:
+            raise ValueError(
+                f"--reset-attention-mask with --context-parallel-size {cp}: TE's CP attention "
+                f"is causal over the whole sequence and reads no per-document mask; drop "
+                f"--reset-attention-mask or use --context-parallel-size 1")
+        if any(g > 1 for g in chunk_sizes(self.loop)):
+            raise ValueError(
+                f"--loop-resolutions with a coarse step (r < 1) and --context-parallel-size {cp}: "
+                f"a coarse step pools runs of consecutive tokens, and megatron-core's "
+                f"load-balanced split gives each CP rank two non-adjacent chunks, so runs (and "
+                f"the shift that keeps them causal) straddle ranks; use --context-parallel-size 1 "
+                f"or full-resolution steps")
 
     def _check_gpu_paths(self) -> None:
         """Combinations that megatron-core or Transformer Engine would get wrong on a GPU (or
@@ -294,6 +344,19 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# TEST ONLY. CP's batch split, loss reduction and DP x CP gradient reduction are checked on CPU
+# with a model whose layers have no attention (tests/test_context_parallel.py swaps the layer
+# spec); megatron-core's local attention cannot run CP. With this variable set *inside pytest*,
+# validation lets --context-parallel-size > 1 through without Transformer Engine.
+CP_TEST_ROUTE_ENV = "MEGALOOP_TEST_CP_WITHOUT_ATTENTION"
+
+
+def _cp_test_route() -> bool:
+    import os
+
+    return os.environ.get(CP_TEST_ROUTE_ENV) == "1" and "PYTEST_CURRENT_TEST" in os.environ
 
 
 def _te_installed() -> bool:

@@ -10,6 +10,14 @@ micro-batch returns the *sum* of its per-token objective and its token count, an
 ``finalize_model_grads`` divides the gradients by the token count summed over all micro-batches
 and data-parallel ranks. Masked tokens (SFT prompts) therefore weigh exactly nothing, whatever
 micro-batch they land in.
+
+Context parallelism (--context-parallel-size) is megatron-core's: every batch reaches the model
+already cut to this rank's two chunks of each sequence (megaloop.data.datasets), the rotary table
+is cut alike, attention is Transformer Engine's CP ring, ``finalize_model_grads`` sums the token
+counts over data x context-parallel ranks and megatron-core's DDP reduces gradients over the same
+group (``get_data_parallel_group(with_context_parallel=True)``); the statistics are summed there
+too (``reduce_stats``). CP ranks of a data-parallel rank read the same samples: the data-parallel
+size and rank here exclude CP.
 """
 
 from __future__ import annotations
@@ -202,6 +210,7 @@ class Trainer:
             f"x {loop.num_loops} + {loop.num_coda_layers} | physical depth {m.num_layers} | "
             f"effective depth {loop.effective_depth(m.num_layers)} | parameters {params:,} | "
             f"exit loss {loop.exit_loss} | TP {self.cfg.parallel.tensor_model_parallel_size} "
+            f"CP {self.cfg.parallel.context_parallel_size} "
             f"PP {self.cfg.parallel.pipeline_model_parallel_size} "
             f"DP {self.dp_size} | micro-batches per step {self.num_microbatches}")
 
