@@ -3,8 +3,17 @@
 #   docker build -t megaloop .
 #   docker run --gpus all --ipc=host --rm megaloop            # prints pretrain_looplm.py --help
 #
-# The NGC PyTorch image carries CUDA, NCCL, Transformer Engine and apex built against its own
-# torch; megaloop's `--transformer-impl auto` then picks Transformer Engine on the GPU.
+# The NGC PyTorch image carries CUDA, NCCL and Transformer Engine built against its own torch;
+# megaloop's `--transformer-impl auto` then picks Transformer Engine on the GPU. That is all the
+# `gpu` extra of setup.py asks for (transformer-engine[pytorch]); the pip line below installs
+# setup.py's install_requires that the base lacks, at setup.py's pins (tests/test_dockerfile.py
+# checks both, and that every file COPY names exists).
+#
+# apex: not installed and not needed. megatron-core takes its fused Adam and multi-tensor
+# kernels from Transformer Engine first (apex is only its fallback), the TE layer spec's norms
+# are TE's, and megaloop's local spec builds its norms through megatron-core's WrappedTorchNorm
+# (megaloop.model.specs.norm_spec), never apex's FusedLayerNorm. Whatever the base image ships
+# is left as it is.
 #
 # Base image: NGC PyTorch 25.11. megatron-core 0.16.1 is tested with Transformer Engine
 # >= 2.9.0a0, < 2.12.0 (its `dev` extra) and its own CI image for that release builds on
@@ -25,8 +34,8 @@ ENV PYTHONUNBUFFERED=1 \
 # own pins unsatisfiable (megatron-core's install guide clears it); it is cleared for this one
 # command only, and the build fails if pip nevertheless swapped out the image's torch build.
 RUN TORCH_BEFORE="$(python -c 'import torch; print(torch.__version__)')" && \
-    PIP_CONSTRAINT= pip install megatron-core==0.16.1 einops sentencepiece psutil tensorboard \
-        wandb tokenizers && \
+    PIP_CONSTRAINT= pip install megatron-core==0.16.1 einops sentencepiece psutil tqdm \
+        tensorboard wandb tokenizers && \
     TORCH_AFTER="$(python -c 'import torch; print(torch.__version__)')" && \
     if [ "$TORCH_BEFORE" != "$TORCH_AFTER" ]; then \
         echo "pip replaced torch $TORCH_BEFORE with $TORCH_AFTER; use another BASE_IMAGE" >&2; \

@@ -1,0 +1,176 @@
+"""The SLURM example, rehearsed: examples/slurm/pretrain_looplm.sbatch runs unchanged as a job of
+2 "nodes" on this machine, is preempted, resubmitted, and resumes to the loss trajectory of a
+plain 2-rank run.
+
+Only the environment is faked: SLURM_* variables of a 2-node allocation, a stub ``scontrol`` on
+PATH (every host of the node list is 127.0.0.1) and a stub ``srun`` that starts the script's
+command once per node, in the background, with that node's SLURM_NODEID / SLURM_PROCID (what
+srun --ntasks-per-node 1 does). The script's knobs pick the CPU-sized run: 1 rank per node
+(GPUS_PER_NODE), mock data, and a tiny model with gloo through EXTRA_ARGS. Each node's torchrun
+joins the c10d rendezvous on 127.0.0.1:MASTER_PORT, so the job is DP=2 across the two nodes.
+
+SIGTERM goes to one node's torchrun only (the other node never sees it): the ranks' exit check is
+an all-reduce, so both finish the step, save and exit. The resubmission (the same script, a new
+job id) loads the checkpoint and trains to the end. The JSONL of the two jobs, joined, must
+equal a 2-rank ``torchrun --nproc_per_node 2`` run of the same flags exactly.
+"""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+from distributed import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = os.path.join(ROOT, "examples", "slurm", "pretrain_looplm.sbatch")
+TRAIN_ITERS = 40
+
+# Appended by the script after its recipe; the last value of a flag wins.
+TINY = ("--num-layers 2 --num-loops 3 --hidden-size 32 --num-attention-heads 4 "
+        "--ffn-hidden-size 88 --seq-length 32 --max-position-embeddings 32 --vocab-size 200 "
+        "--tensor-model-parallel-size 1 --distributed-backend gloo --bf16 false "
+        "--num-workers 0 --log-interval 1 --eval-interval 5 --eval-iters 1 "
+        "--lr-warmup-iters 5 --hidden-dropout 0.1")
+
+SCONTROL = """#!/bin/bash
+# scontrol stand-in: `scontrol show hostnames LIST` prints one 127.0.0.1 per node.
+if [[ "$1 $2" == "show hostnames" ]]; then
+    for ((i = 0; i < ${SLURM_NNODES:-1}; i++)); do echo 127.0.0.1; done
+    exit 0
+fi
+echo "scontrol stub: unsupported: $*" >&2
+exit 1
+"""
+
+SRUN = """#!/bin/bash
+# srun stand-in: one task per node of the fake allocation, all on this machine. Records the
+# command, each node's pid (the test signals one) and log; exits with the first failure's code.
+while [[ $# -gt 0 && "$1" == -* ]]; do
+    case "$1" in
+        *=*) shift ;;
+        --ntasks-per-node|--ntasks|--nodes|-n|-N|--container-image|--container-workdir|\\
+--container-mounts) shift 2 ;;
+        *) shift ;;
+    esac
+done
+printf '%s\\n' "$@" > "$SRUN_STUB_DIR/argv"
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do
+    SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 SLURMD_NODENAME=node$i \\
+        "$@" > "$SRUN_STUB_DIR/node$i.log" 2>&1 &
+    pids+=($!)
+    echo $! > "$SRUN_STUB_DIR/node$i.pid"
+done
+rc=0
+for p in "${pids[@]}"; do
+    wait "$p" || { status=$?; [[ $rc -eq 0 ]] && rc=$status; }
+done
+exit $rc
+"""
+
+
+def _write_stubs(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
+        path = bindir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return bindir
+
+
+def _submit(tmp_path, bindir, job_id):
+    """`sbatch --nodes 2` of the unchanged script, as far as the script can tell."""
+    stub = tmp_path / f"srun-{job_id}"
+    stub.mkdir()
+    # torchrun and python are the test's interpreter's (PATH); the stubs shadow nothing else.
+    path = os.pathsep.join([str(bindir), os.path.dirname(sys.executable), os.environ["PATH"]])
+    env = dict(os.environ, PATH=path, SRUN_STUB_DIR=str(stub),
+               SLURM_JOB_ID=str(job_id), SLURM_JOB_NAME="looplm-rehearsal",
+               SLURM_JOB_NODELIST="node[0-1]", SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2",
+               SLURM_NTASKS_PER_NODE="1", SLURM_SUBMIT_DIR=ROOT,
+               MASTER_PORT=str(free_port()), GPUS_PER_NODE="1", OMP_NUM_THREADS="1",
+               MOCK_DATA="true", TENSORBOARD_DIR="", TRAIN_ITERS=str(TRAIN_ITERS),
+               GLOBAL_BATCH_SIZE="8", MICRO_BATCH_SIZE="2", LR="3e-3", SAVE_INTERVAL="1000",
+               OUTPUT_DIR=str(tmp_path / "runs" / str(job_id)),
+               CHECKPOINT_DIR=str(tmp_path / "checkpoints"), EXTRA_ARGS=TINY)
+    env.pop("CONTAINER_IMAGE", None)
+    proc = subprocess.Popen(["bash", SBATCH], cwd=str(tmp_path), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    return proc, stub, tmp_path / "runs" / str(job_id) / "metrics.jsonl"
+
+
+def _records(log):
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def _node_logs(stub):
+    return "\n".join(f"--- {p.name}\n{p.read_text()}"
+                     for p in sorted(stub.glob("node*.log")))
+
+
+def _finish(proc, stub, timeout):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script, the srun stub and both torchruns
+        out, _ = proc.communicate()
+        raise AssertionError("job did not finish\n" + (out + _node_logs(stub))[-8000:])
+    return out + _node_logs(stub)
+
+
+def test_sbatch_two_nodes_sigterm_resubmit_equals_single_node_run(tmp_path):
+    bindir = _write_stubs(tmp_path)
+    ckpt = tmp_path / "checkpoints"
+
+    # --- job 1: both nodes rendezvous, train; SIGTERM to node 1's torchrun only --------------
+    proc, stub1, log1 = _submit(tmp_path, bindir, 101)
+    deadline = time.time() + 240
+    while (not any(r["split"] == "train" and r["iteration"] >= 3 for r in _records(log1))
+           and proc.poll() is None and time.time() < deadline):
+        time.sleep(0.05)
+    assert proc.poll() is None, "job 1 ended before the signal\n" + _finish(proc, stub1, 10)
+    os.kill(int((stub1 / "node1.pid").read_text()), signal.SIGTERM)
+    out1 = _finish(proc, stub1, 180)
+    assert "nodes=2 master=127.0.0.1:" in out1, out1[-6000:]
+    assert "SIGTERM received" in out1, out1[-6000:]
+    stopped = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= stopped < TRAIN_ITERS, out1[-6000:]
+    assert max(r["iteration"] for r in _records(log1)) == stopped
+    assert "TP 1 CP 1 PP 1 DP 2 | micro-batches per step 2" in out1, out1[-6000:]
+
+    # --- job 2: the resubmission resumes from the checkpoint and trains to the end ------------
+    proc, stub2, log2 = _submit(tmp_path, bindir, 102)
+    out2 = _finish(proc, stub2, 300)
+    assert proc.returncode == 0, out2[-6000:]
+    assert f"loaded {ckpt}/iter_{stopped:07d}" in out2, out2[-6000:]
+    assert _records(log2)[0]["iteration"] > stopped
+
+    # --- the reference: one node, torchrun --nproc_per_node 2, the flags the job ran -----------
+    argv = (stub1 / "argv").read_text().splitlines()
+    assert argv[0] == "torchrun" and "--nnodes" in argv and "c10d" in argv, argv
+    script = argv.index(os.path.join(ROOT, "pretrain_looplm.py"))
+    flags = argv[script + 1:]
+    ref_dir = tmp_path / "reference"
+    swap = {str(ckpt): str(ref_dir / "checkpoints"),
+            str(log1): str(ref_dir / "metrics.jsonl")}
+    flags = [swap.get(f, f) for f in flags]
+    assert flags.count(str(ref_dir / "checkpoints")) == 2  # --save and --load
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), argv[script], *flags]
+    ref = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+
+    key = lambda r: (r["split"], r["iteration"], r["loss"], tuple(r["step_losses"]))  # noqa: E731
+    joined = [key(r) for r in _records(log1) + _records(log2)]
+    straight = [key(r) for r in _records(ref_dir / "metrics.jsonl")]
+    assert [k[:2] for k in joined] == [k[:2] for k in straight]
+    assert joined == straight
