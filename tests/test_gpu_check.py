@@ -87,16 +87,24 @@ def test_throughput_worker_accounts_both_models():
     assert results["dense-bf16"]["layout"] == "2 x 1 = depth 2"
 
 
-def test_gpu_rows_flags_parse():
-    """The flag lists of the GPU-only rows are megaloop flags (they cannot be validated here:
-    TE needs a GPU), with the BF16 and FP8 settings the table claims."""
+def test_gpu_rows_flags_pass_validation(monkeypatch):
+    """The flag lists of the GPU-only rows pass megaloop's validation as it runs on a GPU
+    (validation told a GPU exists; nothing is built), with the BF16 and FP8 settings the table
+    claims."""
     import shlex
+
+    import torch
 
     from megaloop.training.run_config import parse_args
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for layout in (gpu_checks.LOOPED, gpu_checks.DENSE):
-        cfg = parse_args([*gpu_checks.BIG, *layout, *shlex.split(gpu_checks.DEFAULT_FP8_ARGS)])
-        assert cfg.training.bf16 and cfg.model.transformer_impl == "transformer_engine"
-        assert cfg.loop.effective_depth(cfg.model.num_layers) == 24
+        for fp8 in ("", gpu_checks.DEFAULT_FP8_ARGS):
+            cfg = parse_args([*gpu_checks.BIG, *layout, *shlex.split(fp8)])
+            cfg.validate(world_size=1)
+            assert cfg.training.bf16 and cfg.model.transformer_impl == "transformer_engine"
+            assert cfg.loop.effective_depth(cfg.model.num_layers) == 24
     for variant in gpu_checks.VARIANTS.values():
-        parse_args([*gpu_checks.TINY, *variant, "--transformer-impl", "transformer_engine"])
+        for impl in ("local", "transformer_engine"):
+            parse_args([*gpu_checks.TINY, *variant, "--train-iters", "2",
+                        "--transformer-impl", impl]).validate(world_size=1)
