@@ -29,6 +29,7 @@ from megaloop import runtime  # noqa: E402
 runtime.quiet_megatron()
 
 from megaloop.model.config import LoopConfig, ModelConfig  # noqa: E402
+from megaloop.model.spiral import num_chunks, offset  # noqa: E402
 from megaloop.training.metrics import core_step_flops_per_token, flops_per_iteration  # noqa
 
 # Pythia (SpiralFormer Table 1): hidden, heads, layout (P, K, C).
@@ -64,7 +65,7 @@ def flops_report(L):
     sp = core_step_flops_per_token(model, loop, L)
     fr = core_step_flops_per_token(full_m, full_l, L)
     for t, (g, a, b) in enumerate(zip([8, 4, 2, 1], sp, fr), 1):
-        print(f"  {t:>4} {'1/' + str(g) if g > 1 else '1':>5} {L // g:>6} {a * L / 1e9:>13.2f} "
+        print(f"  {t:>4} {'1/' + str(g) if g > 1 else '1':>5} {(num_chunks(L, g, offset(g, loop.resolution_offset)) if g > 1 else L):>6} {a * L / 1e9:>13.2f} "
               f"{b * L / 1e9:>15.2f} {a / b:>6.3f}")
     print()
     print(f"  {'scale':>5} {'SpiralFormer-B':>15} {'LoopedFormer':>13} {'ratio':>6} "

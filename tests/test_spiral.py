@@ -66,21 +66,24 @@ def test_shift_g_minus_2_is_not_causal(down, up):
 
 
 def test_chunk_map_matches_paper():
-    """pi(i) = floor((i + omega) / g); the first L_t = floor(L / g) chunks are kept."""
+    """pi(i) = floor((i + omega) / g); a chunk is kept iff all its tokens are in the sequence
+    (its last token i = (j + 1) g - omega - 1 < L): L_t = floor((L + omega) / g)."""
     L, g, omega = 11, 4, 2
     h = torch.arange(L, dtype=torch.float64).view(L, 1, 1) + 1.0
     z = spiral.downscale(h, g, omega)
-    expected = torch.zeros(L // g, dtype=torch.float64)
+    kept = [j for j in range(L) if (j + 1) * g - omega - 1 < L]  # 3 chunks: ends at 1, 5, 9
+    assert len(kept) == 3
+    expected = torch.zeros(len(kept), dtype=torch.float64)
     for i in range(L):
         j = (i + omega) // g
-        if j < L // g:
+        if j in kept:
             expected[j] += (i + 1.0) / g
     assert torch.equal(z.view(-1), expected)
     # upscale with a broadcast puts lambda/g * z_hat[pi(i)] on token i; dropped tokens get 0
     u = spiral.upscale(z, g, omega, L).view(-1)
     for i in range(L):
         j = (i + omega) // g
-        want = math.sqrt(g) / g * expected[j] if j < L // g else 0.0
+        want = math.sqrt(g) / g * expected[j] if j in kept else 0.0
         assert abs(u[i].item() - float(want)) < 1e-12
 
 
@@ -352,3 +355,31 @@ def test_attention_probe_rows_per_step_layer_head():
         L_t = SEQ // {"1/8": 8, "1/4": 4, "1/2": 2, "1": 1}[r["resolution"]]
         assert 0.0 <= r["entropy"] <= math.log(L_t) + 1e-6 and 0.0 < r["lam"] <= 1.0 + 1e-6
         assert abs(r["entropy_norm"] - r["entropy"] / math.log(L_t)) < 1e-6
+
+
+def _prefix_logits(rank, world, flags):
+    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.looped_gpt import build_model
+
+    setup_parallel(world)
+    loop = LoopConfig(num_loops=3, **flags)
+    model = build_model(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                    max_position_embeddings=24), loop, VOCAB)
+    model.eval()
+    ids, pos, _ = lm_batch(VOCAB, 24, 2)
+    with torch.no_grad():
+        full = model(ids, pos, None)
+        return max((model(ids[:, :n], pos[:, :n], None) - full[:, :n]).abs().max().item()
+                   for n in range(1, 24))
+
+
+@pytest.mark.parametrize("flags", [
+    {"loop_resolutions": "1/4,1/2,1", "loop_topology": "anchor"},
+    {"loop_resolutions": "1/8,1/4,1", "loop_topology": "mesh", "resolution_offset": "zero",
+     "resolution_shift": "parallel"},
+])
+def test_outputs_do_not_depend_on_later_tokens(flags):
+    """Prefix consistency, which causality by gradient does not cover: a token's output must
+    not change with the number of tokens after it. (With L_t = floor(L / g) a chunk whose tokens
+    had all arrived was dropped at some lengths, changing earlier tokens' outputs by ~0.5.)"""
+    assert run_distributed(_prefix_logits, 1, flags)[0] < 1e-5

@@ -5,7 +5,8 @@ Layout ``P + K x {r_0, ..., r_{T-1}} + C``: loop step t runs the shared core on 
 compressed by the resolution r_t = 1 / g_t (``--loop-resolutions``). One step, for token states
 h [L, b, d] (megatron layout, sequence first):
 
-    z      = down(h)        [L_t, b, d]   chunks of g_t tokens, offset omega_t, L_t = floor(L / g_t)
+    z      = down(h)        [L_t, b, d]   chunks of g_t tokens, offset omega_t,
+                                          L_t = floor((L + omega_t) / g_t)
     z_hat  = core(z)        [L_t, b, d]   the same K layers as every other step
     u      = up(z_hat)      [L, b, d]     gain lambda_t = sqrt(g_t)
     u~     = shift(u, s_t)  [L, b, d]     u~[i] = u[i - s_t], zero for i < s_t
@@ -145,14 +146,18 @@ def validate_loop(loop) -> None:
 
 
 # --- the operators (functional, sequence-first [s, b, ...]) ---------------------------------
-def num_chunks(length: int, g: int) -> int:
-    """L_t = floor(L / g): whole chunks kept (the last incomplete chunk is dropped)."""
-    return length // g
+def num_chunks(length: int, g: int, omega: int = 0) -> int:
+    """L_t = floor((L + omega) / g): the whole chunks of the sequence with its omega pads in
+    front (the last incomplete chunk is dropped). Counting the pads matters: floor(L / g) would
+    also drop a chunk whose tokens have all arrived when L mod g >= g - omega, and then a token's
+    output would depend on whether more tokens follow it (not prefix-consistent, so not
+    decodable incrementally)."""
+    return (length + omega) // g
 
 
 def _chunked(x: torch.Tensor, g: int, omega: int, fill: float = 0.0) -> torch.Tensor:
     """[L, ...] -> [L_t, g, ...]: omega fill values in front, then L_t whole chunks."""
-    L_t = num_chunks(x.size(0), g)
+    L_t = num_chunks(x.size(0), g, omega)
     pad = x.new_full((omega,) + tuple(x.shape[1:]), fill)
     return torch.cat([pad, x])[: L_t * g].reshape((L_t, g) + tuple(x.shape[1:]))
 
@@ -329,8 +334,10 @@ class SpiralLoop(MegatronModule, LoopVariant):
     def latent_length(self, length: int, t: int) -> Optional[int]:
         """L_t of a coarse step t for a sequence of ``length`` tokens; None at full resolution
         (and for a step this schedule lacks, which ``around_core`` refuses)."""
-        g = self.sizes[t - 1] if t <= len(self.sizes) else 1
-        return num_chunks(length, g) if g > 1 else None
+        if t > len(self.sizes) or self.sizes[t - 1] == 1:
+            return None
+        step = self.steps[t - 1]
+        return num_chunks(length, step.g, step.omega)
 
     # --- the loop-variant hooks (megaloop.model.recurrence) ----------------------------------
     def begin(self, carry, ctx):
@@ -353,6 +360,8 @@ class SpiralLoop(MegatronModule, LoopVariant):
                              f"{ctx.num_loops} loops")
         if self.sizes[t - 1] == 1:
             return run(z, attention_mask, rotary_pos_emb)
+        if z.size(0) == 0:  # fewer tokens than one chunk (a short prompt): no latent yet
+            return z
         rope = None if rotary_pos_emb is None else rotary_pos_emb[: z.size(0)]
         return run(z, None, rope)
 

@@ -58,16 +58,16 @@ def layer_flops_per_token(model: ModelConfig, seq_length: int) -> float:
 
 def core_step_flops_per_token(model: ModelConfig, loop: LoopConfig, seq_length: int) -> list:
     """Forward FLOPs of each loop step's core pass, per token of the full sequence. A step at
-    chunk size g (SpiralFormer, --loop-resolutions) runs the K core layers on L_t = L // g latents
+    chunk size g (SpiralFormer, --loop-resolutions) runs the K core layers on L_t = (L + omega) // g latents
     (attention on an L_t square), plus its matmul operators (scorer d -> 1 per token, allocation
     d -> g per latent); MeSH adds its d -> B routers (elementwise pooling, mixing and norms are
     not counted, as nowhere else)."""
-    from megaloop.model.spiral import chunk_sizes, is_active
+    from megaloop.model.spiral import chunk_sizes, is_active, num_chunks, offset
 
     h, K = model.hidden_size, loop.num_core_layers(model.num_layers)
     steps = []
     for g in chunk_sizes(loop):
-        L_t = seq_length // g
+        L_t = num_chunks(seq_length, g, offset(g, loop.resolution_offset)) if g > 1 else seq_length
         flops = K * layer_flops_per_token(model, L_t) * L_t / seq_length
         if g > 1:
             flops += (2 * h if loop.resolution_down == "self-aggregation" else 0) + \
