@@ -16,7 +16,6 @@ same CPU generator seeded alike, so all ranks pick the same token without a broa
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -26,9 +25,6 @@ import torch
 from megaloop.device import current_device
 from megaloop.inference import early_exit
 from megaloop.inference.kv_cache import LoopKVCache
-
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class SamplingParams:
@@ -81,12 +77,6 @@ class Generator:
         if exit_rule is not None and exit_rule.kind == "q" and model.exit_gate is None:
             raise ValueError("--exit q:... reads the exit gate; this model has none (trained with "
                              "--exit-loss last or --num-loops 1)")
-        if kv_policy != "none" and model.spiral is not None:
-            # A coarse step's latents change when a later token completes their chunk: a cache
-            # of them is not the uncached forward.
-            log.warning("SpiralFormer / Anchor / MeSH models decode by recomputation "
-                        "(no KV cache): each token runs the whole sequence")
-            self.kv_policy = "none"
 
     def _logits(self, ids: torch.Tensor, kv: Optional[LoopKVCache]) -> torch.Tensor:
         """Full-vocabulary fp32 logits [b, s, V] of ``ids`` (the positions after the cache)."""

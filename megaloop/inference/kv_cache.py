@@ -48,6 +48,8 @@ class LoopKVCache:
         self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
         self.dicts: dict = {}
         self._rows = None  # the batch rows a compacted call runs on (``rows``)
+        self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
+        self._latents: dict = {}
 
     @property
     def offset(self) -> int:
@@ -130,7 +132,28 @@ class LoopKVCache:
                     target[n][0][position, rows] = k[position, rows]
                     target[n][1][position, rows] = v[position, rows]
 
+    def latents(self, step: int, g: int) -> "LatentCache":
+        """SpiralFormer: the cache of coarse step ``step``'s chunk latents (chunk size g)."""
+        if step not in self._latents:
+            self._latents[step] = LatentCache(self.max_batch_size,
+                                              self.max_sequence_length // g + 1)
+        return self._latents[step]
+
     def nbytes(self) -> int:
         """Bytes held by every cache tensor."""
-        return sum(t.numel() * t.element_size() for d in self.dicts.values()
-                   for kv in d.values() for t in kv)
+        dicts = list(self.dicts.values()) + [c.context.key_value_memory_dict
+                                             for c in self._latents.values()]
+        return sum(t.numel() * t.element_size() for d in dicts for kv in d.values() for t in kv)
+
+
+class LatentCache:
+    """One coarse SpiralFormer step under cached decoding: the K/V of its chunk latents (their
+    own inference context: latent j at position j), the outputs z_hat of the complete chunks
+    (each later token's update reads one), and the injected states of the chunk being filled."""
+
+    def __init__(self, max_batch_size: int, max_latents: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.context = StaticInferenceContext(max_batch_size, max_latents)
+        self.z_hat = None
+        self.tail: list = []

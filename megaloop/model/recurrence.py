@@ -56,6 +56,9 @@ class StepContext:
     kv: Optional[object] = None
     """Cached decoding: a megaloop.inference.kv_cache.LoopKVCache, whose dict for each (block,
     step) is swapped into megatron-core's inference context around the block's call."""
+    latent_context: Optional[object] = None
+    """Set by SpiralFormer around a coarse step's core pass under a cache: the inference context
+    of that step's latents, used instead of the token-level one."""
 
     @contextlib.contextmanager
     def cache(self, block: str, step: Optional[int] = None):
@@ -148,6 +151,9 @@ def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
 
 
 def _core(core, ctx, t, z, attention_mask, rotary_pos_emb):
+    if ctx.latent_context is not None:
+        return core(hidden_states=z, attention_mask=attention_mask,
+                    rotary_pos_emb=rotary_pos_emb, inference_context=ctx.latent_context)
     with ctx.cache("core", t) as cache:
         return core(hidden_states=z, attention_mask=attention_mask,
                     rotary_pos_emb=rotary_pos_emb, **cache)

@@ -240,13 +240,30 @@ class ResolutionStep(MegatronModule):
         self.allocator = _replicated_linear(config, d, g) \
             if g > 1 and up == "allocation" and last else None
 
-    def down(self, h):
-        """Token states [L, b, d] -> latents [L_t, b, d] (h itself at g = 1)."""
+    def down(self, h, omega: Optional[int] = None):
+        """Token states [L, b, d] -> latents [L_t, b, d] (h itself at g = 1). ``omega``: the
+        pads in front, if not the step's offset (one chunk alone: g minus its token count)."""
         assert self.first, "down-scaling runs on the first pipeline stage"
         if self.g == 1:
             return h
         scores = None if self.scorer is None else self.scorer(h).squeeze(-1)
-        return downscale(h, self.g, self.omega, scores)
+        return downscale(h, self.g, self.omega if omega is None else omega, scores)
+
+    def up_one(self, z_hat: torch.Tensor, position: int, like: torch.Tensor) -> torch.Tensor:
+        """u~ [1, b, d] of the token at ``position`` from the cached chunk outputs z_hat
+        [n, b, d]: u~[i] = u[i - s], the slot rho(p) of chunk pi(p) for p = i - s (a complete
+        chunk, since s >= g - 1), zero before the sequence."""
+        p = position - self.s
+        if p < 0:
+            return torch.zeros_like(like)
+        j = (p + self.omega) // self.g
+        rho = p + self.omega - self.g * j
+        z = z_hat[j]  # [b, d]
+        gain = math.sqrt(self.g)
+        if self.allocator is None:
+            return (gain / self.g * z).unsqueeze(0)
+        beta = _softmax(self.allocator(z), -1).to(z.dtype)  # [b, g]
+        return (gain * beta[:, rho:rho + 1] * z).unsqueeze(0)
 
     def up(self, z_hat, length: int):
         """Core outputs [L_t, b, d] -> the shifted update u~ [L, b, d]."""
@@ -348,8 +365,25 @@ class SpiralLoop(MegatronModule, LoopVariant):
             carry.anchor = carry.h
 
     def before_core(self, z, carry, t, ctx):
-        """First stage of step t: down-scale the injected z."""
-        return self.steps[t - 1].down(z)
+        """First stage of step t: down-scale the injected z. Cached decoding (one token at a
+        time after a prefill) keeps the tokens of the chunk being filled and down-scales it when
+        its last token arrives (SpiralFormer's chunk triggering); otherwise there is no latent."""
+        step = self.steps[t - 1]
+        if ctx.kv is None or step.g == 1:
+            return step.down(z)
+        cache = ctx.kv.latents(t, step.g)
+        if ctx.kv.offset == 0:  # prefill: the whole prompt; keep its incomplete chunk's tokens
+            done = num_chunks(z.size(0), step.g, step.omega) * step.g - step.omega
+            cache.tail = list(z[max(done, 0):].split(1))
+            return step.down(z)
+        if z.size(0) != 1:
+            raise ValueError("SpiralFormer cached decoding takes one token at a time after the "
+                             "prefill")
+        cache.tail.append(z)
+        if (ctx.kv.offset + step.omega + 1) % step.g:
+            return z[:0]  # the chunk is not complete: no latent this token
+        chunk, cache.tail = torch.cat(cache.tail), []
+        return step.down(chunk, omega=step.g - chunk.size(0))
 
     def around_core(self, run, z, attention_mask, rotary_pos_emb, t, ctx):
         """The core pass at step t's resolution: latents get the rotary table cut to L_t and
@@ -362,13 +396,31 @@ class SpiralLoop(MegatronModule, LoopVariant):
             return run(z, attention_mask, rotary_pos_emb)
         if z.size(0) == 0:  # fewer tokens than one chunk (a short prompt): no latent yet
             return z
-        rope = None if rotary_pos_emb is None else rotary_pos_emb[: z.size(0)]
-        return run(z, None, rope)
+        if ctx.kv is None:
+            rope = None if rotary_pos_emb is None else rotary_pos_emb[: z.size(0)]
+            return run(z, None, rope)
+        # Cached: the latents have their own cache at this step (latent j at position j).
+        cache = ctx.kv.latents(t, self.sizes[t - 1])
+        done = cache.context.sequence_len_offset
+        rope = None if rotary_pos_emb is None else rotary_pos_emb[: done + z.size(0)]
+        ctx.latent_context = cache.context
+        try:
+            out = run(z, None, rope)
+        finally:
+            ctx.latent_context = None
+        cache.context.sequence_len_offset += z.size(0)
+        cache.z_hat = out if cache.z_hat is None else torch.cat([cache.z_hat, out])
+        return out
 
     def after_core(self, out, carry, t, ctx):
         """Last stage of step t: up-scale, shift, then the topology; returns the new state h^(t)
         (after the final read at t = T for MeSH). The MeSH routers read the entering state."""
-        u_tilde = self.steps[t - 1].up(out, ctx.length)
+        step = self.steps[t - 1]
+        if ctx.kv is None or step.g == 1 or ctx.kv.offset == 0:
+            u_tilde = step.up(out, ctx.length)
+        else:  # one decoded token: its update from the cached chunk outputs
+            u_tilde = step.up_one(ctx.kv.latents(t, step.g).z_hat, ctx.kv.offset,
+                                  carry.entering)
         if self.topology == "anchor":
             return u_tilde + carry.anchor
         if self.topology == "mesh":
