@@ -28,6 +28,10 @@ setup(
         "log": ["tensorboard", "wandb"],
         # The attention-probe plot (tools/attention_probes.py); the table needs nothing extra.
         "eval": ["matplotlib"],
-        "test": ["pytest", "tokenizers", "transformers", "safetensors"],
+        # tools/serve.py's OpenAI-compatible HTTP server.
+        "serve": ["fastapi", "uvicorn"],
+        # (httpx: tests/test_serve.py's HTTP client)
+        "test": ["pytest", "tokenizers", "transformers", "safetensors", "fastapi", "uvicorn",
+                 "httpx"],
     },
 )
