@@ -5,7 +5,10 @@
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT ...      # tensor parallel
 
 ``--load`` is a checkpoint directory written by pretrain_looplm.py (its run config names the
-model and the tokenizer; any TP size that saved it). ``--prompt-ids`` prints the generated ids as
+model and the tokenizer; any TP size that saved it), or a folder written by
+``tools/convert_checkpoint.py export-hf`` (config.json names the model; its tokenizer.json, or
+where it has none ``--tokenizer-type`` / ``--tokenizer-model`` / ``--vocab-size``, the tokenizer).
+``--prompt-ids`` prints the generated ids as
 comma-separated integers on stdout (one line per prompt); ``--prompt`` prints the decoded text.
 ``--num-loops`` may differ from the trained value (fewer: under-unrolling, more: extrapolation).
 ``--kv-policy``: ``full`` (a KV cache per loop step, exact), ``last-step``, ``first-step``,
@@ -18,6 +21,7 @@ closer than eps), ``fixed:<n>``; the mean executed depth is printed on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -28,7 +32,15 @@ from megaloop import runtime  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--load", required=True, help="megaloop checkpoint directory")
+    p.add_argument("--load", required=True,
+                   help="megaloop checkpoint directory, or a folder written by export-hf")
+    tok = p.add_argument_group("tokenizer of an exported folder without tokenizer.json")
+    tok.add_argument("--tokenizer-type", default=None,
+                     choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
+    tok.add_argument("--tokenizer-model", default=None,
+                     help="sentencepiece .model, or Hugging Face tokenizer.json (or its folder)")
+    tok.add_argument("--vocab-size", type=int, default=None,
+                     help="NullTokenizer: ids before EOD (EOD is this id)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
                         help="prompt text (repeat for a batch); the output is decoded text")
@@ -70,15 +82,40 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.load):
         print(f"error: --load {args.load}: no such directory", file=sys.stderr)
         return 2
+    tokenizer_cfg = None
+    if args.tokenizer_type or args.tokenizer_model or args.vocab_size is not None:
+        from megaloop.data.config import TokenizerConfig
+
+        if not args.tokenizer_type:
+            print("error: --tokenizer-model / --vocab-size need --tokenizer-type",
+                  file=sys.stderr)
+            return 2
+        tokenizer_cfg = TokenizerConfig(args.tokenizer_type, args.tokenizer_model,
+                                        args.vocab_size)
+        try:
+            tokenizer_cfg.validate()
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     runtime.quiet_megatron()
     from megaloop.inference.generate import Generator, SamplingParams
-    from megaloop.inference.loading import load_for_generation, setup_processes
+    from megaloop.inference.loading import is_hf_folder, load_for_generation, setup_processes
     from megaloop.parallel import initialize
 
     tp = setup_processes(args.seed)
     try:
-        model, tokenizer, _ = load_for_generation(args.load, tp)
+        try:
+            model, tokenizer, run = load_for_generation(args.load, tp, tokenizer=tokenizer_cfg)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: --load {args.load}: {exc}", file=sys.stderr)
+            return 2
+        if tokenizer_cfg is not None and runtime.is_rank_zero() and \
+                run.get("tokenizer") != dataclasses.asdict(tokenizer_cfg):
+            where = "its own tokenizer.json" if is_hf_folder(args.load) else \
+                "a run config that names the tokenizer"
+            print(f"note: --tokenizer-type/--tokenizer-model/--vocab-size are ignored: "
+                  f"{args.load} has {where}", file=sys.stderr)
         prompts = prompts_ids or [tokenizer.tokenize(t) for t in args.prompt]
         bad = [i for p in prompts for i in p if not 0 <= i < tokenizer.vocab_size]
         if bad:

@@ -1,4 +1,6 @@
 """Dense-to-loop: a local Hugging Face Qwen3 / Llama folder -> a looped megaloop checkpoint.
+(And, at the end of this file, ``load_exported``: a folder written by export-hf back into a model
+at any TP size, for generation.)
 
 The recipe of "Closing the Loop" (arXiv 2610.00673), section 4: the pretrained decoder becomes
 the looped core (norm scheme ``pre``, as these models are pre-norm), its final norm becomes the
@@ -17,12 +19,12 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from megaloop.arguments import flag_name
-from megaloop.convert.layout import Heads, layer_from_hf
+from megaloop.convert.layout import Heads, from_hf, layer_from_hf
 from megaloop.data.config import TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig, padded_vocab_size
 
@@ -237,3 +239,172 @@ def import_hf(hf_dir: str, save_dir: str, loop: LoopConfig, *, tp_size: int = 1,
                     parallel=ParallelConfig(tensor_model_parallel_size=tp_size))
     save_checkpoint(save_dir, 0, model, run_config=run.to_dict())
     return training_flags(model_cfg, loop, vocab, tp_size, save_dir)
+
+
+# --- A folder written by export-hf (hf_export.write_hf_folder) -> a model, for generation --------
+EXPORT_ARCHITECTURES = ("MegaloopForCausalLM", "OuroForCausalLM")
+# config.json keys that configuration_megaloop.py defaults (the Ouro layout): an Ouro-style
+# export may lack the megaloop ones, and the modeling file reads them with these values.
+EXPORT_DEFAULTS = {
+    "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
+    "tie_word_embeddings": False, "total_ut_steps": 4, "norm_scheme": "ouro", "qk_norm": False,
+    "num_prelude_layers": 0, "num_coda_layers": 0, "step_norm_placement": "recurrent",
+    "use_exit_gate": True, "input_injection": "none", "injection_source": "embedding",
+    "lora_rank": 0, "lora_alpha": None, "lora_steps": 0,
+}
+
+
+def exported_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
+    """(ModelConfig, LoopConfig) of an export's config.json: every key ``hf_config`` writes, read
+    back (``hf_config`` of the result writes the same keys and values). ValueError for a
+    config.json that is not a megaloop / Ouro export, naming what to do instead."""
+    from megaloop.convert.hf_export import check_exportable
+
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch in SUPPORTED:
+        raise ValueError(f"this folder holds a dense {arch} (not a looped model exported by "
+                         f"megaloop): convert it first with `tools/convert_checkpoint.py import-hf "
+                         f"--hf-dir FOLDER --save CKPT ...` and pass --load CKPT")
+    if arch not in EXPORT_ARCHITECTURES or cfg.get("model_type") not in ("megaloop", "ouro"):
+        raise ValueError(f"config.json (architecture {arch!r}, model_type "
+                         f"{cfg.get('model_type')!r}) is not a megaloop or Ouro export: --load "
+                         f"reads megaloop checkpoints and folders written by "
+                         f"`tools/convert_checkpoint.py export-hf` "
+                         f"({' / '.join(EXPORT_ARCHITECTURES)})")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}")
+    c = {**EXPORT_DEFAULTS, **cfg}
+    if c["hidden_act"] != "silu":
+        raise ValueError(f"hidden_act {c['hidden_act']!r}: only SwiGLU (silu) MLPs are supported")
+    if c.get("use_sliding_window"):
+        raise ValueError("sliding-window attention is not supported")
+    heads = c["num_attention_heads"]
+    prelude, coda = c["num_prelude_layers"], c["num_coda_layers"]
+    model_cfg = ModelConfig(
+        num_layers=prelude + c["num_hidden_layers"] + coda, hidden_size=c["hidden_size"],
+        ffn_hidden_size=c["intermediate_size"], num_attention_heads=heads,
+        num_query_groups=c["num_key_value_heads"] or heads,
+        kv_channels=c["head_dim"] or c["hidden_size"] // heads,
+        max_position_embeddings=c["max_position_embeddings"], position_embedding_type="rope",
+        rotary_base=int(_rope_theta(c)), rotary_percent=1.0, normalization="RMSNorm",
+        norm_epsilon=c["rms_norm_eps"], swiglu=True, disable_bias_linear=True,
+        qk_layernorm=bool(c["qk_norm"]),
+        untie_embeddings_and_output_weights=not c["tie_word_embeddings"],
+        init_method_std=c["initializer_range"], norm_scheme=c["norm_scheme"],
+        # The export keeps the (padded) table as it is: build exactly vocab_size rows.
+        make_vocab_size_divisible_by=1)
+    loops = c["total_ut_steps"]
+    if c["lora_rank"] and c["lora_steps"] != loops:
+        raise ValueError(f"config.json: lora_steps {c['lora_steps']} != total_ut_steps {loops}; "
+                         f"megaloop keeps one adapter per trained loop step")
+    loop = LoopConfig(
+        num_loops=loops, num_prelude_layers=prelude, num_coda_layers=coda,
+        step_norm_placement=c["step_norm_placement"],
+        # The gate exists iff T > 1 and the objective is not "last" (LoopConfig.gated).
+        exit_loss="expected" if c["use_exit_gate"] else "last",
+        input_injection=c["input_injection"], injection_source=c["injection_source"],
+        lora_rank=c["lora_rank"], lora_alpha=c["lora_alpha"])
+    if loop.gated != bool(c["use_exit_gate"]):
+        raise ValueError(f"config.json: use_exit_gate {c['use_exit_gate']} with total_ut_steps "
+                         f"{loops}: a single-step model has no exit gate")
+    model_cfg.validate()
+    loop.validate(model_cfg.num_layers)
+    check_exportable(model_cfg, loop)  # what the export (and this reader) implements
+    return model_cfg, loop
+
+
+def exported_tokenizer(folder: str, table_rows: int, given: TokenizerConfig | None):
+    """The export's own tokenizer.json when it has one, else ``given`` (the --tokenizer-type /
+    --tokenizer-model / --vocab-size flags); ValueError when neither exists or the tokenizer has
+    more tokens than the embedding table."""
+    from megaloop.data.tokenizers import build_tokenizer
+
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        tok_cfg = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer",
+                                  tokenizer_model=os.path.abspath(folder))
+    elif given is not None:
+        tok_cfg = given
+    else:
+        raise ValueError(f"{folder} has no tokenizer.json (the run did not use a Hugging Face "
+                         f"tokenizer): pass --tokenizer-type and --tokenizer-model, or "
+                         f"--tokenizer-type NullTokenizer --vocab-size N, as the run did")
+    size = build_tokenizer(tok_cfg).vocab_size
+    if size > table_rows:
+        raise ValueError(f"the tokenizer has {size} tokens but the exported embedding table only "
+                         f"{table_rows} rows; pass the tokenizer the model was trained with")
+    return tok_cfg
+
+
+def shard_for_rank(full: torch.Tensor, param, rank: int, world: int) -> torch.Tensor:
+    """This rank's part of a full (TP=1) tensor, as megatron-core shards ``param``: along
+    ``partition_dim``, each of ``partition_stride`` consecutive pieces split over the ranks (the
+    inverse of gathering the shards; stride 2 is SwiGLU's [gate; up])."""
+    if world == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    return torch.cat([piece.chunk(world, dim)[rank] for piece in full.chunk(stride, dim)], dim)
+
+
+def load_sharded(model, tensors: dict) -> None:
+    """Copy full (TP=1) tensors into ``model`` at this rank's TP size: every tensor of the model
+    covered, nothing left over, each rank's slice by the parameter's sharding. The vocabulary
+    table gets zero rows where the TP size needs more rows than the export holds (ids the
+    tokenizer never produces; the generator never samples them)."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    params = dict(model.named_parameters())
+    missing = sorted(set(state) - set(tensors))
+    unexpected = sorted(set(tensors) - set(state))
+    if missing or unexpected:
+        raise ValueError(f"the exported tensors do not fit the model config.json describes: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for k, dest in state.items():
+            full = tensors[k]
+            if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                rows = dest.shape[0] * (world if getattr(params.get(k), "tensor_model_parallel",
+                                                         False) else 1)
+                if full.shape[0] < rows:
+                    full = torch.cat([full, full.new_zeros(rows - full.shape[0],
+                                                           *full.shape[1:])])
+            part = shard_for_rank(full, params.get(k), rank, world)
+            if part.shape != dest.shape:
+                raise ValueError(f"{k}: the export holds shape {tuple(full.shape)}, which does not "
+                                 f"give this rank's {tuple(dest.shape)} at TP={world}")
+            dest.copy_(part)
+
+
+def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | None = None):
+    """(model at TP = ``tp_size``, ModelConfig, LoopConfig, a run-config dict naming them and the
+    tokenizer) of a folder written by export-hf (``hf_export.write_hf_folder``): config.json read
+    back exactly (``exported_configs``), the tensors through the reverse of the export's names
+    (``layout.from_hf``), each rank's TP slice cut from the full tensors; the tokenizer is the
+    folder's tokenizer.json, else ``tokenizer``. Collective like ``hf_export.load_model``: needs
+    megatron-core's parallel state at that TP size."""
+    from megaloop.model.looped_gpt import build_model
+
+    cfg = read_hf_config(folder)
+    model_cfg, loop = exported_configs(cfg)
+    rows = cfg["vocab_size"]
+    tok_cfg = exported_tokenizer(folder, rows, tokenizer)
+    model = build_model(model_cfg, loop, rows, tp_size=tp_size)
+    reader = SafetensorsFolder(folder)
+    heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
+                  model_cfg.kv_channels)
+    layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
+              "core": loop.num_core_layers(model_cfg.num_layers)}
+    tensors = from_hf(reader.get, reader.names(), heads, layers)
+    table = tensors.get("embedding.word_embeddings.weight")
+    if table is not None and table.shape[0] != rows:
+        raise ValueError(f"config.json's vocab_size {rows} differs from the {table.shape[0]} rows "
+                         f"of model.embed_tokens.weight")
+    load_sharded(model, tensors)
+    run = {"model": asdict(model_cfg), "loop": asdict(loop), "tokenizer": asdict(tok_cfg),
+           "hf_folder": os.path.abspath(folder)}
+    return model, model_cfg, loop, run

@@ -118,8 +118,9 @@ def layer_to_hf(state: dict, prefix: str, hf_prefix: str, heads: Heads, used: se
 
 
 def layer_from_hf(get, hf_prefix: str, prefix: str, heads: Heads, names: set) -> dict:
-    """Hugging Face layer tensors (read with ``get(name)``) -> megaloop names (base weights only:
-    a dense checkpoint has no adapters). ``names`` is the set of tensors the file holds."""
+    """Hugging Face layer tensors (read with ``get(name)``) -> megaloop names: the inverse of
+    ``layer_to_hf``, stepwise LoRA adapters included where the file holds them (a dense
+    Qwen3 / Llama checkpoint has none). ``names`` is the set of tensors the file holds."""
     out = {}
     for ours, theirs in LAYER_SIMPLE.items():
         if hf_prefix + theirs in names:
@@ -129,6 +130,20 @@ def layer_from_hf(get, hf_prefix: str, prefix: str, heads: Heads, names: set) ->
         get(hf_prefix + "self_attn.v_proj.weight"))
     out[prefix + "mlp.linear_fc1.weight"] = torch.cat(
         [get(hf_prefix + "mlp.gate_proj.weight"), get(hf_prefix + "mlp.up_proj.weight")], dim=0)
+    for adapter, projections in LORA_TARGETS.items():
+        if f"{hf_prefix}{projections[0]}.lora_A" not in names:
+            continue
+        a = get(f"{hf_prefix}{projections[0]}.lora_A")  # [steps, r, in], shared by the parts
+        for proj in projections[1:]:
+            get(f"{hf_prefix}{proj}.lora_A")  # the same A repeated: read, so it counts as used
+        b_parts = [get(f"{hf_prefix}{proj}.lora_B") for proj in projections]  # [steps, out, r]
+        if len(projections) == 3:
+            b = torch.stack([heads.fuse_qkv(*step) for step in zip(*b_parts)])
+        else:
+            b = torch.cat(b_parts, dim=1)
+        for t in range(a.shape[0]):
+            out[f"{prefix}{adapter}.lora_A.{t}"] = a[t].contiguous()
+            out[f"{prefix}{adapter}.lora_B.{t}"] = b[t].contiguous()
     return out
 
 
@@ -149,4 +164,27 @@ def to_hf(state: dict, heads: Heads, tied: bool) -> dict:
     if unknown:
         raise ValueError(f"no Hugging Face name for {unknown[:5]}: export-hf does not support the "
                          f"feature these parameters belong to")
+    return out
+
+
+def from_hf(get, names: set, heads: Heads, layers: dict) -> dict:
+    """Hugging Face tensors of an export (read with ``get(name)``; ``names``: what the file
+    holds) -> megaloop names at TP=1: the inverse of ``to_hf``. ``layers``: block ("prelude",
+    "core", "coda") -> its layer count. Raises if the file holds a tensor nothing here reads
+    (a feature, or a layer, the config does not describe)."""
+    read = set()
+
+    def tracked(name):
+        read.add(name)
+        return get(name)
+
+    out = {ours: tracked(theirs) for ours, theirs in TOP_LEVEL.items() if theirs in names}
+    for block, hf_block in BLOCKS.items():
+        for i in range(layers.get(block, 0)):
+            out.update(layer_from_hf(tracked, f"{hf_block}.{i}.", f"{block}.layers.{i}.", heads,
+                                     names))
+    unused = sorted(set(names) - read)
+    if unused:
+        raise ValueError(f"the safetensors files hold tensors config.json does not describe: "
+                         f"{unused[:5]}")
     return out

@@ -22,15 +22,36 @@ def setup_processes(seed: int = 1234) -> int:
     return world
 
 
-def load_for_generation(load_dir: str, tp_size: int = 1):
-    """(model in eval mode on this rank's device, tokenizer, saved run config) of ``load_dir``'s
-    latest megaloop checkpoint (its run config names the model and the tokenizer)."""
+CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # megaloop.training.checkpointing.TRACKER
+
+
+def is_hf_folder(path: str) -> bool:
+    """A folder written by ``tools/convert_checkpoint.py export-hf`` (or any Hugging Face folder):
+    config.json and *.safetensors, and no megaloop checkpoint tracker."""
+    import glob
+
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+            and bool(glob.glob(os.path.join(path, "*.safetensors")))
+            and not os.path.isfile(os.path.join(path, CHECKPOINT_TRACKER)))
+
+
+def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None):
+    """(model in eval mode on this rank's device, tokenizer, run config dict) of ``load_dir``:
+    a megaloop checkpoint (its latest iteration; the saved run config names the model and the
+    tokenizer), or a folder written by export-hf (``is_hf_folder``; config.json names the model,
+    the folder's tokenizer.json the tokenizer, else ``tokenizer``, a TokenizerConfig, is used:
+    it is ignored for checkpoints and for folders that have their own)."""
     from megaloop.convert.hf_export import config_from_dict, load_model
     from megaloop.data.config import TokenizerConfig
     from megaloop.data.tokenizers import build_tokenizer
     from megaloop.device import current_device
 
-    model, _, _, run = load_model(load_dir, tp_size=tp_size)
+    if is_hf_folder(load_dir):
+        from megaloop.convert.hf_import import load_exported
+
+        model, _, _, run = load_exported(load_dir, tp_size=tp_size, tokenizer=tokenizer)
+    else:
+        model, _, _, run = load_model(load_dir, tp_size=tp_size)
     model.to(current_device()).eval()
     tokenizer = build_tokenizer(config_from_dict(TokenizerConfig, run.get("tokenizer", {})))
     return model, tokenizer, run
