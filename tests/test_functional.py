@@ -46,7 +46,8 @@ def _assert_quiet(proc, train_lines):
     out = proc.stdout.splitlines()
     for line in out:
         assert line.startswith(("> CPU development mode", "> LoopedGPT layout", " iteration ",
-                                " validation at iteration ")), ("unexpected line", line, out)
+                                " validation at iteration ", "> loop geometry")), (
+            "unexpected line", line, out)
     assert sum(line.startswith("> LoopedGPT layout") for line in out) == 1, out
     assert sum(line.startswith("> CPU development mode") for line in out) <= 1, out
     assert sum(line.startswith(" iteration ") for line in out) == train_lines, out

@@ -234,6 +234,10 @@ class LoopDiagnostics:
         T = cfg.loop.num_loops
         self.step_grads = StepGradNorms(model, T) if log.log_grad_norm_per_step else None
         self.geometry = LoopGeometry(model, T) if log.log_loop_geometry and single_stage else None
+        if log.log_loop_geometry and not single_stage:  # on by default: say it, once
+            logger.print("> loop geometry (--log-loop-geometry) compares a whole core pass's "
+                         "input and output, which no pipeline stage sees: not measured at "
+                         "pipeline size > 1")
         self.spikes = LossSpikeCounter(log.loss_spike_threshold, log.loss_spike_window)
         self.collapse = GateCollapseMonitor(log.p0_collapse_threshold, log.p0_collapse_iters)
         self.capturing = False
