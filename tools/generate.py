@@ -67,20 +67,13 @@ def main(argv=None) -> int:
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
-    from megaloop.inference.early_exit import parse_exit
-    from megaloop.inference.kv_cache import parse_policy
-    from megaloop.inference.loading import parse_prompt_ids
+    from megaloop.inference.loading import check_generation_flags, parse_prompt_ids
 
     try:
-        if args.kv_policy != "none":
-            parse_policy(args.kv_policy)
+        rule = check_generation_flags(args.load, args.kv_policy, args.exit)
         prompts_ids = [parse_prompt_ids(t) for t in args.prompt_ids] if args.prompt_ids else None
-        rule = parse_exit(args.exit)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not os.path.isdir(args.load):
-        print(f"error: --load {args.load}: no such directory", file=sys.stderr)
         return 2
     tokenizer_cfg = None
     if args.tokenizer_type or args.tokenizer_model or args.vocab_size is not None:

@@ -59,18 +59,12 @@ def main(argv=None) -> int:
         print("error: the server needs FastAPI and uvicorn: pip install -e '.[serve]'",
               file=sys.stderr)
         return 2
-    from megaloop.inference.early_exit import parse_exit
-    from megaloop.inference.kv_cache import parse_policy
+    from megaloop.inference.loading import check_generation_flags
 
     try:
-        if args.kv_policy != "none":
-            parse_policy(args.kv_policy)
-        rule = parse_exit(args.exit)
+        rule = check_generation_flags(args.load, args.kv_policy, args.exit)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not os.path.isdir(args.load):
-        print(f"error: --load {args.load}: no such directory", file=sys.stderr)
         return 2
     if args.num_loops is not None and args.num_loops < 1:
         print("error: --num-loops must be >= 1", file=sys.stderr)

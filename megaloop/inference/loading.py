@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 
 
 def setup_processes(seed: int = 1234) -> int:
@@ -63,3 +62,17 @@ def parse_prompt_ids(text: str) -> list[int]:
     except ValueError:
         raise ValueError(f"--prompt-ids {text!r}: write comma-separated token ids, e.g. "
                          f"5,6,7") from None
+
+
+def check_generation_flags(load: str, kv_policy: str, exit_text):
+    """The flags generate.py and serve.py share, checked before any model is loaded: the
+    early-exit rule (or None); ValueError naming the flag otherwise."""
+    from megaloop.inference.early_exit import parse_exit
+    from megaloop.inference.kv_cache import parse_policy
+
+    if kv_policy != "none":
+        parse_policy(kv_policy)
+    rule = parse_exit(exit_text)
+    if not os.path.isdir(load):
+        raise ValueError(f"--load {load}: no such directory")
+    return rule
