@@ -324,10 +324,55 @@ def test_finetune_takes_the_weights_and_starts_a_new_run(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_distributed(_train, 1, RESUME + ["--train-iters", "2", "--lr-warmup-iters", "1",
                                          "--save", ckpt])
-    resumed = run_distributed(_loaded_state, 1, RESUME + ["--load", ckpt])[0]
+    # (the saved schedule differs from RESUME's: a resume must say whose to follow)
+    resumed = run_distributed(_loaded_state, 1, RESUME + ["--load", ckpt,
+                                                          "--use-checkpoint-opt_param-scheduler"])[0]
     finetune = run_distributed(_loaded_state, 1, RESUME + ["--load", ckpt, "--finetune"])[0]
     fresh = run_distributed(_loaded_state, 1, RESUME)[0]
     assert resumed[:2] == (2, 8) and resumed[3] == 2 and resumed[4] == {2.0}
     assert finetune[:2] == (0, 0) and finetune[3] == 0 and finetune[4] == set()
     assert torch.equal(finetune[2], resumed[2])  # the trained weights...
     assert not torch.allclose(finetune[2], fresh[2])  # ...not the initial ones
+
+
+# --- resuming with a changed schedule -----------------------------------------------------
+SCHED = BASE + ["--micro-batch-size", "2", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
+                "--min-lr", "1e-3"]
+
+
+def _lrs(rank, world, flags, steps):
+    """The LR each of ``steps`` training steps applies (after a --load: from its iteration)."""
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+
+    cfg = parse_args(flags)
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    try:
+        trainer = Trainer(cfg)
+    except ValueError as exc:
+        return str(exc)
+    out = []
+    for _ in range(steps):
+        trainer.train_step()
+        out.append(trainer.lr)
+    return out
+
+
+def test_resume_with_a_longer_run_needs_a_schedule_choice(tmp_path):
+    """megatron-core would silently keep the checkpoint's decay horizon (LR at its minimum for
+    the whole extension); as in Megatron-LM, a changed schedule needs one of two flags."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_train, 1, SCHED + ["--train-iters", "2", "--save", ckpt])
+    longer = SCHED + ["--train-iters", "4", "--load", ckpt]
+    refused = run_distributed(_lrs, 1, longer, 1)[0]
+    assert isinstance(refused, str) and "--override-opt_param-scheduler" in refused \
+        and "--use-checkpoint-opt_param-scheduler" in refused
+    straight = run_distributed(_lrs, 1, SCHED + ["--train-iters", "4"], 3)[0]
+    override = run_distributed(_lrs, 1, longer + ["--override-opt_param-scheduler"], 1)[0]
+    keep = run_distributed(_lrs, 1, longer + ["--use-checkpoint-opt_param-scheduler"], 1)[0]
+    assert override == [straight[2]]  # the 4-iteration schedule at its third step
+    assert keep == [1e-3] and straight[2] > 1e-3  # the 2-iteration schedule has ended: min LR
+    same = run_distributed(_lrs, 1, SCHED + ["--train-iters", "2", "--load", ckpt], 1)[0]
+    assert isinstance(same, list)  # an unchanged schedule resumes without a flag

@@ -164,3 +164,11 @@ def test_per_step_grad_norms_refuse_full_recompute():
         parse_args(flags).validate(world_size=1)
     parse_args(OK + ["--log-grad-norm-per-step", "--recompute-granularity",
                      "selective"]).validate(world_size=1)
+
+
+def test_schedule_resume_flags_contradict():
+    from megaloop.training.run_config import parse_args
+
+    with pytest.raises(ValueError, match="contradict each other"):
+        parse_args(OK + ["--override-opt_param-scheduler",
+                         "--use-checkpoint-opt_param-scheduler"]).validate(world_size=1)

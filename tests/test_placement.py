@@ -40,7 +40,9 @@ def _checked_run(rank, world, flags, ckpt, check=True):
     losses = _losses(ckpt + ".jsonl") if rank == 0 else None
 
     parallel_state.destroy_model_parallel()  # a second trainer in this process builds them anew
-    cfg = parse_args(flags + ["--load", ckpt, "--train-iters", "4"])
+    # (one more iteration than saved: the new schedule is taken explicitly)
+    cfg = parse_args(flags + ["--load", ckpt, "--train-iters", "4",
+                              "--override-opt_param-scheduler"])
     cfg.validate(world_size=world)
     initialize(cfg.parallel, cfg.training.seed)
     resumed = Trainer(cfg)

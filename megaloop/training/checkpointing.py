@@ -222,7 +222,14 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
     if load_optim:
         _load_optimizer(optimizer, loaded["optimizer"])
         if scheduler is not None and "opt_param_scheduler" in common:
-            scheduler.load_state_dict(common["opt_param_scheduler"])
+            try:
+                scheduler.load_state_dict(common["opt_param_scheduler"])
+            except AssertionError as exc:  # megatron-core's check of each schedule value
+                raise ValueError(
+                    f"{path}: the checkpoint's LR / weight-decay schedule differs from this "
+                    f"run's flags ({exc}); pass --override-opt_param-scheduler to follow the new "
+                    f"flags or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+                ) from None
     elif optimizer is not None:
         # The optimizer's fp32 main copies were made from the initial weights: refresh them.
         optimizer.reload_model_params()

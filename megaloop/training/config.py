@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 
@@ -89,6 +89,16 @@ class OptimConfig:
     lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
     """WSD only: shape of the final decay phase."""
 
+    override_opt_param_scheduler: bool = field(
+        default=False, metadata={"flag": "--override-opt_param-scheduler"})
+    """On --load, take the LR / weight-decay schedule from these flags even where the
+    checkpoint's differs (e.g. a longer --train-iters)."""
+
+    use_checkpoint_opt_param_scheduler: bool = field(
+        default=False, metadata={"flag": "--use-checkpoint-opt_param-scheduler"})
+    """On --load, keep the checkpoint's LR / weight-decay schedule even where these flags
+    differ. Without either flag a difference is an error (as in Megatron-LM)."""
+
     weight_decay: float = 0.01
     """Decoupled weight decay (not applied to norms and biases)."""
 
@@ -119,6 +129,9 @@ class OptimConfig:
     rows/cols)) (Jordan et al. 2024, usually with a larger --lr)."""
 
     def validate(self, train_iters: int) -> None:
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-"
+                             "scheduler contradict each other: pass one of them")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
         decay = self.lr_decay_iters or train_iters

@@ -81,7 +81,11 @@ def build_optimizer(cfg: RunConfig, model):
         lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=max(decay, 1),
         lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
         wd_incr_steps=max(cfg.training.train_iters, 1), wd_incr_style="constant",
-        wsd_decay_steps=opt.lr_wsd_decay_iters, lr_wsd_decay_style=opt.lr_wsd_decay_style)
+        wsd_decay_steps=opt.lr_wsd_decay_iters, lr_wsd_decay_style=opt.lr_wsd_decay_style,
+        # megatron-core defaults to the checkpoint's schedule, silently; Megatron-LM's trainer
+        # (and megaloop) refuse a difference unless one of the two flags says which to take.
+        override_opt_param_scheduler=opt.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=opt.use_checkpoint_opt_param_scheduler)
     return optimizer, scheduler
 
 
