@@ -1,8 +1,8 @@
 """CPU development mode: lets megatron-core 0.16 run without CUDA.
 
 megatron-core calls CUDA directly in about twenty places (``MEGALOOP_SHIM_TRACE=1`` lists the
-ones a run hits): it asks ``torch.cuda.current_device()`` for allocation devices, creates tensors with ``device="cuda"``
-in schedules, DDP buffers, the optimizer and grad clipping, keeps its RNG streams in the CUDA
+ones a run hits): it asks ``torch.cuda.current_device()`` for allocation devices, creates
+tensors with ``device="cuda"`` in schedules, DDP buffers, the optimizer and grad clipping, keeps its RNG streams in the CUDA
 generator, and asserts ``param.type() == 'torch.cuda.FloatTensor'``. This module patches those
 three levels at runtime so the *same* megatron-core code paths (gloo, fp32) run on a laptop or
 a CI machine:
