@@ -2,10 +2,10 @@
 
 megatron-core calls CUDA directly in about twenty places (``MEGALOOP_SHIM_TRACE=1`` lists the
 ones a run hits): it asks ``torch.cuda.current_device()`` for allocation devices, creates
-tensors with ``device="cuda"`` in schedules, DDP buffers, the optimizer and grad clipping, keeps its RNG streams in the CUDA
-generator, and asserts ``param.type() == 'torch.cuda.FloatTensor'``. This module patches those
-three levels at runtime so the *same* megatron-core code paths (gloo, fp32) run on a laptop or
-a CI machine:
+tensors with ``device="cuda"`` in schedules, DDP buffers, the optimizer and grad clipping, keeps
+its RNG streams in the CUDA generator, and asserts ``param.type() == 'torch.cuda.FloatTensor'``.
+This module patches those three levels at runtime so the *same* megatron-core code paths (gloo,
+fp32) run on a laptop or a CI machine:
 
 1. ``torch.cuda`` device queries answer "cpu", synchronize/empty_cache are no-ops, and the CUDA
    RNG state used by megatron-core's ``CudaRNGStatesTracker`` is the CPU generator (so the
