@@ -28,6 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
+from megaloop.inference.flags import add_generation_flags  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", action="append",
                         help="comma-separated token ids (repeat for a batch); the output is ids")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    p.add_argument("--num-loops", type=int, default=None,
-                   help="loop steps per token (default: the trained --num-loops)")
-    p.add_argument("--kv-policy", default="full",
-                   help="full | last-step | first-step | shared-mod-<k> | none (default: full)")
-    p.add_argument("--exit", default=None,
-                   help="early exit: q:<q> | kl:<eps> | fixed:<n> (default: all steps)")
+    add_generation_flags(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -25,6 +25,7 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
+from megaloop.inference.flags import add_generation_flags  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,12 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--model-name", default=None,
                    help="the model id /v1/models reports (default: the --load folder's name)")
-    p.add_argument("--num-loops", type=int, default=None,
-                   help="loop steps per token (default: the trained --num-loops)")
-    p.add_argument("--kv-policy", default="full",
-                   help="full | last-step | first-step | shared-mod-<k> | none (default: full)")
-    p.add_argument("--exit", default=None,
-                   help="early exit: q:<q> | kl:<eps> | fixed:<n> (default: all steps)")
+    add_generation_flags(p)
     p.add_argument("--log-level", default="info", help="debug | info | warning (default info)")
     return p
 

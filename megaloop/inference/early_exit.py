@@ -22,7 +22,6 @@ step and the mean executed depth, so a rule's quality cost is measurable on held
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -182,7 +181,3 @@ def score(model, ids, position_ids, labels, num_loops: int, rule: Optional[ExitR
         loss[now], depth[now] = step_loss[now], t
         running &= ~stop
     return loss, depth
-
-
-def expected_depth(depth: torch.Tensor) -> float:
-    return depth.float().mean().item() if depth.numel() else math.nan

@@ -69,9 +69,6 @@ class LoopKVCache:
             return (step - 1) % self.k + 1
         return 1  # last-step, first-step: one shared slot
 
-    def num_slots(self, num_loops: int) -> int:
-        return len({self.slot(t) for t in range(1, num_loops + 1)})
-
     @contextlib.contextmanager
     def use(self, block: str, step: Optional[int] = None, new_tokens: int = 0):
         """Swap in the dict of ``block`` ("prelude", "core", "coda") at loop step ``step``.
