@@ -72,7 +72,7 @@ def test_round_trip_and_independent_idx_reader(tmp_path, sp_model):
     texts = corpus(50)
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
     stats = preprocess(src, str(tmp_path / "out"), sp_cfg(sp_model), append_eod=True,
-                       workers=0, chunk_size=8, progress=False)
+                       workers=0, batch_bytes=64, progress=False)
     sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
     expected = [sp.encode(t) + [sp.eos_id()] for t in texts]
 
@@ -115,7 +115,7 @@ def test_worker_count_invariance_and_gzip(tmp_path, sp_model):
     outputs = {}
     for name, path, workers in (("w1", src, 1), ("w2", src, 2), ("gz", src + ".gz", 2)):
         preprocess(path, str(tmp_path / name), sp_cfg(sp_model), json_keys=("text", "title"),
-                   workers=workers, append_eod=True, chunk_size=16, progress=False)
+                   workers=workers, append_eod=True, batch_bytes=300, progress=False)
         outputs[name] = {f"{k}{ext}": open(tmp_path / f"{name}_{k}_document{ext}", "rb").read()
                          for k in ("text", "title") for ext in (".bin", ".idx")}
     assert outputs["w1"] == outputs["w2"] == outputs["gz"]
@@ -128,7 +128,7 @@ def test_bad_lines_stop_with_location_or_are_skipped(tmp_path):
             {"text": "6 7"}, {"text": "8 words"}]
     src = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(BadInputError, match=rf"{src}:3: not valid JSON"):
-        preprocess(src, str(tmp_path / "out"), cfg, workers=2, chunk_size=2, progress=False)
+        preprocess(src, str(tmp_path / "out"), cfg, workers=2, batch_bytes=20, progress=False)
     # atomic: no final and no temporary files from the failed run
     assert [p for p in os.listdir(tmp_path) if p.startswith("out")] == []
 
@@ -141,7 +141,7 @@ def test_bad_lines_stop_with_location_or_are_skipped(tmp_path):
     with pytest.raises(BadInputError, match=rf"{src3}:6: the tokenizer rejects it"):
         preprocess(src3, str(tmp_path / "out"), cfg, workers=0, progress=False)
 
-    stats = preprocess(src, str(tmp_path / "out"), cfg, workers=2, chunk_size=2,
+    stats = preprocess(src, str(tmp_path / "out"), cfg, workers=2, batch_bytes=20,
                        skip_bad_lines=True, progress=False)
     assert stats.bad_lines == 3 and stats.empty["text"] == 1
     ds = IndexedDataset(str(tmp_path / "out_text_document"))

@@ -1,6 +1,7 @@
 """Tokenize JSONL into Megatron-LM indexed datasets (``<prefix>_<key>_document.bin/.idx``).
 
-Flags follow Megatron-LM's tools/preprocess_data.py. Pretraining:
+Flags follow Megatron-LM's tools/preprocess_data.py; the output is byte-identical to its output.
+Start-up takes a fraction of a second: nothing here imports torch or megatron-core. Pretraining:
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model \\
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
 from megaloop.data.config import TokenizerConfig  # noqa: E402
+from megaloop.data.preprocess import DEFAULT_BATCH_BYTES, BadInputError, preprocess  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,16 +45,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "stopping at the first one")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1,
-                   help="tokenizer processes (0: tokenize in the main process)")
-    g.add_argument("--chunk-size", type=int, default=256,
-                   help="lines per work item; the output does not depend on it or on --workers")
+                   help="tokenizer processes, each reading its own byte range of the input "
+                        "(a .gz input: one process encoding on this many threads); 0: tokenize "
+                        "in the main process (debugging)")
+    g.add_argument("--batch-bytes", type=int, default=DEFAULT_BATCH_BYTES,
+                   help="input bytes a worker parses and encodes per batch (memory per worker is "
+                        "about this plus the longest line); the output does not depend on it or "
+                        "on --workers")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="documents between throughput updates of the progress bar")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_dataclass_args(p, TokenizerConfig)
     args = p.parse_args(argv)
-    if args.workers < 0 or args.chunk_size < 1 or args.log_interval < 1:
-        p.error("--workers must be >= 0, --chunk-size and --log-interval >= 1")
+    if args.workers < 0 or args.batch_bytes < 1 or args.log_interval < 1:
+        p.error("--workers must be >= 0, --batch-bytes and --log-interval >= 1")
     if args.data_format == "sft" and (args.json_keys != ["text"] or args.append_eod):
         p.error("--data-format sft reads prompt/response or messages and always ends responses "
                 "with EOD: drop --json-keys/--append-eod")
@@ -69,21 +75,18 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
-    from megaloop import runtime
-
-    runtime.quiet_megatron()  # preprocess imports megatron-core (the indexed dataset writer)
-    from megaloop.data.preprocess import BadInputError, preprocess
-
     try:
         stats = preprocess(args.input, args.output_prefix, tok_cfg, json_keys=args.json_keys,
                            data_format=args.data_format, workers=args.workers,
                            append_eod=args.append_eod, skip_bad_lines=args.skip_bad_lines,
-                           chunk_size=args.chunk_size, log_interval=args.log_interval,
+                           batch_bytes=args.batch_bytes, log_interval=args.log_interval,
                            progress=not args.no_progress)
     except BadInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing written, temporary files removed", file=sys.stderr)
+        return 130
     print(stats.summary())
     for prefix in stats.outputs:
         print(f"wrote {prefix}.bin/.idx")

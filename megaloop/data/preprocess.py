@@ -1,36 +1,53 @@
 """JSONL -> Megatron indexed datasets (the engine behind tools/preprocess_data.py).
 
-Layout of the work: the main process reads raw lines in fixed-size chunks and hands them to a
-pool of worker processes; each worker parses its chunk, batch-encodes every text of the chunk in
-one call into the tokenizer's native encoder, and returns flat numpy arrays (one pickle per
-chunk, not per document). The main process writes the results strictly in input order through
-megatron-core's ``IndexedDatasetBuilder``. Chunk boundaries depend only on ``chunk_size``, so
-the output is byte-identical for any number of workers.
+Nothing on this path imports torch or megatron-core (numpy, the tokenizer library and tqdm
+only), so a run starts in a fraction of a second; the ``.bin/.idx`` files are written by
+megaloop.data.indexed_format, byte for byte what megatron-core's ``IndexedDatasetBuilder``
+writes.
 
-Outputs go to temporary names and are renamed only when the whole input succeeded: a final
-``.bin/.idx`` pair never holds a partial run.
+Layout of the work: a plain JSONL file is cut into ``workers`` contiguous byte ranges, and each
+worker process reads its own range (a line belongs to the range holding its first byte), parses
+and batch-encodes it in batches of about ``batch_bytes`` of input, and appends the tokens to its
+own part file. The main process only waits, shows progress and, at the end, joins the parts in
+range order and writes the index. So the output is the documents in input order, whatever the
+number of workers or the batch size, and nothing is sent between processes per document. A
+gzip-compressed input cannot be split by bytes: one worker reads it and encodes each batch on
+``workers`` threads (sentencepiece's multi-threaded batch encoder).
+
+Memory per worker is bounded by one batch: about ``batch_bytes`` of input plus the longest line,
+with its tokens, whatever the size of the corpus (a very long document is a batch of its own).
+
+Every output goes to a temporary name (``*.bin.tmp<pid>``, parts ``*.tmp<pid>.<k>``) renamed
+only when the whole input succeeded. On any failure, Ctrl-C included, the main process kills its
+workers (they ignore SIGINT and never hold anything the main process waits on) and removes every
+temporary file before the exception propagates, so an interrupt ends the run at once and leaves
+nothing behind. With ``workers=0`` everything runs in the calling process (debugging): there an
+interrupt waits for the batch being encoded.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import multiprocessing
 import os
+import shutil
+import signal
 import time
+import traceback
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import Iterator, Optional
+from multiprocessing.connection import wait
+from typing import Callable, Iterator, Optional
 
 import numpy
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megaloop.data.config import TokenizerConfig
-from megaloop.data.jsonl import BadInputError, read_chunks
-from megaloop.data.sft import assemble, sft_segments
+from megaloop.data.indexed_format import optimal_dtype, write_index
+from megaloop.data.jsonl import BadInputError, open_lines
+from megaloop.data.sft_examples import assemble, sft_segments
 from megaloop.data.tokenizers import Tokenizer, build_tokenizer
 
 SFT_KEYS = ("text", "lossmask")
+DEFAULT_BATCH_BYTES = 1 << 20
 
 
 @dataclass
@@ -55,84 +72,140 @@ class PreprocessStats:
         return "\n".join(lines)
 
 
-# -- worker side -------------------------------------------------------------------------------
+# -- reading ---------------------------------------------------------------------------------
 
-_worker: Optional["_ChunkEncoder"] = None
+def byte_ranges(size: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``[0, size)``."""
+    cuts = [size * i // parts for i in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
+
+def read_batches(path: str, start: int = 0, end: Optional[int] = None,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES
+                 ) -> Iterator[tuple[list[int], list[bytes]]]:
+    """(byte offsets, raw lines) of the lines whose first byte lies in ``[start, end)``, in
+    batches of at least ``batch_bytes`` (the last may be smaller; a longer line is one batch).
+    Offsets count bytes of the decompressed stream (``.gz`` inputs need ``start == 0``)."""
+    with open_lines(path) as f:
+        pos = start
+        if start > 0:  # the line holding byte start - 1 belongs to the range before
+            f.seek(start - 1)
+            pos = start - 1 + len(f.readline())
+        while end is None or pos < end:
+            lines = f.readlines(batch_bytes)  # whole lines, stops once batch_bytes are read
+            if not lines:
+                return
+            offsets, kept = [], []
+            for line in lines:
+                if end is not None and pos >= end:
+                    break
+                offsets.append(pos)
+                kept.append(line)
+                pos += len(line)
+            yield offsets, kept
+
+
+def line_number(path: str, offset: int) -> int:
+    """1-based number of the line starting at byte ``offset`` (for error messages only)."""
+    count, done = 1, 0
+    with open_lines(path) as f:
+        while done < offset:
+            block = f.read(min(1 << 20, offset - done))
+            if not block:
+                break
+            count += block.count(b"\n")
+            done += len(block)
+    return count
+
+
+# -- encoding --------------------------------------------------------------------------------
 
 @dataclass
-class ChunkResult:
-    documents_read: int
-    bad: list[tuple[int, str]]  # (line number, reason)
+class BatchResult:
+    documents_read: int  # non-blank lines
+    bad: list[tuple[int, str]]  # (byte offset of the line, reason), in input order
     arrays: dict[str, tuple[numpy.ndarray, numpy.ndarray]]  # key -> (flat values, lengths)
     empty: dict[str, int]
 
 
-class _ChunkEncoder:
+class BatchEncoder:
+    """Parses and encodes one batch of raw lines into flat arrays per output key."""
+
     def __init__(self, tokenizer: Tokenizer, data_format: str, json_keys: list[str],
-                 append_eod: bool):
+                 append_eod: bool, threads: int = 1):
         self.tok = tokenizer
         self.data_format = data_format
         self.json_keys = json_keys
         self.append_eod = append_eod
-        self.dtype = DType.optimal_dtype(tokenizer.vocab_size)
+        self.threads = threads
+        self.dtype = optimal_dtype(tokenizer.vocab_size)
 
-    def parse(self, first: int, lines: list[bytes]):
-        """[(line number, texts or sft segments)], bad lines. Blank lines are skipped."""
+    def parse(self, offsets: list[int], lines: list[bytes]):
+        """[(offset, texts or sft segments)], bad lines. Blank lines are skipped."""
         docs, bad = [], []
-        for lineno, raw in enumerate(lines, start=first):
+        for offset, raw in zip(offsets, lines):
             if not raw.strip():
                 continue
             try:
                 obj = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as err:
-                bad.append((lineno, f"not valid JSON ({err})"))
+                bad.append((offset, f"not valid JSON ({err})"))
                 continue
             if self.data_format == "sft":
                 try:
-                    docs.append((lineno, sft_segments(obj)))
+                    docs.append((offset, sft_segments(obj)))
                 except ValueError as err:
-                    bad.append((lineno, str(err)))
+                    bad.append((offset, str(err)))
                 continue
             if not isinstance(obj, dict):
-                bad.append((lineno, "expected a JSON object"))
+                bad.append((offset, "expected a JSON object"))
                 continue
             missing = [k for k in self.json_keys if not isinstance(obj.get(k), str)]
             if missing:
-                bad.append((lineno, f"missing or non-string key(s) {missing} "
+                bad.append((offset, f"missing or non-string key(s) {missing} "
                                     f"(--json-keys {' '.join(self.json_keys)})"))
                 continue
-            docs.append((lineno, [obj[k] for k in self.json_keys]))
+            docs.append((offset, [obj[k] for k in self.json_keys]))
         return docs, bad
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        if self.threads > 1 and hasattr(self.tok, "_sp"):
+            return self.tok.tokenize_batch(texts, num_threads=self.threads)
+        return self.tok.tokenize_batch(texts)
 
     def tokenize(self, docs: list[tuple[int, list[str]]]):
         """Encodings of every document's texts in one batch call, and rejected documents.
 
-        If the tokenizer rejects some text (e.g. NullTokenizer on words), the chunk is redone
+        If the tokenizer rejects some text (e.g. NullTokenizer on words), the batch is redone
         one document at a time so that the error names the line.
         """
         try:
-            encoded = iter(self.tok.tokenize_batch([t for _, texts in docs for t in texts]))
-            return [(lineno, [next(encoded) for _ in texts]) for lineno, texts in docs], []
+            encoded = iter(self._encode([t for _, texts in docs for t in texts]))
+            return [(off, [next(encoded) for _ in texts]) for off, texts in docs], []
         except Exception:
             ok, bad = [], []
-            for lineno, texts in docs:
+            for off, texts in docs:
                 try:
-                    ok.append((lineno, [self.tok.tokenize(t) for t in texts]))
+                    ok.append((off, [self.tok.tokenize(t) for t in texts]))
                 except Exception as err:
-                    bad.append((lineno, f"the tokenizer rejects it ({type(err).__name__}: {err})"))
+                    bad.append((off, f"the tokenizer rejects it ({type(err).__name__}: {err})"))
             return ok, bad
 
-    def flatten(self, docs: list[list[int]], dtype) -> tuple[numpy.ndarray, numpy.ndarray]:
+    @staticmethod
+    def flatten(docs: list[list[int]], dtype) -> tuple[numpy.ndarray, numpy.ndarray]:
         lengths = numpy.fromiter(map(len, docs), dtype=numpy.int64, count=len(docs))
-        values = numpy.fromiter(chain.from_iterable(docs), dtype=dtype, count=int(lengths.sum()))
+        values = numpy.empty(int(lengths.sum()), dtype=dtype)
+        pos = 0
+        for ids, n in zip(docs, lengths.tolist()):
+            values[pos:pos + n] = ids
+            pos += n
         return values, lengths
 
-    def __call__(self, chunk: tuple[int, list[bytes]]) -> ChunkResult:
-        docs, bad = self.parse(*chunk)
+    def __call__(self, offsets: list[int], lines: list[bytes]) -> BatchResult:
+        docs, bad = self.parse(offsets, lines)
         if self.data_format == "sft":
             segments = dict(docs)
-            encoded, rejected = self.tokenize([(n, [s[0] for s in segs]) for n, segs in docs])
+            encoded, rejected = self.tokenize([(o, [s[0] for s in segs]) for o, segs in docs])
             return self._assemble_sft(segments, encoded, sorted(bad + rejected), len(docs))
         encoded, rejected = self.tokenize(docs)
         arrays, empty = {}, {}
@@ -143,12 +216,12 @@ class _ChunkEncoder:
                 for ids in kept:
                     ids.append(self.tok.eod)
             arrays[key] = self.flatten(kept, self.dtype)
-        return ChunkResult(len(docs), sorted(bad + rejected), arrays, empty)
+        return BatchResult(len(docs), sorted(bad + rejected), arrays, empty)
 
-    def _assemble_sft(self, segments, encoded, bad, n_docs) -> ChunkResult:
+    def _assemble_sft(self, segments, encoded, bad, n_docs) -> BatchResult:
         tokens, masks = [], []
-        for lineno, pieces in encoded:
-            segs = segments[lineno]
+        for off, pieces in encoded:
+            segs = segments[off]
             # An example whose responses are all empty is a data error, not a lesson in
             # stopping at once: skip it (counted as empty).
             if any(ids for (_, is_response, _), ids in zip(segs, pieces) if is_response):
@@ -158,117 +231,246 @@ class _ChunkEncoder:
         n_empty = len(encoded) - len(tokens)
         arrays = {"text": self.flatten(tokens, self.dtype),
                   "lossmask": self.flatten(masks, numpy.uint8)}
-        return ChunkResult(n_docs, bad, arrays, {k: n_empty for k in SFT_KEYS})
+        return BatchResult(n_docs, bad, arrays, {k: n_empty for k in SFT_KEYS})
 
 
-def _init_worker(tok_cfg: TokenizerConfig, *args) -> None:
-    global _worker
-    _worker = _ChunkEncoder(build_tokenizer(tok_cfg), *args)
+# -- one worker: a byte range into part files -------------------------------------------------
+
+@dataclass
+class Job:
+    path: str
+    start: int
+    end: Optional[int]  # None: to the end of the stream (gzip)
+    parts: dict[str, str]  # key -> part file
+    tok_cfg: TokenizerConfig
+    data_format: str
+    json_keys: list[str]
+    append_eod: bool
+    skip_bad_lines: bool
+    batch_bytes: int
+    threads: int = 1
 
 
-def _encode(chunk: tuple[int, list[bytes]]) -> ChunkResult:
-    return _worker(chunk)
+def encode_range(job: Job, emit: Callable[[tuple], None]) -> None:
+    """Encode ``job``'s lines into its part files. Emits ``("progress", bytes, documents,
+    {key: tokens}, bad, {key: empty})`` per batch, then ``("bad", offset, reason)`` on a bad line
+    (when not skipping) or ``("done", {key: lengths})``."""
+    encoder = BatchEncoder(build_tokenizer(job.tok_cfg), job.data_format, job.json_keys,
+                           job.append_eod, job.threads)
+    files = {key: open(path, "wb") for key, path in job.parts.items()}
+    lengths: dict[str, list[numpy.ndarray]] = {key: [] for key in job.parts}
+    try:
+        for offsets, lines in read_batches(job.path, job.start, job.end, job.batch_bytes):
+            result = encoder(offsets, lines)
+            if result.bad and not job.skip_bad_lines:
+                emit(("bad",) + result.bad[0])
+                return
+            for key, (values, lens) in result.arrays.items():
+                files[key].write(values.tobytes())
+                lengths[key].append(lens.astype(numpy.int32))
+            emit(("progress", sum(map(len, lines)), result.documents_read,
+                  {k: len(v) for k, (v, _) in result.arrays.items()}, len(result.bad),
+                  result.empty))
+    finally:
+        for f in files.values():
+            f.close()
+    emit(("done", {k: numpy.concatenate(v) if v else numpy.zeros(0, numpy.int32)
+                   for k, v in lengths.items()}))
 
 
-# -- main side ---------------------------------------------------------------------------------
-
-class ChunkBuilder(IndexedDatasetBuilder):
-    """megatron-core's builder, fed a whole chunk of documents per call.
-
-    Writes exactly what ``add_document(doc, [len(doc)])`` per document writes (one sequence per
-    document), in one write: per-document calls cost the main process more than the workers'
-    tokenization saves once there are two workers.
-    """
-
-    def add_documents(self, values: numpy.ndarray, lengths: numpy.ndarray) -> None:
-        self.data_file.write(numpy.asarray(values, dtype=self.dtype).tobytes(order="C"))
-        first = len(self.sequence_lengths)
-        self.sequence_lengths.extend(lengths.tolist())
-        self.document_indices.extend(range(first + 1, first + len(lengths) + 1))
+def _worker(conn, job: Job) -> None:
+    # Ctrl-C reaches the whole process group; the main process alone decides (it kills us).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        encode_range(job, conn.send)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
 
 
-def _ordered_results(chunks, workers: int, init_args: tuple) -> Iterator[ChunkResult]:
-    """Results in input order with at most ``4 * workers`` chunks in flight.
+class _Workers:
+    """Worker processes, one per job, and their pipes; ``kill`` ends them at once."""
 
-    Like ``Pool.imap`` (ordered), but imap's feeder thread reads the whole input ahead of the
-    workers; a bounded window keeps memory flat on corpora larger than RAM.
-    """
-    if workers == 0:  # in-process: debugging, and tiny inputs
-        _init_worker(*init_args)
-        yield from map(_encode, chunks)
-        return
-    with multiprocessing.get_context("fork").Pool(workers, _init_worker, init_args) as pool:
-        pending: collections.deque = collections.deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode, (chunk,)))
-            if len(pending) >= 4 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    def __init__(self, jobs: list[Job]):
+        ctx = multiprocessing.get_context("fork")
+        self.procs, self.conns = [], []
+        # Children must never run Python's SIGINT handler (a traceback per worker on Ctrl-C):
+        # block SIGINT across the fork; a child ignores it before unblocking, and a SIGINT that
+        # arrived meanwhile is delivered to this process when it unblocks.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for job in jobs:
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker, args=(send, job), daemon=True)
+                proc.start()
+                send.close()
+                self.procs.append(proc)
+                self.conns.append(recv)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
+    def messages(self) -> Iterator[tuple[int, tuple]]:
+        """(worker index, message) until every worker has finished."""
+        open_conns = dict(zip(self.conns, range(len(self.conns))))
+        while open_conns:
+            for conn in wait(list(open_conns), timeout=0.2):
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    k = open_conns.pop(conn)
+                    self.procs[k].join()
+                    if self.procs[k].exitcode != 0:
+                        raise RuntimeError(f"preprocessing worker {k} died (exit code "
+                                           f"{self.procs[k].exitcode})") from None
+                    continue
+                yield open_conns[conn], msg
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join()
+
+
+# -- main side -------------------------------------------------------------------------------
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
+class _Progress:
+    def __init__(self, stats: PreprocessStats, total_bytes: Optional[int], show: bool,
+                 log_interval: int, first_key: str):
+        from tqdm import tqdm
+
+        self.stats, self.first_key = stats, first_key
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not show,
+                        smoothing=0.1, dynamic_ncols=True)
+        self.log_interval, self.next_log = log_interval, log_interval
+        self.start = time.perf_counter()
+
+    def update(self, msg: tuple) -> None:
+        _, nbytes, docs, tokens, bad, empty = msg
+        st = self.stats
+        st.documents_read += docs
+        st.bad_lines += bad
+        for key in tokens:
+            st.tokens[key] += tokens[key]
+            st.empty[key] += empty[key]
+        self.bar.update(nbytes)
+        if st.documents_read >= self.next_log:
+            self.next_log = st.documents_read + self.log_interval
+            rate = st.tokens[self.first_key] / max(time.perf_counter() - self.start, 1e-9)
+            self.bar.set_postfix_str(f"{st.documents_read:,} docs {rate:,.0f} tok/s",
+                                     refresh=False)
+
+
+def _join_parts(target: str, parts: list[str]) -> None:
+    """``target`` = the parts back to back; the first part is renamed, not copied."""
+    os.replace(parts[0], target)
+    with open(target, "ab") as out:
+        for part in parts[1:]:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, 16 << 20)
+            os.remove(part)
+
+
 def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
                json_keys: tuple[str, ...] = ("text",), data_format: str = "pretrain",
                workers: int = 1, append_eod: bool = False, skip_bad_lines: bool = False,
-               chunk_size: int = 256, log_interval: int = 1000, progress: bool = True
-               ) -> PreprocessStats:
+               batch_bytes: int = DEFAULT_BATCH_BYTES, log_interval: int = 1000,
+               progress: bool = True) -> PreprocessStats:
     """Tokenize ``input_path`` (JSONL or JSONL.gz) into ``<output_prefix>_<key>_document``.
 
-    Raises BadInputError on the first bad line unless ``skip_bad_lines``.
+    Raises BadInputError on the first bad line unless ``skip_bad_lines``, and when no document
+    is left to write (an empty input, or every line blank, bad or empty).
     """
-    from tqdm import tqdm
-
-    tokenizer = build_tokenizer(tok_cfg)
+    tokenizer = build_tokenizer(tok_cfg)  # in this process too: a bad model fails here, once
     keys = SFT_KEYS if data_format == "sft" else tuple(json_keys)
-    token_dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    dtypes = {k: numpy.uint8 if k == "lossmask" else token_dtype for k in keys}
+    dtypes = {k: numpy.uint8 if k == "lossmask" else optimal_dtype(tokenizer.vocab_size)
+              for k in keys}
     finals = {k: output_prefix_for(output_prefix, k) for k in keys}
     tmp = f".tmp{os.getpid()}"
+    gz = input_path.endswith(".gz")
+    if gz or workers == 0:
+        ranges, threads = [(0, None)], max(workers, 1)
+    else:
+        ranges, threads = byte_ranges(os.path.getsize(input_path), workers), 1
+    jobs = [Job(input_path, start, end, {k: f"{finals[k]}.bin{tmp}.{i}" for k in keys}, tok_cfg,
+                data_format, list(json_keys), append_eod, skip_bad_lines, batch_bytes, threads)
+            for i, (start, end) in enumerate(ranges)]
+    temporaries = [p for job in jobs for p in job.parts.values()]
+    temporaries += [finals[k] + ext + tmp for k in keys for ext in (".bin", ".idx")]
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    builders = {k: ChunkBuilder(finals[k] + ".bin" + tmp, dtype=dtypes[k]) for k in keys}
+
     stats = PreprocessStats(documents={k: 0 for k in keys}, empty={k: 0 for k in keys},
                             tokens={k: 0 for k in keys})
-    start = time.perf_counter()
-    bar = tqdm(unit="doc", disable=not progress, smoothing=0.1, dynamic_ncols=True)
-    next_log = log_interval
-    init_args = (tok_cfg, data_format, list(json_keys), append_eod)
+    bar = _Progress(stats, None if gz else os.path.getsize(input_path), progress, log_interval,
+                    keys[0])
+    pool = None
+    lengths: list[Optional[dict]] = [None] * len(jobs)
+    first_bad: Optional[tuple[int, int, str]] = None  # (job, offset, reason)
+
+    def handle(k: int, msg: tuple) -> None:
+        nonlocal first_bad
+        if msg[0] == "progress":
+            bar.update(msg)
+        elif msg[0] == "done":
+            lengths[k] = msg[1]
+        elif msg[0] == "bad":
+            if first_bad is None or k < first_bad[0]:
+                first_bad = (k, msg[1], msg[2])
+        else:
+            raise RuntimeError(f"preprocessing worker {k} failed:\n{msg[1]}")
+
     try:
-        for result in _ordered_results(read_chunks(input_path, chunk_size), workers, init_args):
-            if result.bad and not skip_bad_lines:
-                lineno, reason = result.bad[0]
-                raise BadInputError(f"{input_path}:{lineno}: {reason} (pass --skip-bad-lines to "
-                                    "skip such lines)")
-            stats.bad_lines += len(result.bad)
-            stats.documents_read += result.documents_read
-            for key, (values, lengths) in result.arrays.items():
-                builders[key].add_documents(values, lengths)
-                stats.documents[key] += len(lengths)
-                stats.tokens[key] += len(values)
-                stats.empty[key] += result.empty[key]
-            bar.update(result.documents_read)
-            if stats.documents_read >= next_log:
-                next_log += log_interval
-                rate = stats.tokens[keys[0]] / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+        if workers == 0:
+            encode_range(jobs[0], lambda msg: handle(0, msg))
+        else:
+            pool = _Workers(jobs)
+            for k, msg in pool.messages():
+                handle(k, msg)
+        if first_bad is not None:
+            _, offset, reason = first_bad
+            raise BadInputError(f"{input_path}:{line_number(input_path, offset)}: {reason} "
+                                "(pass --skip-bad-lines to skip such lines)")
         for key in keys:
-            builders[key].finalize(finals[key] + ".idx" + tmp)
+            per_key = [d[key] for d in lengths]
+            stats.documents[key] = sum(map(len, per_key))
+            if stats.documents[key] == 0:
+                raise BadInputError(
+                    f"{input_path}: no documents to write for key {key!r} "
+                    f"({stats.documents_read} non-blank lines read, {stats.bad_lines} bad lines "
+                    f"skipped, {stats.empty[key]} empty after tokenization); an empty dataset "
+                    "cannot be opened: check the file and --json-keys")
+            _join_parts(finals[key] + ".bin" + tmp, [job.parts[key] for job in jobs])
+            write_index(finals[key] + ".idx" + tmp, dtypes[key], numpy.concatenate(per_key))
+        # Publish: .bin before .idx, so a reader that sees the new .idx sees the new .bin. An
+        # interrupt waits for the renames (microseconds): half a dataset must never be visible.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for key in keys:
+                for ext in (".bin", ".idx"):
+                    os.replace(finals[key] + ext + tmp, finals[key] + ext)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
     except BaseException:
-        for key in keys:
-            builders[key].data_file.close()
-            for ext in (".bin", ".idx"):
-                if os.path.exists(finals[key] + ext + tmp):
-                    os.remove(finals[key] + ext + tmp)
+        # A second Ctrl-C must not cut the clean-up short: it is delivered after it.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            if pool is not None:
+                pool.kill()
+            for path in temporaries:
+                if os.path.exists(path):
+                    os.remove(path)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         raise
     finally:
-        bar.close()
-    # Success: publish. .bin first, so a reader that sees the new .idx also sees the new .bin.
-    for key in keys:
-        for ext in (".bin", ".idx"):
-            os.replace(finals[key] + ext + tmp, finals[key] + ext)
-    stats.seconds = time.perf_counter() - start
+        bar.bar.close()
+    stats.seconds = time.perf_counter() - bar.start
     stats.outputs = [finals[k] for k in keys]
     return stats

@@ -7,7 +7,8 @@ Every tokenizer exposes the same small surface: ``vocab_size``, ``eod``, ``pad``
 Why not megatron-core's ``MegatronTokenizer`` wrappers for sentencepiece and Hugging Face: they
 encode one text at a time through Python-side special-token handling; preprocessing wants the
 libraries' native batch encoders (C++ / Rust loops), which is where its throughput comes from.
-The null tokenizer has no such cost, so megatron-core's own class is reused for it.
+Nothing here imports megatron-core or torch: preprocessing builds these tokenizers and must
+start fast.
 
 ``pad`` is never equal to ``eod``: a tokenizer without a pad piece reports -1, megatron-core's
 "no pad" id, which never occurs in data.
@@ -54,24 +55,23 @@ class Tokenizer:
 
 
 class NullTokenizer(Tokenizer):
-    """Text is whitespace-separated integer ids; ``eod = vocab_size - 1``.
+    """Text is space-separated integer ids; ``eod = vocab_size - 1``.
 
-    Delegates to megatron-core's NullTokenizer, whose ``--vocab-size N`` means N ordinary ids
-    followed by EOD = N, so the reported vocab_size is N + 1.
+    megatron-core's NullTokenizer semantics (``--vocab-size N`` means N ordinary ids followed by
+    EOD = N, so the reported vocab_size is N + 1; text split on single spaces), written out here
+    because preprocessing must not import megatron-core (tests/test_data_indexed_format.py
+    compares the two).
     """
 
     def __init__(self, vocab_size: int):
-        from megatron.core.tokenizers.text.libraries.null_tokenizer import (
-            NullTokenizer as _McoreNull)
-        self._impl = _McoreNull(vocab_size)
-        self.vocab_size = self._impl.vocab_size
-        self.eod = self._impl.eod
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = int(vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
-        return self._impl.text_to_ids(text) if text.strip() else []
+        return [int(x) for x in text.split(" ")] if text.strip() else []
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        return self._impl.ids_to_text([int(i) for i in ids])
+        return " ".join(str(int(i)) for i in ids)
 
 
 class SentencePieceTokenizer(Tokenizer):
