@@ -330,6 +330,19 @@ class LoopConfig:
     """Truncated backpropagation: the first n loop steps of every training forward run without
     gradient (at most T - 1, so the last step always trains); 0 = full backpropagation."""
 
+    # --- per-step readout (megaloop/model/readout.py)
+
+    loop_readout: Literal["logits", "chunked"] = "chunked"
+    """How a read-out step's LM loss is computed in training: `chunked` (the head and
+    vocab-parallel cross-entropy over chunks of --loop-readout-chunk-tokens tokens, logits
+    recomputed in the backward: a step keeps no [s, b, V/tp] tensor, one more head GEMM per step)
+    or `logits` (megatron-core's head, then its vocab-parallel cross-entropy; each step's logits
+    are kept for the backward). Same loss and gradients. Inference returns logits either way."""
+
+    loop_readout_chunk_tokens: int = 1024
+    """`--loop-readout chunked`: tokens (sequence x micro-batch, per rank) whose fp32 logits
+    [tokens, V/tp] exist at once."""
+
     def num_core_layers(self, num_layers: int) -> int:
         return num_layers - self.num_prelude_layers - self.num_coda_layers
 
@@ -379,6 +392,9 @@ class LoopConfig:
                              "(--random-depth-mean 0 turns random depth off)")
         if self.truncated_backprop_steps < 0 or self.random_depth_max < 0:
             raise ValueError("--truncated-backprop-steps and --random-depth-max must be >= 0")
+        if self.loop_readout_chunk_tokens < 1:
+            raise ValueError(f"--loop-readout-chunk-tokens {self.loop_readout_chunk_tokens} must "
+                             f"be >= 1")
         from megaloop.model.spiral import validate_loop
 
         validate_loop(self)

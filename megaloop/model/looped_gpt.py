@@ -31,6 +31,7 @@ from megaloop.model.loop_step import StepHolder
 from megaloop.model.injection import build_history_injection, build_injection
 from megaloop.model import recurrence
 from megaloop.model.lora import StepwiseLoRA
+from megaloop.model.readout import chunked_language_model_loss
 from megaloop.model.loss import LoopOutput  # noqa: F401  (the forward's return type)
 from megaloop.model.specs import build_norm, layer_spec
 from megaloop.model.spiral import build_spiral
@@ -117,6 +118,8 @@ class LoopedGPTModel(LanguageModule):
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels, rotary_percent=model_cfg.rotary_percent,
                 rotary_interleaved=config.rotary_interleaved, rotary_base=model_cfg.rotary_base,
+                rope_scaling=model_cfg.use_rope_scaling,
+                rope_scaling_factor=model_cfg.rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization)
         self.prelude = block(loop.num_prelude_layers, False) \
             if pre_process and loop.num_prelude_layers else None
@@ -154,16 +157,26 @@ class LoopedGPTModel(LanguageModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def readout(self, y, attention_mask, rotary_pos_emb, gate: bool, inference_context=None):
-        """Coda, head and gate on y_t: (vocab-parallel logits [s, b, v/tp], gate logit or None)."""
+    def readout(self, y, attention_mask, rotary_pos_emb, gate: bool, labels=None,
+                inference_context=None):
+        """Coda, head and gate on y_t: (vocab-parallel logits [s, b, v/tp] or, with ``labels``,
+        the [b, s] LM loss; gate logit or None). --loop-readout chooses how the loss is computed
+        (megaloop/model/readout.py); both give the same loss and gradients."""
         r = y
         if self.coda is not None:
             r = self.coda(hidden_states=y, attention_mask=attention_mask,
                           rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
         weight = self.shared_embedding_or_output_weight() if \
             self.share_embeddings_and_output_weights else None
+        gate_logit = self.exit_gate(r) if gate else None
+        if labels is not None and self.loop.loop_readout == "chunked":
+            return chunked_language_model_loss(self.output_layer, r, weight, labels,
+                                               self.loop.loop_readout_chunk_tokens), gate_logit
         logits, _ = self.output_layer(r, weight=weight)
-        return logits, (self.exit_gate(r) if gate else None)
+        if labels is not None:
+            # megatron-core's vocab-parallel cross-entropy overwrites the logits in place.
+            return self.compute_language_model_loss(labels, logits), gate_logit
+        return logits, gate_logit
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
                 num_loops: Optional[int] = None, no_grad_steps: int = 0, kv_cache=None):

@@ -182,12 +182,13 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
     T = ctx.num_loops
     gate = model.exit_gate is not None and (t < T or ctx.mode == "adaptive-gate")
     with ctx.cache("coda", t) as cache:
-        logits, gate_logit = model.readout(y, ctx.attention_mask, ctx.rotary_pos_emb, gate,
-                                           **cache)
+        # With labels the readout returns the step's LM loss, not its logits.
+        out, gate_logit = model.readout(y, ctx.attention_mask, ctx.rotary_pos_emb, gate,
+                                        labels=ctx.labels, **cache)
     if ctx.labels is None:
-        return carry, StepOutput(logits=logits, gate_logit=None if gate_logit is None
+        return carry, StepOutput(logits=out, gate_logit=None if gate_logit is None
                                  else gate_logit.detach())
-    loss = model.compute_language_model_loss(ctx.labels, logits)
+    loss = out
     loop = model.loop
     objective = ExitObjective.resume(
         T, ctx.mode, loop.exit_kl_beta, loop.exit_loss_smoothing, steps_done=t - 1,
@@ -196,7 +197,8 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
     objective.add_step(loss, gate_logit)
     carry.log_survival, carry.previous_loss = objective.log_survival, objective.previous_loss
     prob = objective.exit_probs[-1] if objective.exit_probs else None
-    # No logits: megatron-core's vocab-parallel cross-entropy has overwritten them in place.
+    # No logits: the chunked readout never keeps them, and megatron-core's vocab-parallel
+    # cross-entropy overwrites them in place.
     return carry, StepOutput(objective.share(), loss.detach(), prob)
 
 

@@ -268,6 +268,10 @@ class RunConfig:
                 and not _te_installed()):
             raise ValueError("--cross-entropy-fusion-impl te needs Transformer Engine installed; "
                              "use --cross-entropy-fusion-impl native")
+        if m.cross_entropy_loss_fusion and loop.loop_readout == "chunked":
+            raise ValueError("--cross-entropy-loss-fusion fuses the cross-entropy of "
+                             "--loop-readout logits; --loop-readout chunked computes its own "
+                             "(no logits kept): pass --loop-readout logits or drop the fusion")
         if m.gradient_accumulation_fusion:
             repeated = loop.num_loops > 1 or loop.random_depth_mean > 0
             if te and repeated:
