@@ -52,6 +52,20 @@ class ModelConfig:
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates."""
 
+    # --- Llama 3.x RoPE scaling and Qwen2's QKV bias (Megatron-LM's flags, names and defaults).
+
+    use_rope_scaling: bool = False
+    """Llama 3.x RoPE frequency scaling (megatron-core's: wavelengths above 8192 positions are
+    divided by --rope-scaling-factor, those below 2048 kept, a smooth blend between; i.e. low and
+    high frequency factors 1 and 4 on an original context of 8192)."""
+
+    rope_scaling_factor: float = 8.0
+    """Factor of --use-rope-scaling (8 for Llama 3.1, 32 for Llama 3.2)."""
+
+    add_qkv_bias: bool = False
+    """A bias on the query, key and value projections only (Qwen2 / Qwen2.5); the other linears
+    follow --disable-bias-linear."""
+
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     """Normalization used by every norm of the model."""
 
@@ -187,6 +201,14 @@ class ModelConfig:
             raise ValueError(f"--num-layers {self.num_layers} must be at least 1")
         if self.position_embedding_type == "rope" and self.rotary_base <= 0:
             raise ValueError(f"--rotary-base {self.rotary_base} must be positive")
+        if self.use_rope_scaling and self.position_embedding_type != "rope":
+            raise ValueError(f"--use-rope-scaling scales rotary embeddings; it needs "
+                             f"--position-embedding-type rope, not {self.position_embedding_type}")
+        if self.rope_scaling_factor <= 0:
+            raise ValueError(f"--rope-scaling-factor {self.rope_scaling_factor} must be positive")
+        if not self.use_rope_scaling and self.rope_scaling_factor != 8.0:
+            raise ValueError(f"--rope-scaling-factor {self.rope_scaling_factor} has no effect "
+                             f"without --use-rope-scaling; pass both or neither")
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
@@ -550,6 +572,7 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         gated_linear_unit=model.swiglu,
         activation_func=_activation(model.swiglu),
         add_bias_linear=not model.disable_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
         init_method_std=model.init_method_std,
         hidden_dropout=model.hidden_dropout,
