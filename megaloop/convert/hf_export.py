@@ -3,9 +3,11 @@
 The folder is served by ``hf_modeling/modeling_megaloop.py``, a self-contained plain-torch
 implementation of the looped model, loaded with ``trust_remote_code=True`` through config.json's
 ``auto_map``. An *Ouro-style* model (the whole stack looped, Ouro norm scheme, recurrent step norm,
-exit gate, no injection/LoRA/QK-norm) is written under Ouro's model type, architecture name,
-parameter names and config keys, so tools built for Ouro checkpoints read it; everything else
-uses the same names plus a few megaloop keys (prelude, coda, injection, LoRA).
+exit gate, no injection/LoRA/QK-norm/QKV bias/RoPE scaling) is written under Ouro's model type,
+architecture name, parameter names and config keys, so tools built for Ouro checkpoints read it;
+everything else uses the same names plus a few megaloop keys (prelude, coda, injection, LoRA,
+``qkv_bias``); Llama 3.x RoPE scaling is written as Llama 3.x checkpoints write it
+(``rope_scaling``).
 
 Vocabulary: megaloop's embedding table is padded (``--make-vocab-size-divisible-by``); the export
 keeps the padded table and sets ``vocab_size`` to its row count (token ids beyond the tokenizer's
@@ -22,6 +24,7 @@ import shutil
 
 import torch
 
+from megaloop.convert.hf_families import LLAMA3_FIXED
 from megaloop.convert.layout import Heads, to_hf
 from megaloop.model.config import LoopConfig, ModelConfig
 
@@ -73,7 +76,9 @@ def is_ouro_style(model: ModelConfig, loop: LoopConfig) -> bool:
     return (loop.num_prelude_layers == 0 and loop.num_coda_layers == 0
             and model.norm_scheme == "ouro" and loop.step_norm_placement == "recurrent"
             and loop.gated and loop.input_injection == "none" and loop.lora_rank == 0
-            and not model.qk_layernorm)
+            and not model.qk_layernorm
+            # Ouro's own modeling code has no q/k/v bias, and Ouro's models plain RoPE only.
+            and not model.add_qkv_bias and not model.use_rope_scaling)
 
 
 def hf_config(model: ModelConfig, loop: LoopConfig, vocab_size: int, ouro: bool) -> dict:
@@ -117,6 +122,12 @@ def hf_config(model: ModelConfig, loop: LoopConfig, vocab_size: int, ouro: bool)
         "sliding_window": None,
         "use_cache": False,
     }
+    # Written only when on, so that a model without them keeps exactly Ouro's keys.
+    if model.use_rope_scaling:  # the Llama 3.x form; megatron-core fixes all but the factor
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
+                               **LLAMA3_FIXED}
+    if model.add_qkv_bias:
+        cfg["qkv_bias"] = True
     return cfg
 
 
@@ -131,7 +142,8 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
     if names == "ouro" and not ouro:
         raise ValueError("--names ouro needs an Ouro-style model: no prelude/coda, --norm-scheme "
                          "ouro, --step-norm-placement recurrent, an exit gate, --input-injection "
-                         "none, --lora-rank 0, no --qk-layernorm; use --names auto")
+                         "none, --lora-rank 0, no --qk-layernorm, --add-qkv-bias or "
+                         "--use-rope-scaling; use --names auto")
     ouro = ouro and names != "megaloop"
     state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
     rows = state["embedding.word_embeddings.weight"].shape[0]

@@ -1,4 +1,5 @@
-"""Dense-to-loop: a local Hugging Face Qwen3 / Llama folder -> a looped megaloop checkpoint.
+"""Dense-to-loop: a local Hugging Face Llama / Mistral / Qwen2 / Qwen3 folder -> a looped megaloop
+checkpoint (which architectures and config.json fields: ``hf_families``).
 (And, at the end of this file, ``load_exported``: a folder written by export-hf back into a model
 at any TP size, for generation.)
 
@@ -24,11 +25,10 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from megaloop.arguments import flag_name
+from megaloop.convert.hf_families import SUPPORTED, model_config_from_hf, rope_settings
 from megaloop.convert.layout import Heads, from_hf, layer_from_hf
 from megaloop.data.config import TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig, padded_vocab_size
-
-SUPPORTED = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -38,46 +38,6 @@ def read_hf_config(hf_dir: str) -> dict:
                                 f"save_pretrained wrote (config.json + *.safetensors)")
     with open(path) as f:
         return json.load(f)
-
-
-def _rope_theta(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind != "default":
-        raise ValueError(f"config.json asks for RoPE scaling {kind!r}; megaloop implements plain "
-                         f"RoPE only (rope_type 'default')")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if theta != int(theta):
-        raise ValueError(f"rope_theta {theta} is not an integer; megaloop's --rotary-base is one")
-    return theta
-
-
-def model_config_from_hf(cfg: dict, divisible_by: int) -> ModelConfig:
-    """The ModelConfig of a Qwen3 / Llama config.json (ValueError for what megaloop lacks)."""
-    arch = (cfg.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED:
-        raise ValueError(f"architecture {arch!r} is not supported; import-hf reads "
-                         f"{' and '.join(SUPPORTED)}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {cfg['hidden_act']!r}: only SwiGLU (silu) MLPs are supported")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ValueError("attention_bias / mlp_bias: models with linear biases are not supported")
-    if cfg.get("use_sliding_window") or (arch == "LlamaForCausalLM" and cfg.get("sliding_window")):
-        raise ValueError("sliding-window attention is not supported")
-    heads = cfg["num_attention_heads"]
-    return ModelConfig(
-        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
-        ffn_hidden_size=cfg["intermediate_size"], num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
-        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        position_embedding_type="rope", rotary_base=int(_rope_theta(cfg)),
-        normalization="RMSNorm", norm_epsilon=cfg.get("rms_norm_eps", 1e-6), swiglu=True,
-        disable_bias_linear=True, qk_layernorm=arch == "Qwen3ForCausalLM",
-        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
-        init_method_std=cfg.get("initializer_range", 0.02),
-        make_vocab_size_divisible_by=divisible_by, norm_scheme="pre")
 
 
 @dataclass
@@ -251,7 +211,7 @@ EXPORT_DEFAULTS = {
     "tie_word_embeddings": False, "total_ut_steps": 4, "norm_scheme": "ouro", "qk_norm": False,
     "num_prelude_layers": 0, "num_coda_layers": 0, "step_norm_placement": "recurrent",
     "use_exit_gate": True, "input_injection": "none", "injection_source": "embedding",
-    "lora_rank": 0, "lora_alpha": None, "lora_steps": 0,
+    "lora_rank": 0, "lora_alpha": None, "lora_steps": 0, "qkv_bias": False, "rope_scaling": None,
 }
 
 
@@ -282,6 +242,7 @@ def exported_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
     if c.get("use_sliding_window"):
         raise ValueError("sliding-window attention is not supported")
     heads = c["num_attention_heads"]
+    theta, factor = rope_settings(c)
     prelude, coda = c["num_prelude_layers"], c["num_coda_layers"]
     model_cfg = ModelConfig(
         num_layers=prelude + c["num_hidden_layers"] + coda, hidden_size=c["hidden_size"],
@@ -289,8 +250,10 @@ def exported_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
         num_query_groups=c["num_key_value_heads"] or heads,
         kv_channels=c["head_dim"] or c["hidden_size"] // heads,
         max_position_embeddings=c["max_position_embeddings"], position_embedding_type="rope",
-        rotary_base=int(_rope_theta(c)), rotary_percent=1.0, normalization="RMSNorm",
-        norm_epsilon=c["rms_norm_eps"], swiglu=True, disable_bias_linear=True,
+        rotary_base=theta, rotary_percent=1.0, use_rope_scaling=factor is not None,
+        rope_scaling_factor=factor if factor is not None else ModelConfig.rope_scaling_factor,
+        normalization="RMSNorm", norm_epsilon=c["rms_norm_eps"], swiglu=True,
+        disable_bias_linear=True, add_qkv_bias=bool(c["qkv_bias"]),
         qk_layernorm=bool(c["qk_norm"]),
         untie_embeddings_and_output_weights=not c["tie_word_embeddings"],
         init_method_std=c["initializer_range"], norm_scheme=c["norm_scheme"],

@@ -1,6 +1,7 @@
 """How megaloop's (megatron-core's) parameters map to Hugging Face names, in both directions.
 
-Hugging Face side (the names Qwen3 / Llama use, and Ouro's for the Ouro norm scheme):
+Hugging Face side (the names Llama / Mistral / Qwen2 / Qwen3 use, and Ouro's for the Ouro norm
+scheme):
 
     model.embed_tokens.weight                     embedding.word_embeddings.weight
     model.prelude.{i}.<layer>                     prelude.layers.{i}.<layer>
@@ -13,7 +14,8 @@ Hugging Face side (the names Qwen3 / Llama use, and Ouro's for the Ouro norm sch
 
 Inside a layer, megatron-core fuses two pairs of projections:
 - ``linear_qkv`` holds q, k and v *interleaved per query group*: for each of the G groups, the
-  rows of its H/G query heads, then its key head, then its value head (head_dim rows each);
+  rows of its H/G query heads, then its key head, then its value head (head_dim rows each); its
+  bias (--add-qkv-bias, Qwen2's q/k/v biases) interleaves the same way;
 - ``linear_fc1`` of a SwiGLU MLP is ``[gate; up]``.
 Stepwise LoRA adapters of the fused linears split the same way (B's rows like the weight's rows;
 A is shared, so it is repeated for q, k, v and for gate, up). Hugging Face stacks the per-step
@@ -93,6 +95,12 @@ def layer_to_hf(state: dict, prefix: str, hf_prefix: str, heads: Heads, used: se
     q, k, v = heads.split_qkv(state[prefix + "self_attention.linear_qkv.weight"])
     out.update({hf_prefix + "self_attn.q_proj.weight": q, hf_prefix + "self_attn.k_proj.weight": k,
                 hf_prefix + "self_attn.v_proj.weight": v})
+    bias = prefix + "self_attention.linear_qkv.bias"
+    if bias in state:  # --add-qkv-bias (Qwen2): the bias rows interleave like the weight's
+        used.add(bias)
+        parts = heads.split_qkv(state[bias][:, None])
+        out.update({f"{hf_prefix}self_attn.{name}_proj.bias": part[:, 0]
+                    for name, part in zip("qkv", parts)})
     gate, up = state[prefix + "mlp.linear_fc1.weight"].chunk(2, dim=0)
     out.update({hf_prefix + "mlp.gate_proj.weight": gate, hf_prefix + "mlp.up_proj.weight": up})
     for adapter, projections in LORA_TARGETS.items():
@@ -128,6 +136,9 @@ def layer_from_hf(get, hf_prefix: str, prefix: str, heads: Heads, names: set) ->
     out[prefix + "self_attention.linear_qkv.weight"] = heads.fuse_qkv(
         get(hf_prefix + "self_attn.q_proj.weight"), get(hf_prefix + "self_attn.k_proj.weight"),
         get(hf_prefix + "self_attn.v_proj.weight"))
+    if hf_prefix + "self_attn.q_proj.bias" in names:  # Qwen2's bias on q, k, v
+        out[prefix + "self_attention.linear_qkv.bias"] = heads.fuse_qkv(
+            *(get(f"{hf_prefix}self_attn.{name}_proj.bias")[:, None] for name in "qkv"))[:, 0]
     out[prefix + "mlp.linear_fc1.weight"] = torch.cat(
         [get(hf_prefix + "mlp.gate_proj.weight"), get(hf_prefix + "mlp.up_proj.weight")], dim=0)
     for adapter, projections in LORA_TARGETS.items():

@@ -24,6 +24,9 @@ class MegaloopConfig(PretrainedConfig):
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
+        rope_scaling=None,  # Llama 3.x frequency scaling: {"rope_type": "llama3", "factor", ...}
+        rope_parameters=None,  # the same as transformers >= 5 saves it (rope_theta inside)
+        qkv_bias=False,  # a bias on the q, k, v projections (Qwen2)
         initializer_range=0.02,
         tie_word_embeddings=False,
         total_ut_steps=4,  # loop count T (Ouro's name); can be overridden per call
@@ -54,6 +57,12 @@ class MegaloopConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
+        # Kept as transformers >= 5 keeps it (``rope_parameters``, validated by it), and only when
+        # scaled: a plain-RoPE config stays exactly as before (Ouro's keys).
+        scaling = rope_parameters or rope_scaling
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            self.rope_parameters = {**scaling, "rope_theta": rope_theta}
+        self.qkv_bias = qkv_bias
         self.initializer_range = initializer_range
         self.total_ut_steps = total_ut_steps
         self.norm_scheme = norm_scheme

@@ -1,6 +1,6 @@
 """A looped language model exported by megaloop, in plain torch (load with trust_remote_code=True).
 
-    tokens -> embedding e -> prelude -> h
+    tokens -> embedding e -> prelude -> h          (RoPE: plain, or Llama 3.x scaled)
     for t = 1..T:  z = h if t == 1 else inject(h, e or prelude output)
                    h = looped stack(z; step t)        # the same layers every step
                    y = norm(h); h = y (recurrent) or h (readout)
@@ -35,11 +35,14 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """A bias-free projection, with one LoRA adapter per loop step when ``lora_rank`` > 0."""
+    """A projection (bias-free unless ``bias``), with one LoRA adapter per loop step when
+    ``lora_rank`` > 0."""
 
-    def __init__(self, in_features, out_features, lora_rank=0, lora_steps=0, lora_scale=1.0):
+    def __init__(self, in_features, out_features, lora_rank=0, lora_steps=0, lora_scale=1.0,
+                 bias=False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.lora_scale = lora_scale
         if lora_rank:
             self.lora_A = nn.Parameter(torch.zeros(lora_steps, lora_rank, in_features))
@@ -48,11 +51,24 @@ class Linear(nn.Module):
             self.lora_A = self.lora_B = None
 
     def forward(self, x, step=0):
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight, self.bias)
         if self.lora_A is not None:
             t = min(step, self.lora_A.shape[0] - 1)  # beyond the trained steps: the last adapter
             y = y + F.linear(F.linear(x, self.lora_A[t]), self.lora_B[t]) * self.lora_scale
         return y
+
+
+def llama3_inv_freq(inv_freq, p):
+    """Llama 3.x RoPE scaling: wavelengths longer than original / low_freq_factor are stretched
+    by ``factor``, those shorter than original / high_freq_factor kept, a linear blend between."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    original = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return torch.where(medium, blended, scaled)
 
 
 def rotate_half(x):
@@ -66,9 +82,10 @@ class Attention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.heads, self.groups, self.head_dim = (config.num_attention_heads,
                                                   config.num_key_value_heads, d)
-        self.q_proj = Linear(h, self.heads * d, **lora)
-        self.k_proj = Linear(h, self.groups * d, **lora)
-        self.v_proj = Linear(h, self.groups * d, **lora)
+        bias = getattr(config, "qkv_bias", False)
+        self.q_proj = Linear(h, self.heads * d, bias=bias, **lora)
+        self.k_proj = Linear(h, self.groups * d, bias=bias, **lora)
+        self.v_proj = Linear(h, self.groups * d, bias=bias, **lora)
         self.o_proj = Linear(self.heads * d, h, **lora)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -150,7 +167,7 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=std)
-            if isinstance(module, nn.Linear) and module.bias is not None:
+            if isinstance(module, (nn.Linear, Linear)) and module.bias is not None:
                 nn.init.zeros_(module.bias)
             if isinstance(module, Linear) and module.lora_A is not None:
                 nn.init.normal_(module.lora_A, std=std)
@@ -181,6 +198,9 @@ class MegaloopModel(MegaloopPreTrainedModel):
         d = self.config.head_dim
         exponent = torch.arange(0, d, 2, device=position_ids.device).float() / d
         inv_freq = 1.0 / (self.config.rope_theta ** exponent)
+        scaling = getattr(self.config, "rope_parameters", None) or {}
+        if scaling.get("rope_type") == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
         freqs = position_ids[:, :, None].float() * inv_freq[None, None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
