@@ -100,6 +100,21 @@ def problem(rng: random.Random, max_steps: int) -> tuple[str, str]:
     return rng.choice(TASKS)(rng, rng.randint(1, max_steps))
 
 
+def task_item(rng: random.Random, max_steps: int) -> dict:
+    """A held-out problem for evaluation: its family, its k (steps or hops), the prompt as the
+    corpus writes it (``... answer:``), the answer, and four choices (the answer and three
+    distractors of the same kind) with the answer's index."""
+    family = rng.choice(TASKS)
+    k = rng.randint(1, max_steps)
+    question, answer = family(rng, k)
+    pool = list(string.ascii_uppercase[:10]) if family is pointers else \
+        [str(v) for v in range(100)]
+    choices = [answer] + rng.sample([c for c in pool if c != answer], 3)
+    rng.shuffle(choices)
+    return {"family": family.__name__, "k": k, "question": f"{question} answer:",
+            "answer": answer, "choices": choices, "gold": choices.index(answer)}
+
+
 def document(rng: random.Random, max_steps: int) -> str:
     parts = []
     for _ in range(rng.randint(2, 6)):
@@ -120,6 +135,10 @@ def main(argv=None) -> None:
     p.add_argument("--sft-output", default=None,
                    help="also write prompt/response pairs of the same tasks")
     p.add_argument("--num-sft", type=int, default=None, help="default: --num-docs")
+    p.add_argument("--tasks-output", default=None,
+                   help="also write held-out problems with answers and choices (JSONL; "
+                        "family, k, question, answer, choices, gold) for evaluation")
+    p.add_argument("--num-tasks", type=int, default=300)
     p.add_argument("--max-steps", type=int, default=6, help="largest number of hops/steps")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
@@ -141,6 +160,13 @@ def main(argv=None) -> None:
                 question, answer = problem(sft_rng, args.max_steps)
                 f.write(json.dumps({"prompt": question, "response": f"answer: {answer}."}) + "\n")
         print(f"wrote {n} prompt/response pairs to {args.sft_output}")
+    if args.tasks_output:
+        # Its own stream too: use another --seed than the training corpus' for held-out items.
+        task_rng = random.Random(args.seed + 2)
+        with open(args.tasks_output, "w") as f:
+            for _ in range(args.num_tasks):
+                f.write(json.dumps(task_item(task_rng, args.max_steps)) + "\n")
+        print(f"wrote {args.num_tasks} held-out problems to {args.tasks_output}")
 
 
 if __name__ == "__main__":

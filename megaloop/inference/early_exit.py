@@ -150,34 +150,83 @@ def prefill(model, ids, position_ids, kv, num_loops: int):
     return out.logits.transpose(0, 1)
 
 
+class _TeacherForced:
+    """The exit decision of every position of a teacher-forced sequence, step by step."""
+
+    def __init__(self, rule: Optional[ExitRule], num_loops: int, shape, device):
+        self.rule, self.T = rule, num_loops
+        self.log_survival = torch.zeros(shape, device=device)
+        self.previous = None  # [b, s, V] log-probs of the previous step (kl)
+
+    def stops(self, t: int, out, logp=None) -> torch.Tensor:
+        """Bool [b, s]: which positions stop after step t (``logp``: full-vocab log-probs
+        [b, s, V] of the step when the caller already has them)."""
+        shape = self.log_survival.shape
+        rule = self.rule
+        if t == self.T or rule is None:
+            return torch.full(shape, t == self.T, dtype=torch.bool,
+                              device=self.log_survival.device)
+        if rule.kind == "fixed":
+            return torch.full(shape, t >= rule.value, dtype=torch.bool,
+                              device=self.log_survival.device)
+        if rule.kind == "q":
+            self.log_survival = self.log_survival + F.logsigmoid(-out.gate_logit.float())
+            return 1 - self.log_survival.exp() >= rule.value
+        if logp is None:
+            logp = full_vocab_log_probs(out.logits).transpose(0, 1)
+        stop = torch.zeros(shape, dtype=torch.bool, device=logp.device) \
+            if self.previous is None else (logp.exp() * (logp - self.previous)).sum(-1) < rule.value
+        self.previous = logp
+        return stop
+
+
 @torch.no_grad()
-def score(model, ids, position_ids, labels, num_loops: int, rule: Optional[ExitRule]):
+def score(model, ids, position_ids, labels, num_loops: int, rule: Optional[ExitRule],
+          attention_mask=None):
     """Teacher-forced scoring under an exit rule: (per-token LM loss at each token's exit step
     [b, s], exit step [b, s]). Without a rule: the last step's loss, depth T."""
-    ctx = recurrence.context(model, ids, None, None, num_loops)
+    ctx = recurrence.context(model, ids, attention_mask, None, num_loops)
     ctx.read_every_step = True
     carry = recurrence.begin(model, ids, position_ids, ctx)
     loss = torch.zeros(labels.shape, device=labels.device)
     depth = torch.zeros(labels.shape, dtype=torch.long, device=labels.device)
     running = torch.ones(labels.shape, dtype=torch.bool, device=labels.device)
-    log_survival, previous = torch.zeros(labels.shape, device=labels.device), None
+    decision = _TeacherForced(rule, num_loops, labels.shape, labels.device)
     for t in range(1, num_loops + 1):
         carry, out = recurrence.step(model, carry, t, ctx)
         # (megatron-core's vocab-parallel cross-entropy overwrites its input: give it a copy)
         step_loss = model.compute_language_model_loss(labels, out.logits.clone()).float()
-        if t == num_loops or rule is None:
-            stop = torch.ones_like(running) if t == num_loops else torch.zeros_like(running)
-        elif rule.kind == "fixed":
-            stop = torch.full_like(running, t >= rule.value)
-        elif rule.kind == "q":
-            log_survival = log_survival + F.logsigmoid(-out.gate_logit.float())
-            stop = 1 - log_survival.exp() >= rule.value
-        else:
-            logp = full_vocab_log_probs(out.logits).transpose(0, 1)  # [b, s, V]
-            stop = torch.zeros_like(running) if previous is None else \
-                (logp.exp() * (logp - previous)).sum(-1) < rule.value
-            previous = logp
-        now = running & stop
+        now = running & decision.stops(t, out)
         loss[now], depth[now] = step_loss[now], t
-        running &= ~stop
+        running &= ~now
     return loss, depth
+
+
+@torch.no_grad()
+def exit_log_probs(model, ids, position_ids, num_loops: int, rule: Optional[ExitRule],
+                   vocab_size: int, attention_mask=None):
+    """Teacher-forced next-token log-probabilities [b, s, vocab_size] (fp32, full vocabulary,
+    the padded rows dropped) of every position at its exit step under ``rule`` (None: step T),
+    and the exit step [b, s]."""
+    from megatron.core import tensor_parallel
+
+    ctx = recurrence.context(model, ids, attention_mask, None, num_loops)
+    ctx.read_every_step = rule is not None
+    carry = recurrence.begin(model, ids, position_ids, ctx)
+    shape = ids.shape
+    result, depth = None, torch.zeros(shape, dtype=torch.long, device=ids.device)
+    running = torch.ones(shape, dtype=torch.bool, device=ids.device)
+    decision = _TeacherForced(rule, num_loops, shape, ids.device)
+    for t in range(1, num_loops + 1):
+        carry, out = recurrence.step(model, carry, t, ctx)
+        if rule is None and t < num_loops:
+            continue
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(out.logits)
+        logp = F.log_softmax(logits[..., :vocab_size].float(), dim=-1).transpose(0, 1)
+        now = running & decision.stops(t, out, None if rule is None or rule.kind != "kl"
+                                       else full_vocab_log_probs(out.logits).transpose(0, 1))
+        if result is None:
+            result = torch.zeros_like(logp)
+        result[now], depth[now] = logp[now], t
+        running &= ~now
+    return result, depth

@@ -1,0 +1,188 @@
+"""lm-evaluation-harness model ``megaloop``: a looped checkpoint scored and sampled by lm-eval.
+
+Importing this module registers the model (lm-eval registers models by import;
+``tools/run_lm_eval.py`` imports it and then runs lm-eval's own command line). Model arguments
+(``--model_args key=value,...``):
+
+- ``load``: a megaloop checkpoint directory or an exported Hugging Face folder (required);
+- ``num_loops``: inference depth (default: the trained loop count);
+- ``exit``: early-exit rule, ``q:<q>`` | ``kl:<eps>`` | ``fixed:<n>`` (default: none, all steps):
+  log-likelihoods read each token at its teacher-forced exit step, generation exits per token;
+- ``kv_policy``: the generation KV cache (``full``, ``last-step``, ``first-step``,
+  ``shared-mod-<k>``, ``none``; default ``full``);
+- ``max_length``: context length (default: the checkpoint's --seq-length);
+- ``tokenizer_type`` / ``tokenizer_model`` / ``vocab_size``: for an exported folder without
+  tokenizer.json.
+
+``--batch_size`` sets how many requests share a forward. Log-likelihoods are the model's
+teacher-forced log-probabilities over the real vocabulary (padded rows dropped), as
+``tools/serve.py`` returns them, so lm-eval's ``local-completions`` model against the server gets
+the same numbers. Tokenization follows lm-eval's causal-LM convention (``TemplateLM``: the
+context's trailing spaces move to the continuation; the pair is encoded whole and split).
+One process (TP = 1): lm-eval drives the requests; tensor parallelism is for tools/evaluate.py.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import lm_eval.models  # noqa: F401  (fills lm-eval's model table before ours joins it)
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+
+@register_model("megaloop")
+class MegaloopLM(TemplateLM):
+    """A looped LM trained by megaloop, in lm-eval's interface."""
+
+    def __init__(self, load: str, num_loops: Optional[int] = None, exit: Optional[str] = None,
+                 kv_policy: str = "full", max_length: Optional[int] = None, batch_size=1,
+                 max_gen_toks: int = 256, tokenizer_type: Optional[str] = None,
+                 tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
+                 seed: int = 1234, **unused):
+        super().__init__()
+        from megaloop import runtime
+        from megaloop.data.config import TokenizerConfig
+        from megaloop.inference.generate import Generator
+        from megaloop.inference.loading import (check_generation_flags, load_for_generation,
+                                                setup_processes)
+
+        rule = check_generation_flags(load, kv_policy, exit)
+        tokenizer_cfg = None
+        if tokenizer_type:
+            tokenizer_cfg = TokenizerConfig(tokenizer_type, tokenizer_model,
+                                            None if vocab_size is None else int(vocab_size))
+            tokenizer_cfg.validate()
+        runtime.quiet_megatron()
+        if not torch.distributed.is_initialized():
+            if setup_processes(int(seed)) != 1:
+                raise ValueError("the megaloop lm-eval model runs in one process (TP = 1); "
+                                 "launch without torchrun")
+        self.model, self.tokenizer_, run = load_for_generation(load, 1, tokenizer=tokenizer_cfg)
+        self.vocab_size = self.tokenizer_.vocab_size
+        self.num_loops = int(num_loops) if num_loops else self.model.loop.num_loops
+        self.rule = rule
+        trained_length = run.get("training", {}).get("seq_length")
+        self._max_length = int(max_length or trained_length or
+                               self.model.config.max_position_embeddings or 2048)
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
+        self.max_gen_toks = int(max_gen_toks)
+        self.generator = Generator(self.model, self.vocab_size, num_loops=self.num_loops,
+                                   kv_policy=kv_policy, eod=self.tokenizer_.eod, exit_rule=rule)
+
+    # --- tokens ---------------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer_.eod
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        return list(self.tokenizer_.tokenize(string))
+
+    def tok_decode(self, tokens) -> str:
+        return self.tokenizer_.detokenize(list(tokens))
+
+    # --- scoring --------------------------------------------------------------------------------
+    def _score_rows(self, rows: list[list[int]]) -> torch.Tensor:
+        """Teacher-forced log-probs [n, s, V] of right-padded rows (causal attention: the padding
+        after a row's tokens does not change them)."""
+        from megaloop.device import current_device
+        from megaloop.inference.early_exit import exit_log_probs
+
+        device = current_device()
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+        ids = ids.to(device)
+        pos = torch.arange(width, device=device).expand_as(ids)
+        logp, _ = exit_log_probs(self.model, ids, pos, self.num_loops, self.rule,
+                                 self.vocab_size)
+        return logp.cpu()
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """(sum of the continuation's log-probs, whether greedy decoding gives it) per request;
+        a too-long request keeps its last max_length + 1 tokens."""
+        self.model.eval()
+        order = sorted(range(len(requests)),
+                       key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        results: list = [None] * len(requests)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="megaloop log-likelihoods")
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            rows, spans = [], []
+            for i in chunk:
+                _, context, continuation = requests[i]
+                if not continuation:
+                    raise ValueError("lm-eval sent an empty continuation")
+                whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+                rows.append(whole[:-1])
+                spans.append((len(whole) - 1 - len(continuation), whole[-len(continuation):]))
+            logp = self._score_rows(rows)
+            for row, (i, (first, target)) in enumerate(zip(chunk, spans)):
+                lp = logp[row, first:first + len(target)]
+                target_t = torch.tensor(target)
+                total = lp.gather(-1, target_t.unsqueeze(-1)).sum().item()
+                greedy = bool((lp.argmax(-1) == target_t).all())
+                results[i] = (total, greedy)
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+            bar.update(len(chunk))
+        bar.close()
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Whole-text log-likelihood over disjoint windows of max_length tokens (lm-eval's
+        rolling windows, each conditioned on the window before; the first on EOD)."""
+        from lm_eval import utils
+
+        out = []
+        for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm,
+                              desc="megaloop rolling log-likelihoods"):
+            windows = [(None,) + w for w in map(utils.make_disjoint_window,
+                                                 utils.get_rolling_token_windows(
+                                                     token_list=self.tok_encode(string),
+                                                     prefix_token=self.prefix_token_id,
+                                                     max_seq_len=self.max_length,
+                                                     context_len=1))]
+            total = sum(x[0] for x in self._loglikelihood_tokens(windows, disable_tqdm=True))
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+            out.append(total)
+        return out
+
+    # --- generation -----------------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled, with do_sample/temperature) continuations cut at the first
+        ``until`` string; the prompt keeps its last max_length - max_gen_toks tokens."""
+        from megaloop.inference.generate import SamplingParams
+
+        out = []
+        for context, kwargs in tqdm([r.args for r in requests], disable=disable_tqdm,
+                                    desc="megaloop generation"):
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            temperature = float(kwargs.pop("temperature", 0.0))
+            if not kwargs.pop("do_sample", False):
+                temperature = 0.0
+            ids = self.tok_encode(context)[-max(self.max_length - max_new, 1):] or \
+                [self.eot_token_id]
+            generated = self.generator.generate(
+                [ids], max_new, SamplingParams(temperature=temperature,
+                                               seed=int(kwargs.pop("seed", 0))))[0]
+            if generated and generated[-1] == self.eot_token_id:
+                generated = generated[:-1]
+            text = self.tok_decode(generated)
+            for stop in until:
+                if stop and stop in text:
+                    text = text[:text.index(stop)]
+            self.cache_hook.add_partial("generate_until", (context, {"until": until}), text)
+            out.append(text)
+        return out
+

@@ -1,0 +1,145 @@
+"""Depth sweep: a trained looped model scored at several inference depths.
+
+At each depth k the held-out batches run k loop steps (the model reads out every step) and give:
+
+- the LM loss at every step 1..k and its perplexity, through the trainer's own statistics
+  (megaloop.model.loss: token-weighted means over all scored tokens), so the numbers at the
+  training depth are the trainer's validation losses for the same samples;
+- the exit distribution p_1..p_k of a k-step run and the expected exit step sum_t t p_t;
+- per early-exit rule (megaloop.inference.early_exit): the loss of every token at its exit step
+  and the mean executed depth;
+- the recurrence's geometry per step (megaloop.training.diagnostics.LoopGeometry: angular distance
+  and relative update norm between a step's input and output, state variance relative to step
+  k), as in "What Makes Recurrence Effective in Looped Language Models?" section 3.
+
+Depths are labelled against the training horizon T: under-unrolling (k < T), training horizon
+(k = T), extrapolation (k > T).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+REGIMES = ("under-unrolling", "training horizon", "extrapolation")
+
+
+def regime(depth: int, trained: int) -> str:
+    return REGIMES[0] if depth < trained else REGIMES[1] if depth == trained else REGIMES[2]
+
+
+@dataclass
+class DepthResult:
+    """Everything measured at one inference depth."""
+
+    depth: int
+    regime: str
+    loss: float
+    """LM loss at the last step (step ``depth``)."""
+    perplexity: float
+    step_losses: list[float]
+    """LM loss at each step 1..depth."""
+    exit_probs: Optional[list[float]]
+    """Mean exit distribution p_t over the scored tokens (None: the model has no gate)."""
+    expected_exit_step: Optional[float]
+    objective: float
+    """The training objective's value at this depth (the exit loss, or the LM loss)."""
+    rules: dict = field(default_factory=dict)
+    """Exit rule -> {"loss", "perplexity", "mean_depth"}."""
+    geometry: dict = field(default_factory=dict)
+    """angular_distance / relative_update_norm / state_variance, one value per step."""
+    tokens: int = 0
+
+
+def default_rules(model) -> list[str]:
+    """q-exits when the model has a gate, and Huginn's KL rule."""
+    return (["q:0.5", "q:0.9"] if model.exit_gate is not None else []) + ["kl:0.01"]
+
+
+def check_depths(model, depths: list[int]) -> None:
+    """ValueError for a depth the model cannot run (no gate: only its trained depth)."""
+    trained = model.loop.num_loops
+    if not model.loop.gated and model.loop.exit_loss != "last":
+        bad = [k for k in depths if k != 1]
+        if bad:
+            raise ValueError(f"--num-loops {','.join(map(str, depths))}: this model has no exit "
+                             f"gate (trained with --num-loops {trained}), so it runs one step "
+                             f"only; use --num-loops 1")
+
+
+def _forward_stats(model, batches, depth: int) -> dict:
+    """The trainer's reduced statistics of ``batches`` at ``depth`` steps, every step read out."""
+    from megaloop.model import recurrence
+    from megaloop.model.loss import loss_func, reduce_stats
+
+    reports = []
+    for b in batches:
+        ctx = recurrence.context(model, b["tokens"], b.get("attention_mask"), b["labels"], depth)
+        ctx.read_every_step = True
+        carry = recurrence.begin(model, b["tokens"], b["position_ids"], ctx)
+        out = recurrence.fold(model, carry, ctx)
+        reports.append(loss_func(b["loss_mask"], depth, out)[2])
+    return reduce_stats(reports, depth)
+
+
+def _rule_stats(model, batches, depth: int, rule) -> dict:
+    from megaloop.inference.early_exit import score
+
+    loss_sum = depth_sum = tokens = 0.0
+    for b in batches:
+        loss, steps = score(model, b["tokens"], b["position_ids"], b["labels"], depth, rule,
+                            attention_mask=b.get("attention_mask"))
+        mask = b["loss_mask"].float()
+        loss_sum += (loss.double() * mask).sum().item()
+        depth_sum += (steps.double() * mask).sum().item()
+        tokens += mask.sum().item()
+    tokens = max(tokens, 1.0)
+    mean = loss_sum / tokens
+    return {"loss": mean, "perplexity": math.exp(min(mean, 700)),
+            "mean_depth": depth_sum / tokens}
+
+
+@torch.no_grad()
+def sweep(model, batches: list[dict], depths: list[int], rules: list[str],
+          progress: Optional[Callable[[str], None]] = None) -> list[DepthResult]:
+    """Score ``batches`` at every depth of ``depths`` (ascending), under every exit rule."""
+    from megaloop.inference.early_exit import parse_exit
+    from megaloop.training.diagnostics import LoopGeometry
+
+    model.eval()
+    check_depths(model, depths)
+    trained = model.loop.num_loops
+    results = []
+    for depth in depths:
+        geometry = LoopGeometry(model, depth)
+        geometry.start()
+        try:
+            stats = _forward_stats(model, batches, depth)
+        finally:
+            geo = geometry.finish() or {}
+        probs = stats["exit_probs"] if depth > 1 else [1.0] if model.exit_gate else None
+        loss = stats["step_losses"][-1]
+        result = DepthResult(
+            depth=depth, regime=regime(depth, trained), loss=loss,
+            perplexity=math.exp(min(loss, 700)), step_losses=stats["step_losses"],
+            exit_probs=probs,
+            expected_exit_step=None if probs is None else sum(
+                (t + 1) * p for t, p in enumerate(probs)),
+            objective=stats["loss"], geometry=geo, tokens=stats["tokens"])
+        for text in rules:
+            rule = parse_exit(text)
+            if rule.kind == "q" and model.exit_gate is None:
+                raise ValueError(f"--exit-rules {text}: a q-exit reads the exit gate, and this "
+                                 f"model has none; use kl:<eps>")
+            result.rules[text] = _rule_stats(model, batches, depth, rule)
+        results.append(result)
+        if progress is not None:
+            progress(f"depth {depth:>3} ({result.regime}): loss {loss:.4f}")
+    return results
+
+
+def as_json(results: list[DepthResult], meta: dict) -> dict:
+    return {**meta, "depths": [asdict(r) for r in results]}

@@ -1,0 +1,109 @@
+"""Score a looped model at several inference depths: per-step loss, exit distribution, early-exit
+rules and the recurrence's geometry, as a table, a JSON file and plots.
+
+    python tools/evaluate.py --load demo/checkpoint --num-loops 1,2,4,8 --output-dir demo/eval
+    python tools/evaluate.py --load CKPT --input-file heldout.jsonl --seq-length 256 --output-dir D
+    torchrun --nproc_per_node 2 tools/evaluate.py --load CKPT ...        # tensor parallel
+
+Data: the checkpoint's validation split (its --data-path and --split, the trainer's sample order:
+the samples of its first evaluation), or ``--data-path``/``--split``, ``--mock-data``, or
+``--input-file`` (JSONL or text, tokenized on the fly). ``--seq-length``, ``--micro-batch-size``,
+``--global-batch-size``, ``--eval-iters`` and the tokenizer flags default to the checkpoint's.
+Writes ``depth_sweep.md``, ``depth_sweep.json``, ``loss_vs_depth.png`` and
+``exit_distribution.png`` (gated models) into ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megaloop import runtime  # noqa: E402
+from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
+from megaloop.eval.config import EvalConfig, parse_rules  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    add_dataclass_args(p, EvalConfig)
+    return p
+
+
+def _tokenizer_override(cfg: EvalConfig):
+    if not (cfg.tokenizer_type or cfg.tokenizer_model or cfg.vocab_size is not None):
+        return None
+    from megaloop.data.config import TokenizerConfig
+
+    if not cfg.tokenizer_type:
+        raise ValueError("--tokenizer-model / --vocab-size need --tokenizer-type")
+    tok = TokenizerConfig(cfg.tokenizer_type, cfg.tokenizer_model, cfg.vocab_size)
+    tok.validate()
+    return tok
+
+
+def main(argv=None) -> int:
+    cfg = dataclass_from_args(EvalConfig, build_parser().parse_args(argv))
+    try:
+        cfg.validate()
+        tokenizer_cfg = _tokenizer_override(cfg)
+        if cfg.plots:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise ValueError("the plots need matplotlib: pip install -e '.[eval]', or pass "
+                                 "--plots false") from None
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    runtime.quiet_megatron()
+    from megaloop.data.tokenizers import build_tokenizer
+    from megaloop.eval import report
+    from megaloop.eval.data import held_out_batches
+    from megaloop.eval.sweep import default_rules, sweep
+    from megaloop.inference.loading import load_for_generation, setup_processes
+    from megaloop.parallel import initialize
+
+    tp = setup_processes(cfg.seed)
+    try:
+        start = time.time()
+        try:
+            model, tokenizer, run = load_for_generation(cfg.load, tp, tokenizer=tokenizer_cfg)
+            if tokenizer_cfg is not None:
+                tokenizer = build_tokenizer(tokenizer_cfg)
+                run = {**run, "tokenizer": dataclasses.asdict(tokenizer_cfg)}
+            trained = model.loop.num_loops
+            depths = cfg.depths or list(range(1, 2 * trained + 1))
+            rules = parse_rules(cfg.exit_rules)
+            rules = default_rules(model) if rules is None else rules
+            batches, shape, data = held_out_batches(cfg, run, tokenizer)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        runtime.print_rank_0(
+            f"> evaluating {cfg.load} (trained T = {trained}, TP {tp}) at depths "
+            f"{','.join(map(str, depths))}; exit rules {','.join(rules) or 'none'}\n"
+            f"> data: {data}")
+        try:
+            results = sweep(model, batches, depths, rules, progress=runtime.print_rank_0)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        meta = {"load": cfg.load, "data": data, "trained_loops": trained,
+                "seq_length": shape.seq_length, "exit_rules": rules}
+        if runtime.is_rank_zero():
+            paths = report.write(results, meta, cfg.output_dir, cfg.plots)
+            print(report.markdown(results, meta), flush=True)
+            print(f"> wrote {', '.join(paths)} in {time.time() - start:.1f} s", flush=True)
+    finally:
+        initialize.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

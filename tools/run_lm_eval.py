@@ -1,0 +1,35 @@
+"""lm-evaluation-harness with the ``megaloop`` model registered: takes exactly lm-eval's flags.
+
+    python tools/run_lm_eval.py --model megaloop --model_args load=demo/checkpoint,num_loops=4 \
+        --include_path examples/lm_eval_tasks --tasks megaloop_demo_mc --limit 20
+    python tools/run_lm_eval.py --model megaloop --model_args load=CKPT,exit=q:0.5 \
+        --tasks hellaswag,arc_easy --batch_size 8          # datasets already in the HF cache
+
+lm-eval registers models by import and offers no plugin hook for them, so this wrapper imports
+megaloop's adapter (megaloop/eval/lm_eval_adapter.py) and then runs lm-eval's own command line.
+Needs the ``eval`` extra (``pip install -e '.[eval]'``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError:
+        sys.exit("error: lm-evaluation-harness is not installed: pip install -e '.[eval]'")
+    from megaloop import runtime
+
+    runtime.quiet_megatron()
+    import megaloop.eval.lm_eval_adapter  # noqa: F401  (registers --model megaloop)
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
