@@ -2,7 +2,14 @@
 
 Flags keep Megatron-LM's names (``--tensor-model-parallel-size``, ``--num-layers``, ``--lr``,
 ...); the loop adds ``--num-loops``, ``--num-prelude-layers``, ``--num-coda-layers`` and the exit
-options. ``python pretrain_looplm.py --help`` lists them all.
+options. ``python pretrain_looplm.py --help`` lists them all; ``python pretrain_looplm.py
+[flags]`` without torchrun runs as one process.
+
+Exit codes (megaloop/training/exit_conditions.py): 0 trained to the end, or stopped early after
+saving (SIGTERM with --exit-signal-handler, --exit-interval, --exit-duration-in-mins); 1 the run
+failed (non-finite steps in a row, a failed save or load); 2 bad flags, or a checkpoint that does
+not fit them. torchrun exits 1 when it is signalled itself whatever its ranks did:
+--exit-status-file says which of the three it was.
 """
 
 import sys
@@ -17,7 +24,13 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     runtime.quiet_megatron()  # validate() may import megatron-core; filter its warnings first
     try:
+        from megaloop.parallel.initialize import single_process_env
+        from megaloop.training import checkpointing
+
+        single_process_env()  # no launcher: a world of one (validation reads the world size)
         cfg.validate()  # before any process group starts: a bad flag fails fast on every rank
+        # The checkpoint to resume: readable, and of this architecture (no process group needed).
+        checkpointing.check_resume(cfg.checkpoint.load, cfg.checkpoint.ckpt_step, cfg.to_dict())
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -28,11 +41,23 @@ def main(argv=None) -> int:
         runtime.print_rank_0("> CPU development mode: megatron-core's CUDA calls run on CPU "
                              "(megaloop.cpu_shim)")
     from megaloop.parallel import initialize
+    from megaloop.training.exit_conditions import RunError, write_exit_status
     from megaloop.training.trainer import Trainer
 
     initialize.initialize(cfg.parallel, cfg.training.seed)
+    trainer = None
     try:
-        Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        trainer.train()  # writes --exit-status-file itself (before the ranks may leave)
+    except RunError as exc:
+        # Every rank raises the same error at the same point; one copy is enough.
+        if runtime.is_rank_zero():
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            if cfg.checkpoint.exit_status_file:
+                write_exit_status(cfg.checkpoint.exit_status_file, "failed", str(exc),
+                                  trainer.iteration if trainer else 0,
+                                  trainer.last_saved if trainer else None)
+        return 1
     finally:
         if cpu_shim.is_enabled() and cpu_shim.call_sites():
             runtime.print_rank_0("> CPU shim call sites:\n" + cpu_shim.format_call_sites())

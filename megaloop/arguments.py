@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import textwrap
@@ -93,6 +94,35 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         group.add_argument(flag_name(f), **kwargs)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error: a mistyped flag among a hundred would otherwise print the
+    whole usage (about 115 lines) above the one line that matters. The line names the closest
+    known flag and points to --help."""
+
+    def error(self, message: str):
+        hint = ""
+        if message.startswith("unrecognized arguments:"):
+            known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+            unknown = [w.split("=", 1)[0] for w in message.split(":", 1)[1].split()
+                       if w.startswith("-")]
+            guesses = [f"{w} -> {m[0]}" for w in unknown
+                       for m in [difflib.get_close_matches(w, known, n=1, cutoff=0.6)] if m]
+            if guesses:
+                hint = f" (did you mean: {', '.join(guesses)}?)"
+        self.exit(2, f"{self.prog}: error: {message}{hint}; see {self.prog} --help\n")
+
+
+def check_ranges(config, limits: dict) -> None:
+    """``limits``: field name -> smallest allowed value; a field left at None is not checked.
+    Raises ValueError naming the flag (a size of 0 otherwise surfaces as a ZeroDivisionError or
+    an empty tensor deep inside megatron-core)."""
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    for name, low in limits.items():
+        value = getattr(config, name)
+        if value is not None and value < low:
+            raise ValueError(f"{flag_name(fields[name])} {value} must be >= {low}")
 
 
 def dataclass_from_args(cls: type, namespace: argparse.Namespace):

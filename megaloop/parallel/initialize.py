@@ -20,9 +20,33 @@ def backend_for(parallel: ParallelConfig) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def single_process_env() -> bool:
+    """Without a launcher (``python pretrain_looplm.py ...``: no RANK / WORLD_SIZE), set up a
+    world of one process on a free local port, as a user trying it on a laptop expects, instead
+    of torch's "RANK expected". Returns whether it did. A launcher that started several copies
+    without torchrun (``srun -n 8 python ...``) is refused: eight worlds of one would each train
+    alone."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return False
+    tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    if tasks > 1:
+        raise ValueError(f"SLURM started {tasks} tasks without torchrun (no RANK/WORLD_SIZE): "
+                         "start one task per node running torchrun, as "
+                         "examples/slurm/pretrain_looplm.sbatch does")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return True
+
+
 def initialize(parallel: ParallelConfig, seed: int) -> None:
-    """Start torch.distributed (env:// from torchrun/SLURM), megatron-core's groups, the RNGs."""
+    """Start torch.distributed (env:// from torchrun/SLURM, or a world of one without a
+    launcher), megatron-core's groups, the RNGs."""
     if not torch.distributed.is_initialized():
+        single_process_env()
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(backend=backend_for(parallel),

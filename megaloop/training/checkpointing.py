@@ -10,11 +10,25 @@ at another (dist_checkpointing reshards on load).
 Crash safety: every rank writes into ``iter_XXXXXXX.tmp``; only after all ranks have finished does
 rank 0 rename it to ``iter_XXXXXXX`` and then replace the ``latest`` file (write + ``os.replace``).
 A run killed at any moment of a save leaves the previous checkpoint named in ``latest`` intact;
-the stale ``.tmp`` directory is ignored by loads and removed by the next save of that iteration.
+the stale ``.tmp`` directory is ignored by loads and removed when the next run starts.
+
+What is checked (each failure is a ``CheckpointError`` naming the file and what to do, raised on
+every rank alike so no rank waits in a collective the others left):
+
+- save: every parameter is finite (a diverged model is never written, ``latest`` never names
+  one); a save that fails (disk full) removes its ``.tmp`` and says which checkpoint ``latest``
+  still names; a manifest with every file's size and SHA-256 (``megaloop_manifest.json``, hashed
+  by all ranks, a share each) is written before the rename;
+- load (``check_resume`` also before any process group): ``latest`` holds an iteration number;
+  the checkpoint's architecture flags equal this run's (a changed loop count is allowed and
+  announced; --finetune relaxes nothing); every file matches the manifest; a read that fails
+  anyway names the folder and the previous checkpoint to fall back to (``--ckpt-step``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import queue
 import random
@@ -27,7 +41,11 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
+from megaloop.device import current_device
+from megaloop.training.exit_conditions import RunError
+
 TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "megaloop_manifest.json"
 FORMAT_VERSION = 1
 # The distributed optimizer's state in the canonical per-parameter form (gathered on DP rank 0
 # when saving): it loads at any TP, PP and DP. 'dp_reshardable' saves faster but only reshards
@@ -35,8 +53,34 @@ FORMAT_VERSION = 1
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+class CheckpointError(RunError, ValueError):
+    """A checkpoint that cannot be written or read as asked; the message names the file and the
+    way out. (A ValueError too: before training starts it is a bad --load like a bad flag.)"""
+
+
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def available_iterations(root: str) -> list:
+    """Iterations with a complete (renamed) checkpoint folder in ``root``, ascending."""
+    if not os.path.isdir(root):
+        return []
+    its = []
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name[5:].isdigit() and \
+                os.path.isdir(os.path.join(root, name)):
+            its.append(int(name[5:]))
+    return sorted(its)
+
+
+def fallback_hint(root: str, below: Optional[int] = None) -> str:
+    """How to load another checkpoint instead: the newest one below ``below`` (else the newest)."""
+    its = [i for i in available_iterations(root) if below is None or i < below]
+    if not its:
+        return f"no other checkpoint in {root} to fall back to"
+    return (f"load the previous checkpoint instead with --ckpt-step {its[-1]} (available in "
+            f"{root}: {', '.join(map(str, available_iterations(root)))})")
 
 
 def read_tracker(root: str) -> Optional[int]:
@@ -44,13 +88,13 @@ def read_tracker(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{path} holds {text!r} instead of an iteration number; fix or delete it, "
-                         "or pick a checkpoint with --ckpt-step") from None
+    with open(path, "rb") as f:  # bytes: a damaged file must not end in a UnicodeDecodeError
+        raw = f.read()
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} holds {raw[:40]!r} instead of an iteration number; "
+                              f"{fallback_hint(root)} (or fix or delete the file)")
+    return int(text)
 
 
 def unwrap(model) -> torch.nn.Module:
@@ -115,23 +159,141 @@ def _barrier() -> None:
     torch.distributed.barrier()
 
 
+def _agree(error: Optional[BaseException]) -> Optional[str]:
+    """Collective: every rank says whether its part failed; returns the failures ("rank r:
+    message"), the same on every rank, or None. Each rank catches its own exception and calls
+    this, so a failure on one rank never leaves the others waiting in a later collective."""
+    flag = torch.tensor([0.0 if error is None else 1.0], device=current_device())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if flag.item() == 0:
+        return None
+    text = None if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
+    messages = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(messages, text)
+    return "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+
+
+def _check_finite_parameters(module, iteration: int, save_dir: str) -> None:
+    """Collective: refuse to save weights that hold NaN or infinity (the run diverged)."""
+    bad = next((name for name, p in module.named_parameters()
+                if not torch.isfinite(p.detach()).all()), None)
+    failures = _agree(None if bad is None else FloatingPointError(f"parameter {bad}"))
+    if failures:
+        latest = read_tracker(save_dir) if os.path.isdir(save_dir) else None
+        raise CheckpointError(
+            f"not saving iteration {iteration}: parameters are not finite ({failures}); the run "
+            f"has diverged. {TRACKER} in {save_dir} still names "
+            f"{'no checkpoint' if latest is None else f'iteration {latest}'}: resume from there "
+            "with a lower --lr or a longer --lr-warmup-iters, and keep "
+            "--check-for-nan-in-loss-and-grad on (it skips non-finite steps)")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _checkpoint_files(path: str) -> list:
+    out = []
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), path)
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def _hash_share(path: str, files: list) -> dict:
+    """This rank's share of the files (every world_size-th): relpath -> [size, sha256]."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return {rel: [os.path.getsize(os.path.join(path, rel)), _sha256(os.path.join(path, rel))]
+            for rel in files[rank::world]}
+
+
+def _write_manifest(path: str) -> None:
+    """Collective: every rank hashes a share of the files; rank 0 writes the manifest."""
+    files = _checkpoint_files(path)
+    shares = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(shares, _hash_share(path, files))
+    if torch.distributed.get_rank() == 0:
+        entries = {k: v for share in shares for k, v in share.items()}
+        manifest = {"format": 1, "algorithm": "sha256",
+                    "files": {k: {"size": v[0], "sha256": v[1]} for k, v in sorted(entries.items())}}
+        with open(os.path.join(path, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _verify_manifest(path: str) -> Optional[str]:
+    """Collective: every rank checks a share of the manifest's files. Returns None when all
+    match, else what differs (the same text on every rank); a note when there is no manifest."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        return None
+    try:
+        with open(manifest_path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"{manifest_path} is unreadable ({type(exc).__name__}: {exc})"
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    problems = []
+    for rel in sorted(files)[rank::world]:
+        full, want = os.path.join(path, rel), files[rel]
+        if not os.path.isfile(full):
+            problems.append(f"{full} is missing")
+        elif os.path.getsize(full) != want["size"]:
+            problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest "
+                            f"{want['size']} (cut short or overwritten)")
+        elif _sha256(full) != want["sha256"]:
+            problems.append(f"{full} differs from its checksum (corrupted bytes)")
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, problems)
+    found = sorted(p for share in gathered for p in share)
+    return "; ".join(found) if found else None
+
+
+def remove_stale_saves(save_dir: str) -> list:
+    """Rank 0: delete the ``iter_*.tmp`` folders of saves that never finished (a run killed or
+    failed while saving; loads never read them). Returns what was removed."""
+    removed = []
+    if save_dir and os.path.isdir(save_dir):
+        for name in sorted(os.listdir(save_dir)):
+            path = os.path.join(save_dir, name)
+            if name.startswith("iter_") and name.endswith(".tmp") and os.path.isdir(path):
+                shutil.rmtree(path)
+                removed.append(path)
+    return removed
+
+
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
-                    run_config: dict, consumed_samples: int = 0, extra: Optional[dict] = None
-                    ) -> str:
+                    run_config: dict, consumed_samples: int = 0, extra: Optional[dict] = None,
+                    checksums: bool = True) -> str:
     """Write ``save_dir/iter_XXXXXXX`` (collective over all ranks) and name it in the tracker.
 
     ``extra`` is a small dict of trainer counters stored in the common part of the checkpoint.
+    ``checksums``: write the per-file manifest (verified by ``load_checkpoint``). Raises
+    ``CheckpointError`` (on every rank) when the parameters are not finite or the save fails;
+    the partial folder is then removed and the tracker is untouched.
     """
     module = unwrap(model)
+    _check_finite_parameters(module, iteration, save_dir)
     final = checkpoint_dir(save_dir, iteration)
     tmp = final + ".tmp"
     rank = torch.distributed.get_rank()
+    error = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.isdir(tmp):  # left behind by a run killed while saving this iteration
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    _barrier()
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            if os.path.isdir(tmp):  # left behind by a run killed while saving this iteration
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        except OSError as exc:
+            error = exc
+    _fail_save_if_any(error, save_dir, iteration, tmp)
 
     state = {"model": module.sharded_state_dict()}
     if optimizer is not None:
@@ -144,24 +306,57 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, schedu
                  layout=_layout(), format_version=FORMAT_VERSION, extra=extra or {},
                  has_optimizer=optimizer is not None, optimizer_kind=_optimizer_kind(optimizer))
     _use_in_process_results_queue()
-    dist_checkpointing.save(state, tmp, sharded_strategy=get_default_save_sharded_strategy())
-    _barrier()  # every rank's shards are on disk before the checkpoint becomes visible
+    try:
+        dist_checkpointing.save(state, tmp, sharded_strategy=get_default_save_sharded_strategy())
+    except Exception as exc:  # disk full, quota, I/O error: reported by every rank below
+        error = exc
+    # (the agreement is also the barrier: every rank's shards are on disk before going on)
+    _fail_save_if_any(error, save_dir, iteration, tmp)
+    if checksums:
+        try:
+            _write_manifest(tmp)
+        except OSError as exc:
+            error = exc
+        _fail_save_if_any(error, save_dir, iteration, tmp)
 
     if rank == 0:
-        old = final + ".old"
-        if os.path.isdir(final):  # saving the same iteration again: keep it until replaced
-            os.rename(final, old)
-        os.rename(tmp, final)
-        if os.path.isdir(old):
-            shutil.rmtree(old)
-        tracker = os.path.join(save_dir, TRACKER)
-        with open(tracker + ".tmp", "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker + ".tmp", tracker)  # atomic: readers see the old or the new name
-    _barrier()
+        try:
+            old = final + ".old"
+            if os.path.isdir(final):  # saving the same iteration again: keep it until replaced
+                os.rename(final, old)
+            os.rename(tmp, final)
+            if os.path.isdir(old):
+                shutil.rmtree(old)
+            tracker = os.path.join(save_dir, TRACKER)
+            with open(tracker + ".tmp", "w") as f:
+                f.write(str(iteration))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tracker + ".tmp", tracker)  # atomic: readers see the old or the new name
+        except OSError as exc:
+            error = exc
+    _fail_save_if_any(error, save_dir, iteration, tmp)
     return final
+
+
+def _fail_save_if_any(error, save_dir: str, iteration: int, tmp: str) -> None:
+    """Collective: when any rank's part of the save failed, rank 0 removes the partial folder and
+    every rank raises the same CheckpointError."""
+    failures = _agree(error)
+    if failures is None:
+        return
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    try:
+        latest = read_tracker(save_dir)
+    except CheckpointError:
+        latest = None
+    raise CheckpointError(
+        f"saving iteration {iteration} to {save_dir} failed ({failures}); removed the partial "
+        f"{tmp}. {TRACKER} still names "
+        f"{'no checkpoint' if latest is None else f'iteration {latest}'}: free space or fix the "
+        f"folder, then resume from it with --load {save_dir}")
 
 
 def _resolve(load_dir: str, iteration: Optional[int]) -> Optional[str]:
@@ -171,10 +366,106 @@ def _resolve(load_dir: str, iteration: Optional[int]) -> Optional[str]:
             return None
     path = checkpoint_dir(load_dir, iteration)
     if not os.path.isdir(path):
-        raise FileNotFoundError(
+        raise CheckpointError(
             f"checkpoint {path} does not exist (named by {TRACKER} or --ckpt-step); "
-            f"available: {sorted(d for d in os.listdir(load_dir) if d.startswith('iter_'))}")
+            f"{fallback_hint(load_dir, iteration)}")
     return path
+
+
+def _read_common(path: str) -> dict:
+    """The checkpoint's common part (iteration, run config, ...), or a CheckpointError naming
+    the file and the checkpoint to fall back to."""
+    try:
+        return dist_checkpointing.load_common_state_dict(path)
+    except Exception as exc:  # missing or damaged common.pt: torch.load / pickle errors
+        raise CheckpointError(_unreadable(path, f"{os.path.join(path, 'common.pt')}: "
+                                                f"{type(exc).__name__}: {exc}")) from None
+
+
+def _unreadable(path: str, detail: str) -> str:
+    root, name = os.path.split(os.path.normpath(path))
+    below = int(name[5:]) if name[5:].isdigit() else None
+    return f"cannot load checkpoint {path}: {detail}. {fallback_hint(root, below)}"
+
+
+# The flags a checkpoint's weights are tied to. A difference is refused by name on --load (also
+# with --finetune): some change no tensor shape (4 -> 2 attention heads over the same hidden
+# size, the norm scheme) and would load without an error into a different model.
+ARCHITECTURE = {
+    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "kv_channels", "position_embedding_type", "rotary_percent",
+              "normalization", "swiglu", "disable_bias_linear", "qk_layernorm",
+              "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
+              "norm_scheme"),
+    "loop": ("num_prelude_layers", "num_coda_layers", "step_norm_placement", "step_norm",
+             "input_injection", "injection_source", "history_injection", "history_window",
+             "timestep_conditioning", "loop_topology", "mesh_slots", "lora_rank",
+             "resolution_down", "resolution_up"),
+}
+
+
+def _gated(loop: dict) -> bool:
+    return loop.get("num_loops", 1) > 1 and loop.get("exit_loss") != "last"
+
+
+def compare_architecture(saved: dict, current: dict, path: str) -> list:
+    """Refuse (CheckpointError) a checkpoint whose architecture flags differ from this run's;
+    returns notes for the user (a changed loop count, which is allowed: Ouro lowers T between
+    stages). Sections a checkpoint does not record are not compared."""
+    diffs, notes = [], []
+
+    def differ(flag, was, now):
+        diffs.append(f"{flag} {was} in the checkpoint, {now} in this run")
+
+    for section, names in ARCHITECTURE.items():
+        was, now = saved.get(section), current.get(section)
+        if not isinstance(was, dict):
+            continue
+        for name in names:
+            if name in was and was[name] != now[name]:
+                differ("--" + name.replace("_", "-"), was[name], now[name])
+    m_was, m_now = saved.get("model") or {}, current["model"]
+    if m_now["position_embedding_type"] == "learned_absolute" and \
+            m_was.get("max_position_embeddings", m_now["max_position_embeddings"]) != \
+            m_now["max_position_embeddings"]:
+        differ("--max-position-embeddings", m_was["max_position_embeddings"],
+               m_now["max_position_embeddings"])
+    l_was, l_now = saved.get("loop"), current["loop"]
+    if isinstance(l_was, dict) and "num_loops" in l_was:
+        if _gated(l_was) != _gated(l_now):
+            diffs.append(f"the checkpoint {'has' if _gated(l_was) else 'has no'} exit gate, this "
+                         f"run {'needs one' if _gated(l_now) else 'has none'} (--num-loops "
+                         f"{l_was['num_loops']} -> {l_now['num_loops']}, --exit-loss "
+                         f"{l_was.get('exit_loss')} -> {l_now['exit_loss']})")
+        elif l_was["num_loops"] != l_now["num_loops"]:
+            per_step = [flag for flag, on in (
+                ("--lora-rank", l_now["lora_rank"] > 0),
+                ("--loop-topology mesh", l_now["loop_topology"] == "mesh"),
+                ("--loop-resolutions", bool(l_now["loop_resolutions"]))) if on]
+            if per_step:
+                differ("--num-loops", l_was["num_loops"], f"{l_now['num_loops']} (with "
+                       f"{', '.join(per_step)}, which keep parameters per loop step)")
+            else:
+                notes.append(f"> loop count changed on --load: the checkpoint {path} trained "
+                             f"--num-loops {l_was['num_loops']}, this run uses "
+                             f"{l_now['num_loops']}")
+    if diffs:
+        raise CheckpointError(
+            f"{path} was saved with another architecture: {'; '.join(diffs)}. Pass the "
+            f"checkpoint's values (architecture flags must match on --load, with --finetune too)")
+    return notes
+
+
+def check_resume(load_dir: Optional[str], iteration: Optional[int], run_config: dict) -> list:
+    """Before any process group: the checkpoint a run would resume from is named correctly, its
+    common part reads and its architecture is this run's. Returns notes (see
+    ``compare_architecture``); nothing to check without --load or a checkpoint in it."""
+    if not load_dir or not os.path.isdir(load_dir):
+        return []
+    path = _resolve(load_dir, iteration)
+    if path is None:
+        return []
+    return compare_architecture(_read_common(path).get("run_config") or {}, run_config, path)
 
 
 def read_run_config(load_dir: str, iteration: Optional[int] = None) -> dict:
@@ -182,20 +473,36 @@ def read_run_config(load_dir: str, iteration: Optional[int] = None) -> dict:
     path = _resolve(load_dir, iteration)
     if path is None:
         raise FileNotFoundError(f"no checkpoint in {load_dir} (no {TRACKER})")
-    return dist_checkpointing.load_common_state_dict(path)["run_config"]
+    return _read_common(path)["run_config"]
 
 
 def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
                     iteration: Optional[int] = None, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False) -> Optional[dict]:
+                    load_rng: bool = True, finetune: bool = False,
+                    run_config: Optional[dict] = None, verify: bool = True) -> Optional[dict]:
     """Restore what ``save_checkpoint`` wrote (collective). Returns None when ``load_dir`` has
-    no checkpoint, else ``{"iteration", "consumed_samples", "run_config", "extra", "path"}``
-    (iteration and consumed samples are 0 with ``finetune``)."""
+    no checkpoint, else ``{"iteration", "consumed_samples", "run_config", "extra", "path",
+    "notes"}`` (iteration and consumed samples are 0 with ``finetune``).
+
+    ``run_config``: this run's configuration, whose architecture flags the checkpoint's must
+    equal (``compare_architecture``). ``verify``: check the files against the manifest first.
+    Every failure to read is one CheckpointError on every rank, naming the file and the previous
+    checkpoint to fall back to."""
     path = _resolve(load_dir, iteration) if os.path.isdir(load_dir) else None
     if path is None:
         return None
+    common = _read_common(path)
+    notes = []
+    if run_config is not None:
+        notes = compare_architecture(common.get("run_config") or {}, run_config, path)
+    if verify:
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            notes.append(f"> {path} has no checksum manifest (saved without --ckpt-checksums or "
+                         "by an older megaloop): its files are not verified")
+        problems = _verify_manifest(path)
+        if problems:
+            raise CheckpointError(_unreadable(path, problems))
     module = unwrap(model)
-    common = dist_checkpointing.load_common_state_dict(path)
     if finetune:
         load_optim = load_rng = False
     # A converted checkpoint has weights only: the optimizer then starts fresh.
@@ -217,7 +524,14 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
                                                           metadata=OPTIM_METADATA)
     if load_rng:
         state["rng_state"] = _rng_sharded_object(None)
-    loaded = dist_checkpointing.load(state, path)
+    error = loaded = None
+    try:
+        loaded = dist_checkpointing.load(state, path)
+    except Exception as exc:  # a shard cut short or missing: megatron-core's exception chain
+        error = exc
+    failures = _agree(error)
+    if failures:
+        raise CheckpointError(_unreadable(path, failures))
     module.load_state_dict(loaded["model"], strict=True)
     if load_optim:
         _load_optimizer(optimizer, loaded["optimizer"])
@@ -238,7 +552,7 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
     return {"iteration": 0 if finetune else common["iteration"],
             "consumed_samples": 0 if finetune else common["consumed_samples"],
             "run_config": common["run_config"], "extra": {} if finetune else common["extra"],
-            "path": path, "loaded_rng": load_rng, "loaded_optim": load_optim}
+            "path": path, "loaded_rng": load_rng, "loaded_optim": load_optim, "notes": notes}
 
 
 def _optimizer_kind(optimizer) -> Optional[str]:

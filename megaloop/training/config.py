@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -35,6 +37,16 @@ class TrainingConfig:
     eval_iters: int = 10
     """Validation micro-batch rounds per evaluation (each round is one global batch)."""
 
+    check_for_nan_in_loss_and_grad: bool = True
+    """Check every step's loss and gradients on every rank (as Megatron-LM's flag); a step where
+    any is NaN or infinite is skipped (no update, no LR-schedule step) and counted in the log's
+    "skipped". `false` applies every step as it comes (a diverged run then stops at its next save,
+    which refuses non-finite weights)."""
+
+    max_skipped_steps_in_a_row: int = 10
+    """Stop the run (exit code 1, nothing saved after the last good checkpoint) when this many
+    steps in a row were skipped: the run has diverged and skipping will not bring it back."""
+
     def num_microbatches(self, dp_size: int) -> int:
         return self.resolved_global_batch(dp_size) // (self.micro_batch_size * dp_size)
 
@@ -56,6 +68,9 @@ class TrainingConfig:
                 f"{max_position_embeddings}; raise --max-position-embeddings")
         if self.eval_interval < 1 or self.eval_iters < 0:
             raise ValueError("--eval-interval must be >= 1 and --eval-iters >= 0")
+        if self.max_skipped_steps_in_a_row < 1:
+            raise ValueError(f"--max-skipped-steps-in-a-row {self.max_skipped_steps_in_a_row} "
+                             "must be >= 1")
 
 
 @dataclass
@@ -255,6 +270,16 @@ class CheckpointConfig:
     exit_duration_in_mins: Optional[float] = None
     """Save and exit once the run has trained for this many minutes."""
 
+    ckpt_checksums: bool = True
+    """Write a checksum of every file of a checkpoint at save (megaloop_manifest.json) and verify
+    it at load, naming the file that is missing, cut short or changed; `false` skips both (for
+    checkpoints too large to read twice)."""
+
+    exit_status_file: Optional[str] = None
+    """Rank 0 writes how the run ended here (one JSON line: status completed, saved-and-stopped or
+    failed, the reason, the iteration): for launchers whose own exit code hides the run's
+    (torchrun exits 1 whenever it is signalled). examples/slurm/pretrain_looplm.sbatch reads it."""
+
     def validate(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
             raise ValueError(f"--save-interval {self.save_interval} must be >= 1")
@@ -268,3 +293,25 @@ class CheckpointConfig:
             raise ValueError("--ckpt-step needs --load DIR")
         if self.finetune and not self.load:
             raise ValueError("--finetune needs --load DIR (the checkpoint to start from)")
+        if self.save:
+            check_writable_dir(self.save, "--save")
+        if self.exit_status_file:
+            check_writable_dir(os.path.dirname(os.path.abspath(self.exit_status_file)),
+                               "--exit-status-file's folder")
+
+
+def check_writable_dir(path: str, what: str) -> None:
+    """Fail now, not at the first save hours later, when ``path`` cannot be created or written:
+    the nearest existing folder on its way must be a folder we can create a file in (tried for
+    real: permission bits say nothing for root or on a read-only mount). Creates nothing."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{what} {path}: {probe} is not a folder; choose another path")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: cannot write in {probe} ({exc.strerror}); choose a "
+                         f"writable path") from None

@@ -16,7 +16,13 @@ Effective in Looped Language Models?" (arXiv 2609.36636) App. C.4): what the LM 
 - ``LossSpikeCounter`` and ``GateCollapseMonitor``: the stability counters of Closing the Loop
   (spike = loss more than 0.5 above the rolling median of the previous 15 iterations; collapse = p0
   above 0.95
-  for many iterations in a row).
+  for many iterations in a row). A spike's warning names the iteration and the data of its batch
+  (``describe_samples``: sample range, dataset of a blend, documents), so a spike that hits every
+  run at the same iteration is recognisable as data. The collapse alarm watches only runs with an
+  exit gate (a dense run's p0 is 1 by definition).
+- ``NonFiniteGuard``: --check-for-nan-in-loss-and-grad, the step-level guard: a step whose loss
+  or gradients are not finite on any rank is skipped on every rank, and too many in a row stop the
+  run.
 
 The per-step views need the forward not to be re-run in the backward pass (no full activation
 recomputation); the geometry compares a whole core pass's input and output, which one stage sees
@@ -26,15 +32,17 @@ only at pipeline size 1 (the trainer measures it there).
 from __future__ import annotations
 
 import math
+import os
 import statistics
-from collections import deque
-from typing import Optional
+from collections import Counter, deque
+from typing import Callable, Optional
 
 import torch
 from megatron.core import parallel_state
 
 from megaloop.device import current_device
 from megaloop.model.recurrence import LoopVariant
+from megaloop.training.exit_conditions import RunError
 
 
 GEOMETRY_KEYS = ("angular_distance", "relative_update_norm", "state_variance")
@@ -225,6 +233,86 @@ class GateCollapseMonitor:
         return self.run == self.patience
 
 
+def _dataset_name(dataset) -> str:
+    path = getattr(dataset, "dataset_path", None)
+    return path if path else type(dataset).__name__
+
+
+def describe_samples(dataset, first: int, count: int, limit: int = 4) -> str:
+    """Which data the global samples ``[first, first + count)`` of ``dataset`` are (the batch of
+    one training iteration: the sample order is a pure function of the seed): samples per dataset
+    of a blend, and the documents of the first ``limit`` samples. Reads those samples' document
+    indices only (no tokens beyond them)."""
+    per_dataset, documents = Counter(), []
+    for i in range(first, min(first + count, len(dataset))):
+        ds, j = dataset, i
+        if hasattr(ds, "dataset_index") and hasattr(ds, "datasets"):  # megatron-core's blend
+            ds, j = ds.datasets[int(ds.dataset_index[i])], int(ds.dataset_sample_index[i])
+        name = _dataset_name(ds)
+        per_dataset[name] += 1
+        if len(documents) < limit and hasattr(ds, "_query_document_sample_shuffle_indices"):
+            _, ids = ds._query_document_sample_shuffle_indices(j)
+            documents.append(f"{os.path.basename(name)}[{j}]: {[int(d) for d in ids]}")
+    text = (f"samples {first}..{first + count - 1} of the training stream, from "
+            + ", ".join(f"{name} ({n})" for name, n in per_dataset.items()))
+    if documents:
+        more = " ..." if count > limit else ""
+        text += "; documents per sample: " + "; ".join(documents) + more
+    return text
+
+
+def _grad_tensors(model) -> list:
+    """The gradients the optimizer will apply: megatron DDP's contiguous buffers (one tensor
+    each), else every parameter's ``main_grad`` / ``grad``."""
+    buffers = getattr(model, "buffers", None)  # megatron DDP: a list attribute (nn.Module: a method)
+    if isinstance(buffers, list):
+        return [b.grad_data for b in buffers + list(getattr(model, "expert_parallel_buffers", []))]
+    grads = (getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None
+             else p.grad for p in model.parameters())
+    return [g for g in grads if g is not None]
+
+
+class NonFiniteGuard:
+    """--check-for-nan-in-loss-and-grad: skip a step whose loss or gradients hold NaN or
+    infinity on any rank, and stop after --max-skipped-steps-in-a-row skipped steps in a row.
+
+    The decision is one all-reduce (MAX) over the world, so every rank skips the same steps: a
+    NaN on one data-parallel rank's micro-batch, or in one tensor-parallel shard, skips the
+    step everywhere and no rank waits in an optimizer collective the others left out."""
+
+    def __init__(self, enabled: bool, max_in_a_row: int):
+        self.enabled, self.max_in_a_row = enabled, max_in_a_row
+        self.in_a_row, self.first = 0, None
+
+    def step_is_finite(self, model, loss: float) -> bool:
+        """Collective (when enabled): whether the step's loss and every gradient are finite."""
+        if not self.enabled:
+            return True
+        bad = not math.isfinite(loss) or any(not torch.isfinite(g).all()
+                                              for g in _grad_tensors(model))
+        flag = torch.tensor([float(bad)], device=current_device())  # NCCL: device tensors
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return flag.item() == 0
+
+    def record(self, applied: bool, iteration: int, latest: Optional[int]) -> None:
+        """After each iteration: raises RunError once ``max_in_a_row`` steps in a row were skipped
+        (the same on every rank: the skip decision was collective)."""
+        if applied:
+            self.in_a_row, self.first = 0, None
+            return
+        self.in_a_row += 1
+        self.first = self.first or iteration
+        if self.in_a_row >= self.max_in_a_row:
+            kept = ("no checkpoint was saved" if latest is None else
+                    f"the last checkpoint is iteration {latest}")
+            raise RunError(
+                f"iterations {self.first}..{iteration}: {self.in_a_row} steps in a row were "
+                f"skipped (non-finite loss or gradients; --max-skipped-steps-in-a-row "
+                f"{self.max_in_a_row}): the run has diverged. Stopped without saving; {kept}. "
+                "Resume from a checkpoint with a lower --lr, a longer --lr-warmup-iters or a "
+                "smaller --clip-grad")
+
+
 class LoopDiagnostics:
     """What the trainer calls: the four diagnostics above, switched by the logging config."""
 
@@ -239,7 +327,9 @@ class LoopDiagnostics:
                          "input and output, which no pipeline stage sees: not measured at "
                          "pipeline size > 1")
         self.spikes = LossSpikeCounter(log.loss_spike_threshold, log.loss_spike_window)
-        self.collapse = GateCollapseMonitor(log.p0_collapse_threshold, log.p0_collapse_iters)
+        # Only a run with an exit gate can collapse onto step 1 (without one p0 is 1 by definition).
+        self.collapse = (GateCollapseMonitor(log.p0_collapse_threshold, log.p0_collapse_iters)
+                         if cfg.loop.gated else None)
         self.capturing = False
 
     def before_step(self, will_log: bool) -> None:
@@ -247,25 +337,35 @@ class LoopDiagnostics:
         if self.capturing:
             self.step_grads.start()
 
-    def after_step(self, stats: dict, iteration: int) -> dict:
-        """Feed one iteration's stats; returns the fields for the log record."""
+    def after_step(self, stats: dict, iteration: int,
+                   describe_batch: Optional[Callable[[], str]] = None) -> dict:
+        """Feed one iteration's stats; returns the fields for the log record.
+        ``describe_batch``: says which data the iteration's batch was (called on a spike only)."""
         out = {}
         if self.capturing:
             out["grad_norm_per_step"] = self.step_grads.finish(stats["tokens"])
             self.capturing = False
-        if self.spikes.update(stats["loss"]):
+        if self.spikes.update(stats["loss"]) and self.logger.is_writer:
+            data = ""
+            if describe_batch is not None:
+                try:
+                    data = f"; its batch: {describe_batch()}"
+                except Exception as exc:  # a diagnostic must not end the run: say it instead
+                    data = f"; its data could not be identified ({type(exc).__name__}: {exc})"
             self.logger.print(f" WARNING: loss spike at iteration {iteration}: loss "
                               f"{stats['loss']:.4f} is more than {self.spikes.threshold} above "
-                              f"the median of the previous {self.spikes.history.maxlen} iterations")
+                              f"the median of the previous {self.spikes.history.maxlen} "
+                              f"iterations{data}")
         probs = stats["exit_probs"]
-        if self.collapse.update(probs[0] if probs else None):
+        if self.collapse is not None and self.collapse.update(probs[0] if probs else None):
             self.logger.print(
                 f" WARNING: exit-gate collapse: p0 > {self.collapse.threshold} for "
                 f"{self.collapse.patience} iterations (at iteration {iteration}); the model trains "
                 f"as a one-step transformer and the LM loss does not show it. Closing the Loop "
                 f"Sec. 3.3: LR warmup prevents it, a larger --exit-kl-beta lets the gate recover")
         out["loss_spikes"] = self.spikes.count
-        out["p0_collapse_iters"] = self.collapse.run
+        # None without a gate: nothing is watched (the log line then omits it).
+        out["p0_collapse_iters"] = self.collapse.run if self.collapse is not None else None
         return out
 
     def eval_start(self) -> None:

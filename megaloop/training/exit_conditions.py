@@ -5,10 +5,23 @@ SLURM sends SIGTERM to every task of a job before preemption or at the time limi
 asks here whether to stop, saves and exits 0. The decision is one all-reduce (MAX) over the
 world, so every rank takes the same branch even when only some ranks got the signal or one rank's
 clock crossed the budget first: nothing can hang in a half-taken save.
+
+How a run ends, for launchers (``pretrain_looplm.py``'s exit code, and with --exit-status-file
+one JSON line that says the same where a launcher hides the code: torchrun exits 1 whenever it is
+signalled itself, whatever its ranks did):
+
+- 0, ``completed``: trained to --train-iters (and saved, with --save);
+- 0, ``saved-and-stopped``: stopped early by SIGTERM (--exit-signal-handler), --exit-interval or
+  --exit-duration-in-mins, after saving: resubmit the same command to continue;
+- 1, ``failed``: a ``RunError`` (too many non-finite steps in a row, a save or load that
+  failed): nothing after the last good checkpoint was kept;
+- 2: a bad flag or a checkpoint that does not fit the flags, found before training started.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import time
 from typing import Optional
@@ -17,6 +30,23 @@ import torch
 
 from megaloop.device import current_device
 from megaloop.training.config import CheckpointConfig
+
+
+class RunError(Exception):
+    """A failure that ends the run with a message for the user (what happened, what is kept, what
+    to do). Raised on every rank alike, so the ranks leave together; pretrain_looplm.py prints it
+    once and exits 1."""
+
+
+def write_exit_status(path: str, status: str, reason: str, iteration: int,
+                      checkpoint_iteration: Optional[int]) -> None:
+    """Rank 0: one JSON line ``{"status", "reason", "iteration", "checkpoint_iteration"}``,
+    written atomically (a launcher never reads half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps({"status": status, "reason": reason, "iteration": iteration,
+                            "checkpoint_iteration": checkpoint_iteration}) + "\n")
+    os.replace(path + ".tmp", path)
 
 
 class ExitConditions:

@@ -182,7 +182,9 @@ def format_train_line(r: dict) -> str:
 def _format_diagnostics(r: dict) -> str:
     text = ""
     if "loss_spikes" in r:
-        text += f" | loss spikes {r['loss_spikes']} | p0 high for {r['p0_collapse_iters']} it"
+        text += f" | loss spikes {r['loss_spikes']}"
+        if r.get("p0_collapse_iters") is not None:  # None: no exit gate, nothing to watch
+            text += f" | p0 high for {r['p0_collapse_iters']} it"
     if r.get("grad_norm_per_step"):
         rows = "  ".join(f"L{i} [" + " ".join(f"{x:.2e}" for x in row) + "]"
                          for i, row in enumerate(r["grad_norm_per_step"]))

@@ -11,12 +11,37 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-from megaloop.arguments import add_dataclass_args, dataclass_from_args
+from megaloop.arguments import (ArgumentParser, add_dataclass_args, check_ranges,
+                                dataclass_from_args)
 from megaloop.data.config import DataConfig, TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
 from megaloop.parallel.config import ParallelConfig, RecomputeConfig
 from megaloop.training.config import (CheckpointConfig, LoggingConfig, OptimConfig,
                                       TrainingConfig)
+
+# The smallest value of every size, count and interval flag (None = unset is not checked): a 0
+# here otherwise ends in a ZeroDivisionError or an empty tensor inside megatron-core.
+SIZE_LIMITS = {
+    "model": {"num_layers": 1, "hidden_size": 1, "ffn_hidden_size": 1, "num_attention_heads": 1,
+              "num_query_groups": 1, "kv_channels": 1, "max_position_embeddings": 1,
+              "make_vocab_size_divisible_by": 1, "fp8_margin": 0, "fp8_amax_history_len": 1,
+              "num_layers_at_start_in_bf16": 0, "num_layers_at_end_in_bf16": 0},
+    "loop": {"num_loops": 1, "num_prelude_layers": 0, "num_coda_layers": 0, "history_window": 1,
+             "mesh_slots": 0, "lora_rank": 0, "random_depth_max": 0,
+             "truncated_backprop_steps": 0},
+    "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                 "context_parallel_size": 1},
+    "recompute": {"recompute_num_layers": 1},
+    "training": {"seq_length": 1, "micro_batch_size": 1, "global_batch_size": 1,
+                 "train_iters": 0, "eval_interval": 1, "eval_iters": 0,
+                 "max_skipped_steps_in_a_row": 1},
+    "optim": {"lr_warmup_iters": 0, "lr_decay_iters": 1, "lr_wsd_decay_iters": 1,
+              "muon_ns_steps": 1},
+    "logging": {"log_interval": 1, "loss_spike_window": 1, "p0_collapse_iters": 1},
+    "checkpoint": {"save_interval": 1, "ckpt_step": 0, "exit_interval": 1},
+    "data": {"num_workers": 0},
+    "tokenizer": {"vocab_size": 1},
+}
 
 SECTIONS = {
     "model": ModelConfig,
@@ -47,6 +72,8 @@ class RunConfig:
 
     def validate(self, world_size: int | None = None) -> None:
         """Every check that needs no process group; raises ValueError with the flag to change."""
+        for name, limits in SIZE_LIMITS.items():  # first: the checks below divide by sizes
+            check_ranges(getattr(self, name), limits)
         self.model.validate()
         self.loop.validate(self.model.num_layers)
         self.parallel.validate(self.model.num_attention_heads, self.model.num_query_groups,
@@ -377,7 +404,7 @@ def torch_capability() -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Train a looped language model (layout P + K x T + C) on megatron-core.",
         allow_abbrev=False)
     for cls in SECTIONS.values():

@@ -41,8 +41,9 @@ from megaloop.model.looped_gpt import build_model
 from megaloop.model.loss import loss_func, reduce_stats
 from megaloop.training import checkpointing
 from megaloop.training.random_depth import draw_depth, no_grad_steps
-from megaloop.training.exit_conditions import ExitConditions
-from megaloop.training.diagnostics import GEOMETRY_KEYS, LoopDiagnostics
+from megaloop.training.exit_conditions import ExitConditions, write_exit_status
+from megaloop.training.diagnostics import (GEOMETRY_KEYS, LoopDiagnostics, NonFiniteGuard,
+                                           describe_samples)
 from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_geometry,
                                        format_train_line, peak_memory_gib)
 from megaloop.training.run_config import RunConfig
@@ -156,8 +157,19 @@ class Trainer:
 
             self.pipeline = LoopPipeline(self.model, self.config, cfg.loop)
         self.diagnostics = LoopDiagnostics(cfg, self.model, self.logger)
+        self.guard = NonFiniteGuard(tr.check_for_nan_in_loss_and_grad,
+                                    tr.max_skipped_steps_in_a_row)
+        self._remove_stale_saves()
         self.load_info = self._load()
         self._build_data()
+
+    def _remove_stale_saves(self) -> None:
+        """Saves that never finished (killed, disk full) left iter_*.tmp folders: rank 0 removes
+        them before anything is saved or loaded, and says so."""
+        if torch.distributed.get_rank() == 0:
+            for path in checkpointing.remove_stale_saves(self.cfg.checkpoint.save):
+                self.logger.print(f"> removed {path}, left by a save that did not finish")
+        torch.distributed.barrier()
 
     def _load(self):
         """Resume from --load (weights, optimizer, scheduler, RNG, position in the data)."""
@@ -166,13 +178,16 @@ class Trainer:
             return None
         info = checkpointing.load_checkpoint(
             ck.load, self.model, self.optimizer, self.scheduler, iteration=ck.ckpt_step,
-            load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune)
+            load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune,
+            run_config=self.cfg.to_dict(), verify=ck.ckpt_checksums)
         if info is None:
             self.logger.print(f"> no checkpoint in --load {ck.load}: starting from scratch")
             return None
         self.iteration, self.consumed_samples = info["iteration"], info["consumed_samples"]
         self.last_saved = self.iteration if ck.save == ck.load else None
         self.skipped = info["extra"].get("skipped_iters", 0)
+        for note in info["notes"]:
+            self.logger.print(note)
         self.logger.print(
             f"> loaded {info['path']} (iteration {self.iteration}, consumed samples "
             f"{self.consumed_samples}, optimizer {'yes' if info['loaded_optim'] else 'no'}, "
@@ -185,7 +200,7 @@ class Trainer:
         path = checkpointing.save_checkpoint(
             ck.save, self.iteration, self.model, self.optimizer, self.scheduler,
             run_config=self.cfg.to_dict(), consumed_samples=self.consumed_samples,
-            extra={"skipped_iters": self.skipped})
+            extra={"skipped_iters": self.skipped}, checksums=ck.ckpt_checksums)
         self.last_saved = self.iteration
         self.logger.print(f"> saved {path} in {time.time() - start:.2f} s")
 
@@ -195,6 +210,7 @@ class Trainer:
         train, valid, _ = build_train_valid_test_datasets(
             self.cfg.data, self.tokenizer, tr.seq_length, tr.seed,
             (tr.train_iters * self.gbs, evals, 0))
+        self.train_dataset = train  # names the data of a loss spike's batch
         self.train_iter = build_data_iterator(
             train, self.consumed_samples, tr.micro_batch_size, self.dp_rank, self.dp_size,
             num_workers=self.cfg.data.num_workers)
@@ -248,13 +264,17 @@ class Trainer:
         depth = self.depth(self.iteration + 1)
         reports = self._run(self.train_iter, forward_only=False, num_loops=depth)
         self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
-        ok, grad_norm, _ = self.optimizer.step()
+        # The stats hold the step losses of this iteration's T (the same on every rank).
+        stats = reduce_stats(reports, depth, device=current_device())
+        # --check-for-nan-in-loss-and-grad: a non-finite step is skipped on every rank alike.
+        if self.guard.step_is_finite(self.model, stats["loss"]):
+            ok, grad_norm, _ = self.optimizer.step()
+        else:
+            ok, grad_norm = False, float("nan")
         if ok:
             self.scheduler.step(increment=1)
         else:
             self.skipped += 1
-        # The stats hold the step losses of this iteration's T (the same on every DP rank).
-        stats = reduce_stats(reports, depth, device=current_device())
         return {**stats, "depth": depth}, grad_norm, ok
 
     @torch.no_grad()
@@ -296,6 +316,15 @@ class Trainer:
             self.log_eval()
         else:
             self.logger.print(f"> exiting: {reason}")
+        if ck.exit_status_file:
+            # Written before the ranks may leave: once one exits, a launcher (srun
+            # --kill-on-bad-exit) may kill the others, rank 0 included.
+            if torch.distributed.get_rank() == 0:
+                status = "completed" if reason is None else (
+                    "saved-and-stopped" if ck.save else "stopped")
+                write_exit_status(ck.exit_status_file, status, reason or "trained to "
+                                  "--train-iters", self.iteration, self.last_saved)
+            torch.distributed.barrier()
         self.logger.close()
         return reason
 
@@ -308,9 +337,12 @@ class Trainer:
             self.diagnostics.before_step(
                 will_log=(self.iteration + 1) % log.log_interval == 0
                 or self.iteration + 1 == tr.train_iters)
-            stats, grad_norm, _ = self.train_step()
+            consumed_before = self.consumed_samples
+            stats, grad_norm, applied = self.train_step()
             self.iteration += 1
-            diagnostics = self.diagnostics.after_step(stats, self.iteration)
+            diagnostics = self.diagnostics.after_step(
+                stats, self.iteration, describe_batch=lambda: describe_samples(
+                    self.train_dataset, consumed_before, self.gbs))
             self.consumed_samples += self.gbs
             window_iters += 1
             # Each iteration counts at the loop count it ran (random depth draws it per step).
@@ -339,6 +371,8 @@ class Trainer:
                     line += f" | depth {record['depth']}"
                 self.logger.log(record, line=line)
                 window_start, window_iters, window_flops = time.time(), 0, 0.0
+            # After the log line, so the skipped steps show before the run stops.
+            self.guard.record(applied, self.iteration, self.last_saved)
             if self.iteration % tr.eval_interval == 0 and self.iteration < tr.train_iters:
                 self.log_eval()
             if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
