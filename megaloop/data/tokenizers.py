@@ -43,6 +43,11 @@ class Tokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
+    def piece(self, token_id: int) -> str:
+        """The text that names one token, special ones included (``</s>`` for EOD where the
+        tokenizer has such a piece), as a remote tokenizer reports special tokens."""
+        return self.detokenize([token_id])
+
     @property
     def eos(self) -> int:
         # megatron-core's pad-collision check looks for eos or eod; they are the same token here.
@@ -99,6 +104,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
 
     @property
     def unique_identifiers(self) -> OrderedDict:
@@ -160,6 +168,9 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id))
 
     @property
     def unique_identifiers(self) -> OrderedDict:
