@@ -1,6 +1,8 @@
 """An OpenAI-compatible completions server for a looped model (``tools/serve.py``).
 
-Endpoints: ``GET /v1/models`` and ``POST /v1/completions`` with the legacy completions API's
+Endpoints: ``GET /v1/models``, vLLM's tokenizer endpoints (``GET /tokenizer_info``,
+``POST /tokenize``, ``POST /detokenize``: lm-evaluation-harness's ``local-completions`` model
+tokenizes through them) and ``POST /v1/completions`` with the legacy completions API's
 fields: ``model``, ``prompt`` (a text, a list of texts, a list of token ids or a list of lists
 of ids), ``max_tokens`` (default 16), ``temperature`` (default 1; 0 = greedy), ``top_p``,
 ``top_k`` and ``seed`` (extensions; no seed: a fresh one per request), ``stop`` (a string or a
@@ -74,6 +76,23 @@ class CompletionRequest(BaseModel):
     stream: StrictBool = False
 
 
+class TokenizeRequest(BaseModel):
+    """The body of ``POST /tokenize`` (vLLM's form, which lm-eval's remote tokenizer sends)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: StrictStr
+    add_special_tokens: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """The body of ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tokens: List[StrictInt]
+
+
 class _Job:
     """One request's validated work: token-id prompts and how to continue them."""
 
@@ -141,6 +160,28 @@ class Engine:
             except BaseException as exc:  # Ctrl-C / SIGTERM: the request fails, the server stops
                 future.set_exception(RuntimeError("the server is shutting down"))
                 raise exc
+
+    # --- tokenizer endpoints (event-loop thread) ------------------------------------------------
+    def special_tokens(self) -> dict:
+        """{piece text: id} of EOD and BOS: a prompt that writes one gets that token, as Hugging
+        Face tokenizers parse their special tokens (sentencepiece would spell ``</s>`` out)."""
+        ids = {"eos_token": self.tokenizer.eod, "bos_token": self.tokenizer.bos}
+        return {name: (self.tokenizer.piece(i), i) for name, i in ids.items() if i is not None}
+
+    def tokenize(self, text: str) -> list[int]:
+        specials = {piece: i for piece, i in self.special_tokens().values() if piece}
+        out, rest = [], text
+        while rest:
+            hits = [(rest.find(p), p) for p in specials if p in rest]
+            if not hits:
+                out += self.tokenizer.tokenize(rest)
+                break
+            at, piece = min(hits)
+            if at:
+                out += self.tokenizer.tokenize(rest[:at])
+            out.append(specials[piece])
+            rest = rest[at + len(piece):]
+        return [int(i) for i in out]
 
     # --- request -> job (event-loop thread) ---------------------------------------------------
     def prepare(self, req: CompletionRequest) -> _Job:
@@ -373,6 +414,30 @@ def create_app(engine: Engine):
         return {"object": "list", "data": [{
             "id": engine.model_name, "object": "model", "created": engine.created,
             "owned_by": "megaloop", "max_model_len": engine.max_length}]}
+
+    # vLLM's tokenizer endpoints: lm-eval's local-completions finds them and tokenizes with the
+    # served model's own tokenizer (no Hugging Face tokenizer needed on the client).
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        specials = engine.special_tokens()
+        return {"tokenizer_class": type(engine.tokenizer).__name__,
+                "eos_token": specials["eos_token"][0],
+                "bos_token": specials["bos_token"][0] if "bos_token" in specials else None,
+                "pad_token": None, "model_max_length": engine.max_length,
+                "vocab_size": engine.vocab_size}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        tokens = engine.tokenize(req.prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_length}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        bad = [i for i in req.tokens if not 0 <= i < engine.vocab_size]
+        if bad:
+            return _error(400, f"token id {bad[0]} is outside the vocabulary (size "
+                               f"{engine.vocab_size})", "tokens")
+        return {"prompt": engine.tokenizer.detokenize(req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
