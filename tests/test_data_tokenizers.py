@@ -7,12 +7,14 @@ import os
 import subprocess
 import sys
 
+import numpy
 import pytest
 import sentencepiece
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as McoreNull
 
 from megaloop.arguments import add_dataclass_args, dataclass_from_args
 from megaloop.data.config import DataConfig, TokenizerConfig
+from megaloop.data.indexed_format import IndexedWriter
 from megaloop.data.tokenizers import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,9 +89,10 @@ def test_tokenizer_config_errors(cfg, flag):
 
 
 def test_data_config_errors(tmp_path):
-    for prefix, ext in (("a", ".bin"), ("a", ".idx"), ("b_text_document", ".bin"),
-                        ("b_text_document", ".idx")):
-        (tmp_path / (prefix + ext)).write_bytes(b"")
+    for prefix in ("a", "b_text_document"):  # valid one-document datasets
+        writer = IndexedWriter(str(tmp_path / prefix) + ".bin", numpy.uint16)
+        writer.add_documents(numpy.array([1, 2, 3]), numpy.array([3]))
+        writer.finalize(str(tmp_path / prefix) + ".idx")
     a, b = str(tmp_path / "a"), str(tmp_path / "b_text_document")
     cases = [
         (DataConfig(), "--data-path PREFIX"),
@@ -103,10 +106,16 @@ def test_data_config_errors(tmp_path):
         (DataConfig(data_path=[a], data_format="sft"), "_text_document"),
         (DataConfig(data_path=[b], data_format="sft"), "b_lossmask_document.bin"),
         (DataConfig(mock_data=True, data_format="sft"), "loss mask"),
+        # An odd blend is not read as prefixes (that failed with "0.5.bin not found").
+        (DataConfig(data_path=["0.5", a, "0.5"]), "weight/prefix pairs, but 3 values"),
     ]
     for cfg, message in cases:
         with pytest.raises(ValueError, match=message):
             cfg.validate()
+    with pytest.raises(ValueError, match="--split 100,0,0 leaves no documents for validation, "
+                                         "but --eval-iters 5 .* pass --eval-iters 0"):
+        DataConfig(data_path=[a], split="100,0,0").validate(eval_iters=5)
+    DataConfig(data_path=[a], split="100,0,0").validate(eval_iters=0)
     DataConfig(data_path=["0.3", a, "0.7", a], split="98,2").validate()
     DataConfig(data_path=[b]).validate()
 

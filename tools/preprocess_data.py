@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: nothing written, temporary files removed", file=sys.stderr)
+        print("interrupted: temporary files removed", file=sys.stderr)
         return 130
     print(stats.summary())
     for prefix in stats.outputs:

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from megaloop.data.indexed_format import check_indexed_dataset
+
 TokenizerType = Literal["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"]
 
 SFT_TEXT_SUFFIX = "_text_document"
@@ -55,6 +57,11 @@ class TokenizerConfig:
 
 def parse_blend(values: list[str], flag: str) -> tuple[list[str], Optional[list[float]]]:
     """Megatron blend syntax: ``p1 p2 ...`` (weights from sizes) or ``w1 p1 w2 p2 ...``."""
+    if len(values) % 2 == 1 and len(values) > 1 and _is_number(values[0]):
+        # Read as prefixes this would fail later with "0.5.bin not found".
+        raise ValueError(f"{flag} {' '.join(values)}: a weighted blend takes weight/prefix "
+                         f"pairs, but {len(values)} values were given; pass e.g. {flag} "
+                         f"{values[0]} {values[1]} <weight> <prefix>, or prefixes only")
     if len(values) % 2 == 0:
         try:
             weights = [float(v) for v in values[0::2]]
@@ -65,6 +72,14 @@ def parse_blend(values: list[str], flag: str) -> tuple[list[str], Optional[list[
                 raise ValueError(f"{flag}: blend weights must be > 0, got {weights}")
             return list(values[1::2]), weights
     return list(values), None
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return not os.path.isfile(value + ".idx")  # a dataset may be called "1"
 
 
 def parse_split(split: str) -> list[float]:
@@ -136,8 +151,9 @@ class DataConfig:
         """Every dataset prefix the config reads (token datasets only)."""
         return [p for blend in self.blends() if blend for p in blend[0]]
 
-    def validate(self) -> None:
-        """Raise ValueError naming the flag to change; touches the file system only."""
+    def validate(self, eval_iters: int = 0) -> None:
+        """Raise ValueError naming the flag to change; touches the file system only.
+        ``eval_iters``: validation iterations per evaluation (--eval-iters)."""
         per_split = any((self.train_data_path, self.valid_data_path, self.test_data_path))
         if self.mock_data:
             if self.data_path or per_split:
@@ -155,7 +171,11 @@ class DataConfig:
                              "--train-data-path ..., or --mock-data")
         elif per_split and not self.train_data_path:
             raise ValueError("--valid/test-data-path given without --train-data-path")
-        parse_split(self.split)
+        split = parse_split(self.split)
+        if self.data_path and eval_iters > 0 and split[1] == 0:
+            raise ValueError(f"--split {self.split} leaves no documents for validation, but "
+                             f"--eval-iters {eval_iters} evaluates on them: pass --eval-iters 0 "
+                             "(no evaluation) or give validation a share, e.g. --split 98,2,0")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers {self.num_workers}: must be >= 0")
         for prefix in self.prefixes():
@@ -179,3 +199,6 @@ class DataConfig:
                 if not os.path.isfile(p + ext):
                     raise ValueError(f"{flag}: {p + ext} not found (run tools/preprocess_data.py "
                                      "or fix the prefix)")
+            # A cut .bin or a mismatched .idx fails here, naming the file, instead of iterations
+            # later (or never: a smaller .idx silently trains on part of the data).
+            check_indexed_dataset(p)

@@ -20,19 +20,6 @@ def open_lines(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def read_chunks(path: str, chunk_size: int) -> Iterator[tuple[int, list[bytes]]]:
-    """(1-based number of the chunk's first line, ``chunk_size`` raw lines)."""
-    with open_lines(path) as f:
-        first, lines = 1, []
-        for line in f:
-            lines.append(line)
-            if len(lines) == chunk_size:
-                yield first, lines
-                first, lines = first + chunk_size, []
-        if lines:
-            yield first, lines
-
-
 def iter_json(path: str) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) per non-blank line; BadInputError on a non-JSON line."""
     with open_lines(path) as f:

@@ -27,11 +27,13 @@ interrupt waits for the batch being encoded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import shutil
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -293,9 +295,11 @@ def _worker(conn, job: Job) -> None:
 class _Workers:
     """Worker processes, one per job, and their pipes; ``kill`` ends them at once."""
 
-    def __init__(self, jobs: list[Job]):
-        ctx = multiprocessing.get_context("fork")
+    def __init__(self):
         self.procs, self.conns = [], []
+
+    def start(self, jobs: list[Job]) -> None:
+        ctx = multiprocessing.get_context("fork")
         # Children must never run Python's SIGINT handler (a traceback per worker on Ctrl-C):
         # block SIGINT across the fork; a child ignores it before unblocking, and a SIGINT that
         # arrived meanwhile is delivered to this process when it unblocks.
@@ -368,6 +372,23 @@ class _Progress:
                                      refresh=False)
 
 
+@contextlib.contextmanager
+def _interrupts_held(drop: bool):
+    """SIGINT waits until the block ends; then it is delivered, or discarded if ``drop``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only
+        return
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        handler = signal.getsignal(signal.SIGINT)
+        if drop:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a pending SIGINT is discarded
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.signal(signal.SIGINT, handler)
+
+
 def _join_parts(target: str, parts: list[str]) -> None:
     """``target`` = the parts back to back; the first part is renamed, not copied."""
     os.replace(parts[0], target)
@@ -430,7 +451,8 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
         if workers == 0:
             encode_range(jobs[0], lambda msg: handle(0, msg))
         else:
-            pool = _Workers(jobs)
+            pool = _Workers()  # assigned first: an interrupt inside start() still kills
+            pool.start(jobs)
             for k, msg in pool.messages():
                 handle(k, msg)
         if first_bad is not None:
@@ -448,29 +470,25 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
                     "cannot be opened: check the file and --json-keys")
             _join_parts(finals[key] + ".bin" + tmp, [job.parts[key] for job in jobs])
             write_index(finals[key] + ".idx" + tmp, dtypes[key], numpy.concatenate(per_key))
-        # Publish: .bin before .idx, so a reader that sees the new .idx sees the new .bin. An
-        # interrupt waits for the renames (microseconds): half a dataset must never be visible.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        bar.bar.close()
+        stats.seconds = time.perf_counter() - bar.start
+        stats.outputs = [finals[k] for k in keys]
+        # Publish: .bin before .idx, so a reader that sees the new .idx sees the new .bin. A
+        # Ctrl-C during the renames (microseconds) comes too late and is dropped: half a
+        # dataset must never be visible.
+        with _interrupts_held(drop=True):
             for key in keys:
                 for ext in (".bin", ".idx"):
                     os.replace(finals[key] + ext + tmp, finals[key] + ext)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return stats
     except BaseException:
-        # A second Ctrl-C must not cut the clean-up short: it is delivered after it.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        # A (second) Ctrl-C must not cut the clean-up short: it is delivered after it.
+        with _interrupts_held(drop=False):
             if pool is not None:
                 pool.kill()
             for path in temporaries:
                 if os.path.exists(path):
                     os.remove(path)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         raise
     finally:
         bar.bar.close()
-    stats.seconds = time.perf_counter() - bar.start
-    stats.outputs = [finals[k] for k in keys]
-    return stats

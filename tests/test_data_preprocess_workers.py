@@ -1,0 +1,159 @@
+"""tools/preprocess_data.py as a user runs it: byte ranges per worker, empty inputs, Ctrl-C at random
+moments, and a start-up that imports neither torch nor megatron-core.
+
+Expected outputs come from an independent path: megatron-core's own ``IndexedDatasetBuilder`` fed
+sentencepiece's encodings of the parsed JSON, one document at a time.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy
+import pytest
+import sentencepiece
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from megaloop.data.config import TokenizerConfig
+from megaloop.data.jsonl import BadInputError
+from megaloop.data.preprocess import byte_ranges, preprocess, read_batches
+from megaloop.data.tokenizers import train_sentencepiece
+from test_data_preprocess import corpus, write_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> str:
+    prefix = tmp_path_factory.mktemp("tok") / "sp"
+    return train_sentencepiece(corpus(400, seed=1), str(prefix), vocab_size=300)
+
+
+def test_byte_ranges_own_every_line_once(tmp_path):
+    """Whatever the cut points (inside a line, on a newline, at a line start), every line is
+    read by exactly one range, in order, with its true byte offset."""
+    lines = [b"x" * n + b"\n" for n in (0, 3, 1, 0, 0, 7, 2, 11, 1, 0)] + [b"tail-no-newline"]
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b"".join(lines))
+    starts = numpy.cumsum([0] + [len(x) for x in lines[:-1]]).tolist()
+    size = os.path.getsize(path)
+    for parts in range(1, size + 2):
+        for batch in (1, 4, 1000):
+            got = [(off, ln) for a, b in byte_ranges(size, parts)
+                   for offs, lns in read_batches(str(path), a, b, batch)
+                   for off, ln in zip(offs, lns)]
+            assert got == list(zip(starts, lines)), (parts, batch)
+
+
+def _megatron_reference(src: str, model: str, prefix: str) -> dict:
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for line in open(src, "rb"):
+        ids = sp.encode(json.loads(line)["text"]) + [sp.eos_id()]
+        builder.add_document(numpy.array(ids), [len(ids)])
+    builder.finalize(prefix + ".idx")
+    return {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx")}
+
+
+def test_workers_and_batches_match_megatron_builder(tmp_path, sp_model):
+    # Documents from a few bytes to ~60 kB, so that ranges and batches cut everywhere.
+    texts = corpus(300, seed=5)
+    texts[7] = " ".join(corpus(2000, seed=6))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    expected = _megatron_reference(src, sp_model, str(tmp_path / "ref"))
+    cfg = TokenizerConfig("SentencePieceTokenizer", sp_model)
+    for workers, batch in ((0, 1 << 20), (1, 100), (2, 1 << 20), (3, 7), (5, 4000)):
+        out = str(tmp_path / f"w{workers}")
+        preprocess(src, out, cfg, workers=workers, batch_bytes=batch, append_eod=True,
+                   progress=False)
+        got = {ext: open(f"{out}_text_document{ext}", "rb").read() for ext in (".bin", ".idx")}
+        assert got == expected, (workers, batch)
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            p for p in os.listdir(tmp_path) if ".tmp" not in p)
+
+
+@pytest.mark.parametrize("rows,why", [([], "0 non-blank lines"),
+                                      (["", "   "], "0 non-blank lines"),
+                                      ([{"text": ""}, {"text": ""}], "2 empty after"),
+                                      (["{bad", {"other": "x"}], "2 bad lines skipped")])
+def test_nothing_to_write_is_an_error_naming_the_file(tmp_path, rows, why):
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    for workers in (0, 2):
+        with pytest.raises(BadInputError, match=rf"{src}: no documents to write.*{why}"):
+            preprocess(src, str(tmp_path / "out"), TokenizerConfig(vocab_size=9),
+                       workers=workers, skip_bad_lines=True, progress=False)
+        assert os.listdir(tmp_path) == ["in.jsonl"]  # no dataset that cannot be opened
+
+
+def test_cli_empty_input_exit_code_and_message(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [])
+    proc = subprocess.run([sys.executable, TOOL, "--input", src, "--output-prefix",
+                           str(tmp_path / "out"), "--vocab-size", "9", "--no-progress"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and f"error: {src}: no documents to write" in proc.stderr
+
+
+def test_startup_imports_neither_torch_nor_megatron(tmp_path, sp_model):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "alpha beta"}])
+    probe = ("import runpy, sys; sys.argv = sys.argv[1:]; "
+             "exit_code = None\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit as e:\n    exit_code = e.code\n"
+             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
+             "print('HEAVY', bad, exit_code)")
+    proc = subprocess.run([sys.executable, "-c", probe, TOOL, "--input", src, "--output-prefix",
+                           str(tmp_path / "out"), "--tokenizer-type", "SentencePieceTokenizer",
+                           "--tokenizer-model", sp_model, "--workers", "2", "--no-progress"],
+                          capture_output=True, text=True, timeout=60)
+    assert "HEAVY [] 0" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_ctrl_c_at_random_moments_stops_fast_and_leaves_no_temporaries(tmp_path, sp_model):
+    """20 runs, each interrupted at a random moment of its ~1 s (start-up, encoding, joining
+    the parts, publishing): every run ends within 2 s of the SIGINT, leaves no temporary file,
+    and leaves either no output or the complete one (a Ctrl-C that lands after publishing can
+    still end the process with a non-zero code; it never leaves half a dataset)."""
+    rows = [{"text": t} for t in corpus(6000, seed=9)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, TOOL, "--input", src, "--output-prefix", str(out_dir / "o"),
+           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
+           "--workers", "2", "--batch-bytes", "20000", "--append-eod", "--no-progress"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)  # how long a whole run is
+    whole = time.perf_counter() - t0
+    complete = {p: open(out_dir / p, "rb").read() for p in os.listdir(out_dir)}
+    rng = random.Random(0)
+    outcomes = []
+    for trial in range(20):
+        for p in os.listdir(out_dir):
+            os.remove(out_dir / p)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        time.sleep(rng.uniform(0.05, whole))
+        # Half the time as a terminal does (the whole process group), else the main process.
+        if trial % 2:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        sent = time.perf_counter()
+        try:
+            _, err = proc.communicate(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            pytest.fail(f"trial {trial}: still running 2 s after SIGINT")
+        took = time.perf_counter() - sent
+        left = sorted(os.listdir(out_dir))
+        assert not [p for p in left if ".tmp" in p], (trial, left)
+        assert proc.returncode in (0, 130, -signal.SIGINT), (trial, proc.returncode, err)
+        if proc.returncode == 0 or left:
+            assert {p: open(out_dir / p, "rb").read() for p in left} == complete, trial
+        outcomes.append((proc.returncode, bool(left), round(took, 2)))
+    interrupted = sum(rc != 0 and not published for rc, published, _ in outcomes)
+    assert interrupted >= 10, outcomes  # the trials did hit running work
