@@ -91,7 +91,7 @@ class RunConfig:
         self._check_compatibility(world_size)
         self.checkpoint.validate()
         self.tokenizer.validate()
-        self.data.validate()
+        self.data.validate(eval_iters=self.training.eval_iters)
 
     def _check_compatibility(self, world_size: int | None) -> None:
         """Every "X does not work with Y" rule between features, in one place. (Checks of one
