@@ -118,7 +118,8 @@ def converted(request, tmp_path_factory):
     """(family, HF model, its folder, the converted checkpoint (T=3), printed flags)."""
     root = tmp_path_factory.mktemp(request.param)
     hf = _make_hf(request.param, str(root / "hf"))
-    loop_kw = dict(num_loops=3, input_injection="scalar-mix", exit_loss="smoothed")
+    loop_kw = dict(num_loops=3, input_injection="scalar-mix", exit_loss="smoothed",
+                   lora_rank=2 if request.param == "qwen2" else 0)  # LoRA beside the QKV bias
     flags, = run_distributed(_import, 1, str(root / "hf"), str(root / "ckpt"), loop_kw)
     return request.param, hf, str(root / "hf"), str(root / "ckpt"), flags
 
@@ -191,8 +192,9 @@ def test_trains_at_t3_and_exports_equal_logits(converted, tmp_path):
     losses, moved, ours = run_distributed(_train_and_save, 1, ckpt, str(tmp_path / "trained"),
                                           ids, 5)[0]
     assert losses[-1] < losses[0], losses
-    if family == "qwen2":  # the biases are trained parameters like any other
+    if family == "qwen2":  # the biases and the adapters are trained parameters like any other
         assert any(n.endswith("linear_qkv.bias") for n in moved), moved
+        assert any(".lora_B." in n for n in moved), moved
     cfg, = run_distributed(_export, 1, str(tmp_path / "trained"), str(tmp_path / "hf_out"))
     assert cfg["model_type"] == "megaloop" and cfg["total_ut_steps"] == 3
     assert cfg.get("rope_scaling") == ({k: LLAMA3[k] for k in LLAMA3} if family == "llama3"

@@ -1,6 +1,7 @@
 """Convert between Hugging Face folders and megaloop checkpoints.
 
-Dense-to-loop ("Closing the Loop" (arXiv 2610.00673) section 4): a local Qwen3 / Llama folder
+Dense-to-loop ("Closing the Loop" (arXiv 2610.00673) section 4): a local Llama (2, 3.x with
+"llama3" RoPE scaling, SmolLM), Mistral (no sliding window), Qwen2 / Qwen2.5 or Qwen3 folder
 (config.json + *.safetensors) becomes a looped megaloop checkpoint whose core is the whole decoder,
 with scalar-mix input injection (w = 0.99), a fresh exit gate, T loops and optional stepwise LoRA.
 Every --loop flag of pretrain_looplm.py is accepted; the defaults below follow Closing the Loop's
@@ -10,7 +11,8 @@ conversion recipe:
         --num-loops 3 [--lora-rank 32] [--tensor-model-parallel-size 2]
 
 It prints the pretrain_looplm.py flags that continue training the converted model. The checkpoint
-is written by one process at TP = 1 and loads at any TP size (dist_checkpointing reshards).
+is written by one process at TP = 1 and loads at any TP size (dist_checkpointing reshards). Every
+config.json field is honoured or refused by name (megaloop/convert/hf_families.py).
 
 Export (a megaloop checkpoint saved at any TP size -> a Hugging Face folder, loaded with
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``):
@@ -36,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
 
-    imp = sub.add_parser("import-hf", help="Hugging Face Qwen3/Llama folder -> looped checkpoint",
-                         allow_abbrev=False)
+    imp = sub.add_parser("import-hf", allow_abbrev=False,
+                         help="Hugging Face Llama/Mistral/Qwen2/Qwen3 folder -> looped checkpoint")
     imp.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")
     imp.add_argument("--save", required=True, help="checkpoint directory to write (iteration 0)")
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1,

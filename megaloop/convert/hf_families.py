@@ -44,12 +44,19 @@ HONOURED = {
     "rope_scaling": "--use-rope-scaling, --rope-scaling-factor",
 }
 
-# key -> (accepted values, what megaloop implements / what to do instead).
+# key -> (accepted values or a test of the value, what megaloop implements / what to do instead).
 CHECKED_COMMON = {
     "hidden_act": (("silu",), "only SwiGLU (silu) MLPs are supported"),
     "partial_rotary_factor": ((1.0,), "RoPE on every head dimension only"),
 }
 NO_BIAS = (False, None)
+
+
+def ALL_FULL(layer_types) -> bool:
+    return all(kind == "full_attention" for kind in layer_types or [])
+
+
+SLIDING_LAYERS = "sliding-window layers are not supported (every layer must be 'full_attention')"
 CHECKED_BY_FAMILY = {
     "LlamaForCausalLM": {
         "model_type": (("llama",), "a LlamaForCausalLM has model_type 'llama'"),
@@ -69,11 +76,13 @@ CHECKED_BY_FAMILY = {
         "model_type": (("qwen2",), "a Qwen2ForCausalLM has model_type 'qwen2'"),
         "use_sliding_window": (NO_BIAS, "sliding-window attention is not supported"),
         "use_mrope": (NO_BIAS, "multimodal RoPE (Qwen2-VL) is not supported"),
+        "layer_types": (ALL_FULL, SLIDING_LAYERS),
     },
     "Qwen3ForCausalLM": {
         "model_type": (("qwen3",), "a Qwen3ForCausalLM has model_type 'qwen3'"),
         "attention_bias": (NO_BIAS, "a bias on q, k, v and o is not supported"),
         "use_sliding_window": (NO_BIAS, "sliding-window attention is not supported"),
+        "layer_types": (ALL_FULL, SLIDING_LAYERS),
     },
 }
 
@@ -101,10 +110,8 @@ INERT_BY_FAMILY = {
         "is_llama_config": "nanotron's marker in SmolLM configs; transformers does not read it",
     },
     "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"sliding_window": SLIDING_UNUSED, "max_window_layers": SLIDING_UNUSED,
-                         "layer_types": "checked: every layer 'full_attention'"},
-    "Qwen3ForCausalLM": {"sliding_window": SLIDING_UNUSED, "max_window_layers": SLIDING_UNUSED,
-                         "layer_types": "checked: every layer 'full_attention'"},
+    "Qwen2ForCausalLM": {"sliding_window": SLIDING_UNUSED, "max_window_layers": SLIDING_UNUSED},
+    "Qwen3ForCausalLM": {"sliding_window": SLIDING_UNUSED, "max_window_layers": SLIDING_UNUSED},
 }
 FAMILY_SWITCHES = {  # architecture -> (add_qkv_bias, qk_layernorm)
     "LlamaForCausalLM": (False, False),
@@ -131,8 +138,8 @@ def check_fields(cfg: dict) -> str:
     the first key that is refused or unknown."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED:
-        raise ValueError(f"architecture {arch!r} is not supported; import-hf reads "
-                         f"{', '.join(SUPPORTED)}")
+        raise ValueError(f"config.json architectures {cfg.get('architectures')}: architecture "
+                         f"{arch!r} is not supported; import-hf reads {', '.join(SUPPORTED)}")
     unknown = sorted(k for k in cfg if field_role(arch, k) == "unknown")
     if unknown:
         raise ValueError(f"config.json field(s) {unknown} are unknown to import-hf for {arch}, "
@@ -140,12 +147,9 @@ def check_fields(cfg: dict) -> str:
                          f"they do not, delete them from config.json")
     checked = {**CHECKED_COMMON, **CHECKED_BY_FAMILY[arch]}
     for key, (accepted, why) in checked.items():
-        if key in cfg and cfg[key] not in accepted:
+        ok = accepted(cfg.get(key)) if callable(accepted) else cfg.get(key) in accepted
+        if key in cfg and not ok:
             raise ValueError(f"config.json {key}={cfg[key]!r}: {why}")
-    layer_types = cfg.get("layer_types") or []
-    if any(kind != "full_attention" for kind in layer_types):
-        raise ValueError(f"config.json layer_types={layer_types}: sliding-window layers are not "
-                         f"supported (every layer must be 'full_attention')")
     return arch
 
 
@@ -164,21 +168,24 @@ def rope_settings(cfg: dict) -> tuple[int, float | None]:
     kind = params.pop("rope_type", params.pop("type", "default"))
     theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     if theta != int(theta):
-        raise ValueError(f"rope_theta {theta} is not an integer; megaloop's --rotary-base is one")
+        raise ValueError(f"config.json rope_theta {theta} is not an integer; megaloop's "
+                         f"--rotary-base is one")
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor: RoPE on every head dimension only")
+        raise ValueError("config.json partial_rotary_factor: megaloop applies RoPE to every "
+                         "head dimension only (1.0)")
     if kind == "default":
         if params:
             raise ValueError(f"config.json RoPE keys {sorted(params)} mean nothing to plain "
                              f"RoPE (rope_type 'default'); remove them")
         return int(theta), None
     if kind != "llama3":
-        raise ValueError(f"config.json asks for RoPE scaling {kind!r}; megaloop implements plain "
-                         f"RoPE ('default') and Llama 3.x scaling ('llama3') only")
+        raise ValueError(f"config.json rope_type {kind!r}: megaloop implements plain RoPE "
+                         f"('default') and Llama 3.x scaling ('llama3') only")
     # transformers falls back to max_position_embeddings when the original context is missing.
     params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     if "factor" not in params:
-        raise ValueError("config.json RoPE scaling 'llama3' has no factor")
+        raise ValueError("config.json RoPE scaling 'llama3' has no factor; add the checkpoint's "
+                         "factor")
     factor = float(params.pop("factor"))
     for key, fixed in LLAMA3_FIXED.items():
         value = params.pop(key, None)
