@@ -44,7 +44,8 @@ def resolve_shape(cfg: EvalConfig, run: dict) -> Shape:
     if gbs % mbs:
         raise ValueError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size "
                          f"{mbs}")
-    iters = cfg.eval_iters if cfg.eval_iters is not None else training.get("eval_iters")
+    iters = cfg.eval_iters if cfg.eval_iters is not None else \
+        None if cfg.input_file else training.get("eval_iters")
     if iters is None and not cfg.input_file:
         raise ValueError(f"--eval-iters is required: {cfg.load} holds no training config")
     return Shape(pick("--seq-length", "seq_length"), mbs, int(gbs),

@@ -1,0 +1,225 @@
+"""tools/evaluate.py and tools/plot_run.py on a tiny trained checkpoint.
+
+The depth sweep at the training depth must give the trainer's own validation numbers for the same
+samples (its final evaluation, logged to --log-jsonl): per-step losses, the objective and the loop
+geometry; TP=2 must give the TP=1 numbers; the report must hold every depth with its regime.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from distributed import run_distributed
+from test_inference import _generate_tool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 200
+
+TRAIN = ["--num-layers", "2", "--num-loops", "3", "--hidden-size", "32", "--num-attention-heads",
+         "4", "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--log-interval", "1",
+         "--eval-iters", "2", "--eval-interval", "100", "--split", "70,30,0"]
+
+
+def _write_dataset(prefix: str) -> None:
+    """60 random documents through megatron-core's own builder."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for _ in range(60):
+        doc = rng.integers(0, VOCAB, size=int(rng.integers(20, 80)))
+        builder.add_document(torch.from_numpy(np.append(doc, VOCAB).astype(np.int32)),
+                             [len(doc) + 1])
+    builder.finalize(prefix + ".idx")
+
+
+def _train(rank, world, argv):
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+
+    cfg = parse_args(argv)
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    Trainer(cfg).train()
+    return True
+
+
+def _tool(rank, world, name, argv, out_path):
+    """Run tools/<name>.py's main in this rank; (exit code, its stdout)."""
+    import contextlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with open(f"{out_path}.{rank}", "w") as f, contextlib.redirect_stdout(f):
+        code = tool.main(argv)
+    return code, open(f"{out_path}.{rank}").read()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(checkpoint, data prefix, JSONL log) of a 3-iteration run whose only validation is the
+    final one (--eval-interval > --train-iters): the first --eval-iters batches of its split."""
+    tmp = tmp_path_factory.mktemp("evaluate")
+    prefix = str(tmp / "data_text_document")
+    run_distributed(lambda rank, world: _write_dataset(prefix), 1)
+    ckpt, log = str(tmp / "ckpt"), str(tmp / "run.jsonl")
+    run_distributed(_train, 1, TRAIN + ["--data-path", prefix, "--save", ckpt,
+                                        "--log-jsonl", log])
+    return ckpt, prefix, log
+
+
+def _sweep(tmp_path, ckpt, world, *extra):
+    out = str(tmp_path / f"sweep{world}")
+    results = run_distributed(_tool, world, "evaluate",
+                              ["--load", ckpt, "--output-dir", out, *extra],
+                              str(tmp_path / "stdout"))
+    assert all(code == 0 for code, _ in results), results[0][1]
+    with open(os.path.join(out, "depth_sweep.json")) as f:
+        return json.load(f), out, results[0][1]
+
+
+def test_training_depth_equals_trainer_validation(run, tmp_path):
+    ckpt, _, log = run
+    valid = [json.loads(line) for line in open(log) if '"valid"' in line]
+    assert len(valid) == 1  # the final evaluation only
+    valid = valid[0]
+    sweep, out, stdout = _sweep(tmp_path, ckpt, 1, "--num-loops", "1,3,6",
+                                "--exit-rules", "q:0.5,kl:0")
+    by_depth = {d["depth"]: d for d in sweep["depths"]}
+    assert [d["regime"] for d in sweep["depths"]] == \
+        ["under-unrolling", "training horizon", "extrapolation"]
+    at_t = by_depth[3]
+    np.testing.assert_allclose(at_t["step_losses"], valid["step_losses"], rtol=1e-5)
+    np.testing.assert_allclose(at_t["objective"], valid["loss"], rtol=1e-5)
+    np.testing.assert_allclose(at_t["exit_probs"], valid["exit_probs"], rtol=1e-4, atol=1e-6)
+    for key in ("angular_distance", "relative_update_norm", "state_variance"):
+        np.testing.assert_allclose(at_t["geometry"][key], valid[key], rtol=1e-4)
+    assert at_t["tokens"] == 2 * 4 * 32  # --eval-iters x global batch x sequence
+    for d in sweep["depths"]:
+        k = d["depth"]
+        assert len(d["step_losses"]) == k and d["loss"] == d["step_losses"][-1]
+        assert d["perplexity"] == pytest.approx(np.exp(d["loss"]))
+        # A k-step run's first steps are the same computation as a longer run's.
+        np.testing.assert_allclose(d["step_losses"], by_depth[6]["step_losses"][:k], rtol=1e-5)
+        if k > 1:
+            assert sum(d["exit_probs"]) == pytest.approx(1.0, abs=1e-5)
+            assert d["expected_exit_step"] == pytest.approx(
+                sum((t + 1) * p for t, p in enumerate(d["exit_probs"])))
+        # kl:0 never stops early (a KL is never below 0): the last step's loss at full depth.
+        assert d["rules"]["kl:0"]["loss"] == pytest.approx(d["loss"], rel=1e-5)
+        assert d["rules"]["kl:0"]["mean_depth"] == pytest.approx(k)
+        assert 1 <= d["rules"]["q:0.5"]["mean_depth"] <= k
+    md = open(os.path.join(out, "depth_sweep.md")).read()
+    for k, regime in ((1, "under-unrolling"), (3, "training horizon"), (6, "extrapolation")):
+        assert f"| {k} | {regime} | {by_depth[k]['loss']:.4f} |" in md
+    assert md.split("\n")[0] in stdout  # the table is printed too
+    for png in ("loss_vs_depth.png", "exit_distribution.png"):
+        with open(os.path.join(out, png), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tensor_parallel_sweep_equals_one_rank(run, tmp_path):
+    ckpt = run[0]
+    one, _, _ = _sweep(tmp_path, ckpt, 1, "--num-loops", "2,3", "--plots", "false",
+                       "--exit-rules", "q:0.5")
+    two, _, _ = _sweep(tmp_path, ckpt, 2, "--num-loops", "2,3", "--plots", "false",
+                       "--exit-rules", "q:0.5")
+    for a, b in zip(one["depths"], two["depths"]):
+        np.testing.assert_allclose(a["step_losses"], b["step_losses"], rtol=1e-5)
+        np.testing.assert_allclose(a["exit_probs"], b["exit_probs"], rtol=1e-4)
+        assert a["rules"]["q:0.5"]["loss"] == pytest.approx(b["rules"]["q:0.5"]["loss"],
+                                                            rel=1e-5)
+
+
+def test_input_file_is_scored_in_windows(run, tmp_path):
+    """--input-file: a text file of ids (NullTokenizer) cut into --seq-length + 1 windows; its
+    loss at depth T equals a forward of the same windows scored by hand."""
+    ckpt = run[0]
+    rng = np.random.default_rng(1)
+    docs = [" ".join(str(int(x)) for x in rng.integers(0, VOCAB, 40)) for _ in range(4)]
+    path = tmp_path / "held.txt"
+    path.write_text("\n\n".join(docs))
+    sweep, _, _ = _sweep(tmp_path, ckpt, 1, "--num-loops", "3", "--input-file", str(path),
+                         "--seq-length", "16", "--plots", "false", "--exit-rules", "none")
+    stream = [int(x) for d in docs for x in (d.split() + [str(VOCAB)])]
+    windows = np.array(stream[:len(stream) // 17 * 17]).reshape(-1, 17)
+    windows = windows[:len(windows) // 2 * 2]  # whole micro-batches of 2
+    assert sweep["depths"][0]["tokens"] == windows.size - len(windows)
+    ref = run_distributed(_reference_loss, 1, ckpt, windows)[0]
+    assert sweep["depths"][0]["loss"] == pytest.approx(ref, rel=1e-5)
+
+
+def _reference_loss(rank, world, ckpt, windows):
+    """Mean next-token cross-entropy of the last step's logits (the model's plain forward)."""
+    import torch
+
+    from megaloop.inference.loading import load_for_generation, setup_processes
+
+    setup_processes()
+    model, _, _ = load_for_generation(ckpt)
+    x = torch.tensor(windows, dtype=torch.long)
+    pos = torch.arange(x.size(1) - 1).expand(x.size(0), -1)
+    with torch.no_grad():
+        logits = model(x[:, :-1], pos, None)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                             x[:, 1:].flatten()).item()
+
+
+def test_bad_flags_are_named(run, tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate",
+                                                  os.path.join(ROOT, "tools", "evaluate.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    ckpt = run[0]
+    for argv, needle in (
+            (["--load", ckpt, "--output-dir", "x", "--num-loops", "0,2"], "--num-loops"),
+            (["--load", ckpt, "--output-dir", "x", "--exit-rules", "fixed:2"], "--exit-rules"),
+            (["--load", ckpt, "--output-dir", "x", "--mock-data", "--input-file", "f"],
+             "choose one data source"),
+            (["--load", str(tmp_path / "nope"), "--output-dir", "x"], "no such directory")):
+        assert tool.main(argv) == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_plot_run_reads_every_logged_key(tmp_path):
+    """A run with every diagnostic on (per-step grad norms, geometry, a gate): the plot tool
+    knows every key of its log and draws the PNG; a file that is not a megaloop log is refused
+    with the line that is wrong."""
+    from megaloop.eval.run_plot import DRAWN, NOT_DRAWN, NotARunLog, read_run, unknown_keys
+
+    log = str(tmp_path / "run.jsonl")
+    run_distributed(_train, 1, TRAIN[:TRAIN.index("--split")] + [
+        "--mock-data", "--eval-interval", "2", "--log-grad-norm-per-step",
+        "--log-jsonl", log])
+    records = read_run(log)
+    keys = {k for r in records for k in r}
+    assert {"grad_norm_per_step", "angular_distance", "exit_probs", "p0"} <= keys
+    assert unknown_keys(records) == []
+    assert not set(DRAWN) & set(NOT_DRAWN)
+    out = str(tmp_path / "run.png")
+    code, stdout = run_distributed(_tool, 1, "plot_run", [log, "--output", out],
+                                   str(tmp_path / "plot_stdout"))[0]
+    assert code == 0 and "per-step gradient norm" in stdout
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # A key the tool does not know is reported, not silently dropped.
+    assert unknown_keys(records + [{"iteration": 1, "split": "train", "new_metric": 1}]) == \
+        ["new_metric"]
+    bad = tmp_path / "other.jsonl"
+    bad.write_text(json.dumps({"iteration": 1, "split": "train"}) + "\n" +
+                   json.dumps({"step": 2, "loss": 1.0}) + "\n")
+    with pytest.raises(NotARunLog, match=r"other.jsonl:2: not a megaloop log record"):
+        read_run(str(bad))
+    bad.write_text("loss=1.0\n")
+    with pytest.raises(NotARunLog, match=r"other.jsonl:1: not JSON"):
+        read_run(str(bad))
