@@ -354,12 +354,13 @@ class LoopConfig:
 
     # --- per-step readout (megaloop/model/readout.py)
 
-    loop_readout: Literal["logits", "chunked"] = "chunked"
-    """How a read-out step's LM loss is computed in training: `chunked` (the head and
-    vocab-parallel cross-entropy over chunks of --loop-readout-chunk-tokens tokens, logits
-    recomputed in the backward: a step keeps no [s, b, V/tp] tensor, one more head GEMM per step)
-    or `logits` (megatron-core's head, then its vocab-parallel cross-entropy; each step's logits
-    are kept for the backward). Same loss and gradients. Inference returns logits either way."""
+    loop_readout: Literal["logits", "chunked"] = "logits"
+    """How a read-out step's LM loss is computed in training: `logits` (megatron-core's head,
+    then its vocab-parallel cross-entropy; each read-out step's [s, b, V/tp] fp32 softmax is kept
+    for the backward) or `chunked` (the same head and cross-entropy over chunks of
+    --loop-readout-chunk-tokens tokens, logits recomputed in the backward: a step keeps ~17 bytes
+    per token, for one more head GEMM per read-out step). Same loss and gradients. Inference
+    returns logits either way."""
 
     loop_readout_chunk_tokens: int = 1024
     """`--loop-readout chunked`: tokens (sequence x micro-batch, per rank) whose fp32 logits
