@@ -373,3 +373,30 @@ def test_printed_flags_train_at_tp2(converted, tmp_path):
     assert len(train) == 8 and all(len(r["step_losses"]) == 3 for r in train)
     losses = [r["loss"] for r in train]  # noisy per batch (mock data): compare 3-step means
     assert sum(losses[-3:]) < sum(losses[:3]), (family, losses)
+
+
+def _load_exported_logits(rank, world, folder, ids, vocab):
+    from megatron.core import tensor_parallel
+
+    from megaloop.convert.hf_import import load_exported
+    from megaloop.data.config import TokenizerConfig
+
+    _world()
+    model = load_exported(folder, world, TokenizerConfig("NullTokenizer", None, vocab - 1))[0]
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        logits = model(ids, pos, None, num_loops=1)
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :vocab].float()
+
+
+def test_exported_folder_loads_back_at_tp2(converted, tmp_path):
+    """``--load FOLDER`` (generate.py, serve.py) reads the export's scaling and biases back and
+    shards them at TP=2: the logits are still `transformers`' own."""
+    family, hf, _, ckpt, _ = converted
+    run_distributed(_export, 1, ckpt, str(tmp_path / "out"))
+    ids = _ids(hf.config.vocab_size, seed=11)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    for got in run_distributed(_load_exported_logits, 2, str(tmp_path / "out"), ids,
+                               hf.config.vocab_size):
+        assert _rel(got, expected) <= TOL, (family, _rel(got, expected))
