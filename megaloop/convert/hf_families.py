@@ -26,7 +26,7 @@ LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
 
 # key -> the megaloop flag it becomes (rope_* are read by ``rope_settings``).
 HONOURED = {
-    "architectures": "the architecture (the rows of FAMILIES)",
+    "architectures": "the architecture (one of FAMILY_SWITCHES)",
     "vocab_size": "the embedding table's rows (--make-vocab-size-divisible-by)",
     "hidden_size": "--hidden-size",
     "intermediate_size": "--ffn-hidden-size",
@@ -49,23 +49,24 @@ CHECKED_COMMON = {
     "hidden_act": (("silu",), "only SwiGLU (silu) MLPs are supported"),
     "partial_rotary_factor": ((1.0,), "RoPE on every head dimension only"),
 }
-NO_BIAS = (False, None)
+FALSE = (False, None)  # false, or null
 
 
-def ALL_FULL(layer_types) -> bool:
+def _all_full_attention(layer_types) -> bool:
     return all(kind == "full_attention" for kind in layer_types or [])
 
 
-SLIDING_LAYERS = "sliding-window layers are not supported (every layer must be 'full_attention')"
+SLIDING_LAYERS = (_all_full_attention, "sliding-window layers are not supported (every layer "
+                                       "must be 'full_attention')")
 CHECKED_BY_FAMILY = {
     "LlamaForCausalLM": {
         "model_type": (("llama",), "a LlamaForCausalLM has model_type 'llama'"),
-        "attention_bias": (NO_BIAS, "a bias on q, k, v and o is not supported (Qwen2's bias on "
-                                    "q, k, v is)"),
-        "mlp_bias": (NO_BIAS, "MLP biases are not supported"),
+        "attention_bias": (FALSE, "a bias on q, k, v and o is not supported (Qwen2's bias on "
+                                  "q, k, v is)"),
+        "mlp_bias": (FALSE, "MLP biases are not supported"),
         # nanotron's key in SmolLM configs; transformers does not read it, and a true value
         # would say the weights expect interleaved RoPE, which transformers does not apply.
-        "rope_interleaved": (NO_BIAS, "interleaved RoPE is not what transformers computes"),
+        "rope_interleaved": (FALSE, "interleaved RoPE is not what transformers computes"),
     },
     "MistralForCausalLM": {
         "model_type": (("mistral",), "a MistralForCausalLM has model_type 'mistral'"),
@@ -74,20 +75,19 @@ CHECKED_BY_FAMILY = {
     },
     "Qwen2ForCausalLM": {
         "model_type": (("qwen2",), "a Qwen2ForCausalLM has model_type 'qwen2'"),
-        "use_sliding_window": (NO_BIAS, "sliding-window attention is not supported"),
-        "use_mrope": (NO_BIAS, "multimodal RoPE (Qwen2-VL) is not supported"),
-        "layer_types": (ALL_FULL, SLIDING_LAYERS),
+        "use_sliding_window": (FALSE, "sliding-window attention is not supported"),
+        "use_mrope": (FALSE, "multimodal RoPE (Qwen2-VL) is not supported"),
+        "layer_types": SLIDING_LAYERS,
     },
     "Qwen3ForCausalLM": {
         "model_type": (("qwen3",), "a Qwen3ForCausalLM has model_type 'qwen3'"),
-        "attention_bias": (NO_BIAS, "a bias on q, k, v and o is not supported"),
-        "use_sliding_window": (NO_BIAS, "sliding-window attention is not supported"),
-        "layer_types": (ALL_FULL, SLIDING_LAYERS),
+        "attention_bias": (FALSE, "a bias on q, k, v and o is not supported"),
+        "use_sliding_window": (FALSE, "sliding-window attention is not supported"),
+        "layer_types": SLIDING_LAYERS,
     },
 }
 
 INERT_COMMON = {
-    "model_type": "names the architecture (checked per family)",
     "transformers_version": "the version that wrote the file",
     "torch_dtype": "storage dtype: import-hf reads fp32, training chooses --bf16",
     "dtype": "storage dtype: import-hf reads fp32, training chooses --bf16",
@@ -136,8 +136,9 @@ def field_role(arch: str, key: str) -> str:
 def check_fields(cfg: dict) -> str:
     """The architecture of ``cfg`` after every key has been accounted for; ValueError naming
     the first key that is refused or unknown."""
-    arch = (cfg.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED:
+    archs = cfg.get("architectures") or ["?"]
+    arch = archs[0]
+    if len(archs) != 1 or arch not in SUPPORTED:
         raise ValueError(f"config.json architectures {cfg.get('architectures')}: architecture "
                          f"{arch!r} is not supported; import-hf reads {', '.join(SUPPORTED)}")
     unknown = sorted(k for k in cfg if field_role(arch, k) == "unknown")
