@@ -28,11 +28,11 @@ setup(
         "log": ["tensorboard", "wandb"],
         # Plots (tools/evaluate.py, tools/plot_run.py, tools/attention_probes.py) and
         # lm-evaluation-harness (tools/run_lm_eval.py; the adapter follows its 0.4 model API).
-        "eval": ["matplotlib", "lm-eval>=0.4.13,<0.5"],
+        "eval": ["matplotlib", "lm-eval[api]>=0.4.13,<0.5"],
         # tools/serve.py's OpenAI-compatible HTTP server.
         "serve": ["fastapi", "uvicorn"],
         # (httpx: tests/test_serve.py's HTTP client; the eval extra: tests/test_evaluate.py)
         "test": ["pytest", "tokenizers", "transformers", "safetensors", "fastapi", "uvicorn",
-                 "httpx", "matplotlib", "lm-eval>=0.4.13,<0.5"],
+                 "httpx", "matplotlib", "lm-eval[api]>=0.4.13,<0.5"],
     },
 )

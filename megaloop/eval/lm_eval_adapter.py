@@ -56,7 +56,9 @@ class MegaloopLM(TemplateLM):
                                             None if vocab_size is None else int(vocab_size))
             tokenizer_cfg.validate()
         runtime.quiet_megatron()
-        if not torch.distributed.is_initialized():
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
             if setup_processes(int(seed)) != 1:
                 raise ValueError("the megaloop lm-eval model runs in one process (TP = 1); "
                                  "launch without torchrun")

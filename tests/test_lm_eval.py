@@ -1,0 +1,200 @@
+"""lm-evaluation-harness end to end: the shipped local tasks (examples/lm_eval_tasks: multiple
+choice and generation) run through lm-eval's own command line, once with ``--model megaloop``
+(tools/run_lm_eval.py) and once with lm-eval's ``local-completions`` model against a
+tools/serve.py subprocess. The log-likelihoods lm-eval records must equal each other and the
+model's own teacher-forced log-probabilities (a plain forward, scored here); the greedy answers
+must be the same text both ways."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from distributed import free_port, run_distributed  # noqa: E402
+from test_evaluate import _train  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = os.path.join(ROOT, "examples", "lm_eval_tasks")
+LIMIT = 5
+
+
+def _docs():
+    with open(os.path.join(TASKS, "demo_tasks.jsonl")) as f:
+        return [json.loads(line) for line in f][:LIMIT]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny looped model with a sentencepiece tokenizer trained on the demo corpus' text."""
+    import importlib.util
+
+    from megaloop.data.tokenizers import train_sentencepiece
+
+    tmp = tmp_path_factory.mktemp("lm_eval")
+    spec = importlib.util.spec_from_file_location(
+        "make_demo_corpus", os.path.join(ROOT, "tools", "make_demo_corpus.py"))
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    import random
+
+    rng = random.Random(0)
+    texts = [corpus.document(rng, 6) for _ in range(300)]
+    model = train_sentencepiece(texts, str(tmp / "sp"), vocab_size=512)
+    path = str(tmp / "ckpt")
+    run_distributed(_train, 1, [
+        "--num-layers", "2", "--num-loops", "3", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
+        "--lr", "1e-2", "--mock-data", "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", model, "--eval-iters", "0", "--log-interval", "1",
+        "--save", path])
+    return path, model
+
+
+def _lm_eval(out_dir, model, model_args, tasks, home):
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=home,
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", model,
+         "--model_args", model_args, "--include_path", TASKS, "--tasks", tasks,
+         "--limit", str(LIMIT), "--batch_size", "1", "--output_path", out_dir, "--log_samples"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    samples = {}
+    for task in tasks.split(","):
+        (path,) = glob.glob(os.path.join(out_dir, "**", f"samples_{task}_*.jsonl"),
+                            recursive=True)
+        with open(path) as f:
+            samples[task] = {s["doc_id"]: s for s in map(json.loads, f)}
+    return samples, proc.stdout
+
+
+def _lls(sample):
+    return [float(r[0][0]) for r in sample["resps"]]
+
+
+def _reference(rank, world, ckpt, sp_model, pairs):
+    """Sum of log p(continuation | context) from the model's plain forward (last step, real
+    vocabulary), the pair encoded as lm-eval's causal models encode it: the whole string, then
+    the context alone, the continuation being the tail."""
+    import torch
+
+    from megaloop.data.tokenizers import SentencePieceTokenizer
+    from megaloop.inference.loading import load_for_generation, setup_processes
+
+    setup_processes()
+    model, _, _ = load_for_generation(ckpt)
+    tok = SentencePieceTokenizer(sp_model)
+    out = []
+    for context, continuation in pairs:
+        whole = tok.tokenize(context + continuation)
+        n_ctx = len(tok.tokenize(context))
+        x = torch.tensor([whole[:-1]])
+        with torch.no_grad():
+            logits = model(x, torch.arange(x.size(1)).unsqueeze(0), None)
+        logp = torch.log_softmax(logits[0, :, :tok.vocab_size].float(), -1)
+        targets = torch.tensor(whole[n_ctx:])
+        out.append(logp[n_ctx - 1:].gather(-1, targets.unsqueeze(-1)).sum().item())
+    return out
+
+
+@pytest.fixture
+def server(ckpt, tmp_path):
+    port = free_port()
+    log_path = str(tmp_path / "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--load", ckpt[0],
+             "--port", str(port), "--model-name", "looped", "--log-level", "warning"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, open(log_path).read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, open(log_path).read()
+            time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}/v1/completions"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_megaloop_model_equals_local_completions_and_teacher_forcing(ckpt, server, tmp_path):
+    tasks = "megaloop_demo_mc,megaloop_demo_gen"
+    home = str(tmp_path / "hf_home")
+    ours, table = _lm_eval(str(tmp_path / "megaloop"), "megaloop",
+                           f"load={ckpt[0]},num_loops=3", tasks, home)
+    assert "megaloop_demo_mc" in table and "acc" in table  # lm-eval's results table
+    theirs, _ = _lm_eval(str(tmp_path / "served"), "local-completions",
+                         f"model=looped,base_url={server},num_concurrent=1,max_retries=1",
+                         tasks, home)
+    docs = _docs()
+    assert sorted(ours["megaloop_demo_mc"]) == list(range(LIMIT))
+    pairs = [(d["question"], " " + c) for d in docs for c in d["choices"]]
+    reference = run_distributed(_reference, 1, ckpt[0], ckpt[1], pairs)[0]
+    got = [ll for i in range(LIMIT) for ll in _lls(ours["megaloop_demo_mc"][i])]
+    served = [ll for i in range(LIMIT) for ll in _lls(theirs["megaloop_demo_mc"][i])]
+    assert got == pytest.approx(reference, abs=1e-4)
+    assert served == pytest.approx(reference, abs=1e-4)
+    for i in range(LIMIT):
+        assert ours["megaloop_demo_gen"][i]["resps"] == theirs["megaloop_demo_gen"][i]["resps"]
+
+
+def test_adapter_exit_rule_and_rolling(ckpt):
+    """In process: loglikelihood_rolling over several windows equals the sum of its windows'
+    token log-probs; fixed:1 scores with step 1 (differs from all steps); bad args are named."""
+    run_distributed(_adapter_checks, 1, ckpt[0])
+
+
+def _adapter_checks(rank, world, ckpt):
+    import torch
+    from lm_eval.api.instance import Instance
+
+    from megaloop.eval.lm_eval_adapter import MegaloopLM
+
+    lm = MegaloopLM(load=ckpt, max_length=16)
+    text = "the quiet robot watches the bridge near the harbor. a=4; b=a+3; b=? answer: 7."
+    ids = lm.tok_encode(text)
+    assert len(ids) > 2 * 16  # several rolling windows
+    (rolling,) = lm.loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    # Independent: each token scored with its preceding (at most 15) tokens as context, in
+    # the windows lm-eval's rolling scheme uses: disjoint blocks of 16 predicted tokens.
+    stream = [lm.eot_token_id] + ids
+    total = 0.0
+    for start in range(0, len(ids), 16):
+        end = min(start + 16, len(ids))
+        ctx_start = max(end - 16, 0)
+        x = torch.tensor([stream[ctx_start:end]])
+        with torch.no_grad():
+            logits = lm.model(x, torch.arange(x.size(1)).unsqueeze(0), None)
+        logp = torch.log_softmax(logits[0, :, :lm.vocab_size].float(), -1)
+        for j in range(start, end):
+            total += logp[j - ctx_start, stream[j + 1]].item()
+    assert rolling == pytest.approx(total, abs=1e-3)
+
+    req = [Instance("loglikelihood", {}, ("a=4; b=a+3; b=? answer:", " 7"), 0)]
+    full = lm.loglikelihood(req, disable_tqdm=True)[0][0]
+    step1 = MegaloopLM(load=ckpt, exit="fixed:1").loglikelihood(req, disable_tqdm=True)[0][0]
+    one = MegaloopLM(load=ckpt, num_loops=1).loglikelihood(req, disable_tqdm=True)[0][0]
+    assert step1 != pytest.approx(full, abs=1e-6)
+    assert step1 == pytest.approx(one, abs=1e-5)  # exiting after step 1 = running 1 step
+    with pytest.raises(ValueError, match="--exit"):
+        MegaloopLM(load=ckpt, exit="sometimes")
+    return True
