@@ -223,3 +223,33 @@ def test_plot_run_reads_every_logged_key(tmp_path):
     bad.write_text("loss=1.0\n")
     with pytest.raises(NotARunLog, match=r"other.jsonl:1: not JSON"):
         read_run(str(bad))
+
+
+def _export(rank, world, load, out):
+    from megaloop.convert.hf_export import export_hf
+    from megaloop.parallel.initialize import initialize_single_process
+
+    initialize_single_process()
+    export_hf(load, out)
+    return True
+
+
+def test_exported_folder_scores_like_its_checkpoint(run, tmp_path):
+    """--load of an export-hf folder (no training config: the shape and tokenizer come from the
+    flags) gives the checkpoint's numbers on the same file."""
+    ckpt = run[0]
+    folder = str(tmp_path / "hf")
+    run_distributed(_export, 1, ckpt, folder)
+    rng = np.random.default_rng(2)
+    path = tmp_path / "held.txt"
+    path.write_text("\n\n".join(" ".join(str(int(x)) for x in rng.integers(0, VOCAB, 50))
+                                for _ in range(3)))
+    flags = ["--num-loops", "2,3", "--input-file", str(path), "--seq-length", "16",
+             "--micro-batch-size", "2", "--plots", "false", "--exit-rules", "q:0.5"]
+    ours, _, _ = _sweep(tmp_path, ckpt, 1, *flags)
+    (tmp_path / "x").mkdir()
+    exported, _, _ = _sweep(tmp_path / "x", folder, 1, *flags, "--tokenizer-type",
+                            "NullTokenizer", "--vocab-size", str(VOCAB))
+    for a, b in zip(ours["depths"], exported["depths"]):
+        np.testing.assert_allclose(a["step_losses"], b["step_losses"], rtol=1e-5)
+        assert a["rules"]["q:0.5"] == pytest.approx(b["rules"]["q:0.5"], rel=1e-5)
