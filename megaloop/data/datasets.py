@@ -8,8 +8,10 @@ or megaloop's SFTDataset), with three guards megatron-core lacks:
 - a split that would get 0 documents is a ValueError up front (GPTDataset loops forever on it);
 - a split asked for 0 samples is not built at all (returned as None).
 
-Every rank builds every dataset (``is_built_on_rank`` is always true): the sample order is a pure
-function of the seed, so ranks agree without communication, and rank 0 writes the cache first.
+Every rank that reads data builds every dataset: the sample order is a pure function of the seed,
+so ranks agree without communication, and rank 0 writes the cache first. Which ranks read is
+megaloop.data.broadcast's business (the first tensor-parallel rank of the first and last
+pipeline stages).
 
 The stream follows Megatron-LM's pretraining sampler: global sample ``consumed_samples`` comes
 next; each chunk of ``micro_batch_size * data_parallel_size`` consecutive samples is cut so
@@ -84,6 +86,8 @@ def _check_documents_per_split(data_cfg: DataConfig, num_samples: tuple[int, int
             if n_docs == 0:
                 fix = (f"raise the {name} share of --split {data_cfg.split!r} or add documents"
                        if data_cfg.data_path else "add documents")
+                if name == "valid":
+                    fix += ", or pass --eval-iters 0 (no validation)"
                 raise ValueError(f"the {name} split of {prefix} has 0 documents but "
                                  f"{n_samples} {name} samples were requested: {fix}")
 
@@ -96,11 +100,14 @@ def _builds_blended_dataset(data_cfg: DataConfig) -> bool:
 
 
 def build_train_valid_test_datasets(data_cfg: DataConfig, tokenizer, seq_length: int, seed: int,
-                                    num_samples: tuple[int, int, int]):
+                                    num_samples: tuple[int, int, int],
+                                    built_on_this_rank: bool = True):
     """(train, valid, test) datasets of ``seq_length``-token samples.
 
     A split comes back as None when it is asked for 0 samples or has no data path (per-split
-    mode). ``tokenizer`` is a megaloop.data.tokenizers tokenizer (eod, pad, vocab_size).
+    mode), and all three are None where ``built_on_this_rank`` is false (a rank that does not
+    read data; every rank must still call this: megatron-core builds on rank 0 first, behind a
+    barrier). ``tokenizer`` is a megaloop.data.tokenizers tokenizer (eod, pad, vocab_size).
     """
     data_cfg.validate()
     num_samples = tuple(int(n) for n in num_samples)
@@ -138,7 +145,8 @@ def build_train_valid_test_datasets(data_cfg: DataConfig, tokenizer, seq_length:
                 config.split_matrix[i] = None  # not built: GPTDataset would still make an epoch
     cls = (MockGPTDataset if data_cfg.mock_data
            else SFTDataset if data_cfg.data_format == "sft" else GPTDataset)
-    builder = BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: True, config)
+    builder = BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: built_on_this_rank,
+                                            config)
     train, valid, test = builder.build()
     return train, valid, test
 
@@ -169,9 +177,38 @@ class PretrainingBatchSampler:
             start += self.global_chunk
 
 
+class TokenIdError(ValueError):
+    """A batch holds a token id outside the tokenizer's vocabulary; names the dataset."""
+
+
+def dataset_names(dataset) -> list[str]:
+    """Names of the datasets a batch's ``dataset_id`` indexes (the prefixes of a blend, in
+    BlendedDataset order; one name otherwise)."""
+    parts = dataset.datasets if hasattr(dataset, "dataset_index") else [dataset]
+    return [getattr(d, "dataset_path", None) or f"{type(d).__name__} (synthetic data)"
+            for d in parts]
+
+
+def check_token_ids(batch: dict, vocab_size: int, names: list[str]) -> None:
+    """Raise TokenIdError when ``batch`` (on the host, with BlendedDataset's ``dataset_id``)
+    holds an id outside ``[0, vocab_size)``: a max and a min per sample, no device sync."""
+    ids = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
+    bad = (ids.amax(dim=1) >= vocab_size) | (ids.amin(dim=1) < 0)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        value = int(ids[row].max()) if int(ids[row].max()) >= vocab_size else int(ids[row].min())
+        which = int(batch["dataset_id"][row]) if "dataset_id" in batch else 0
+        raise TokenIdError(
+            f"{names[which]}: token id {value} is outside the vocabulary of {vocab_size} ids of "
+            "the tokenizer (--tokenizer-type/--tokenizer-model/--vocab-size): the dataset was "
+            "tokenized with another tokenizer; re-run tools/preprocess_data.py with this one, "
+            "or train with the tokenizer that wrote it")
+
+
 def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int,
                         data_parallel_rank: int, data_parallel_size: int, num_workers: int = 0,
-                        cyclic: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+                        cyclic: bool = False, vocab_size: Optional[int] = None
+                        ) -> Iterator[dict[str, torch.Tensor]]:
     """Micro-batches of this DP rank: dicts of [micro_batch_size, seq] tensors ``tokens``,
     ``labels`` (int64), ``loss_mask`` (float32), ``position_ids`` (int64), and
     ``attention_mask`` ([mbs, 1, seq, seq] bool, True = masked) only with --reset-attention-mask.
@@ -182,7 +219,9 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int,
     Every batch comes out on the accelerator (``megaloop.device.to_device``) and, under context
     parallelism, cut to this rank's part of the sequence (``on_this_context_parallel_rank``): the
     trainer, the pipeline and evaluation all read batches from here, so this is the one place
-    they move and are split.
+    they move and are split. With ``vocab_size`` every batch's token ids are checked first
+    (``check_token_ids``). Under tensor or pipeline parallelism the trainer reads through
+    megaloop.data.broadcast (one reading rank per tensor-parallel group).
     """
     sampler = PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size,
                                       data_parallel_rank, data_parallel_size, cyclic)
@@ -194,7 +233,15 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int,
                                          collate_fn=_collate, persistent_workers=num_workers > 0,
                                          pin_memory=torch.cuda.is_available(),
                                          generator=torch.Generator().manual_seed(0))
-    return map(on_this_context_parallel_rank, map(to_device, loader))
+    names = dataset_names(dataset)
+
+    def host_side(batch: dict) -> dict:
+        if vocab_size is not None:
+            check_token_ids(batch, vocab_size, names)
+        batch.pop("dataset_id", None)  # the model's inputs only from here on
+        return batch
+
+    return map(on_this_context_parallel_rank, map(to_device, map(host_side, loader)))
 
 
 def on_this_context_parallel_rank(batch: dict) -> dict:
@@ -213,9 +260,9 @@ def on_this_context_parallel_rank(batch: dict) -> dict:
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    # BlendedDataset adds "dataset_id"; the trainer's batch holds model inputs only.
+    # BlendedDataset adds "dataset_id": kept to name the dataset of a bad token id, then dropped.
     batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples])
-             for k in BATCH_KEYS if k in samples[0]}
+             for k in BATCH_KEYS + ("dataset_id",) if k in samples[0]}
     for k in ("tokens", "labels", "position_ids"):
         batch[k] = batch[k].long()
     batch["loss_mask"] = batch["loss_mask"].float()

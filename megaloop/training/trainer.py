@@ -34,7 +34,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megaloop.data.datasets import build_data_iterator, build_train_valid_test_datasets
+from megaloop.data.broadcast import BatchSpec, batch_stream, reads_data
+from megaloop.data.datasets import build_train_valid_test_datasets
 from megaloop.data.tokenizers import build_tokenizer
 from megaloop.device import current_device
 from megaloop.model.looped_gpt import build_model
@@ -205,21 +206,29 @@ class Trainer:
         self.logger.print(f"> saved {path} in {time.time() - start:.2f} s")
 
     def _build_data(self):
+        """Datasets and batch streams. Only the first tensor-parallel rank of the first and last
+        pipeline stages builds datasets and samples (megaloop.data.broadcast); every rank gets
+        its stream."""
         tr = self.cfg.training
+        spec = BatchSpec(tr.micro_batch_size, tr.seq_length, self.cfg.data.reset_attention_mask,
+                         self.tokenizer.vocab_size)
         evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters * self.gbs
         train, valid, _ = build_train_valid_test_datasets(
             self.cfg.data, self.tokenizer, tr.seq_length, tr.seed,
-            (tr.train_iters * self.gbs, evals, 0))
-        self.train_dataset = train  # names the data of a loss spike's batch
-        self.train_iter = build_data_iterator(
-            train, self.consumed_samples, tr.micro_batch_size, self.dp_rank, self.dp_size,
+            (tr.train_iters * self.gbs, evals, 0), built_on_this_rank=reads_data(spec))
+        self.train_dataset = train  # names the data of a loss spike's batch (rank 0 reads)
+        self.train_iter = batch_stream(
+            train, spec, self.consumed_samples, self.dp_rank, self.dp_size,
             num_workers=self.cfg.data.num_workers)
+        # Whether validation data exists is known to the reading ranks only.
+        has_valid = torch.tensor([float(valid is not None)], device=current_device())
+        torch.distributed.all_reduce(has_valid, op=torch.distributed.ReduceOp.MAX)
         self.valid_iter = None
-        if valid is not None and tr.eval_iters > 0:
+        if has_valid.item() and tr.eval_iters > 0:
             # Validation continues where the evaluations before a resume stopped.
             valid_consumed = (self.iteration // tr.eval_interval) * tr.eval_iters * self.gbs
-            self.valid_iter = build_data_iterator(
-                valid, valid_consumed, tr.micro_batch_size, self.dp_rank, self.dp_size,
+            self.valid_iter = batch_stream(
+                valid, spec, valid_consumed, self.dp_rank, self.dp_size,
                 num_workers=self.cfg.data.num_workers, cyclic=True)
 
     def describe(self) -> None:
