@@ -40,12 +40,15 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.device import current_device
 from megaloop.training.exit_conditions import RunError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "megaloop_manifest.json"
+# torch DCP reports a rank's failed read or write as CheckpointException, a BaseException.
+_READ_WRITE_ERRORS = (Exception, CheckpointException)
 FORMAT_VERSION = 1
 # The distributed optimizer's state in the canonical per-parameter form (gathered on DP rank 0
 # when saving): it loads at any TP, PP and DP. 'dp_reshardable' saves faster but only reshards
@@ -78,7 +81,7 @@ def fallback_hint(root: str, below: Optional[int] = None) -> str:
     """How to load another checkpoint instead: the newest one below ``below`` (else the newest)."""
     its = [i for i in available_iterations(root) if below is None or i < below]
     if not its:
-        return f"no other checkpoint in {root} to fall back to"
+        return f"{root} holds no other checkpoint folder to pick with --ckpt-step"
     return (f"load the previous checkpoint instead with --ckpt-step {its[-1]} (available in "
             f"{root}: {', '.join(map(str, available_iterations(root)))})")
 
@@ -221,7 +224,8 @@ def _write_manifest(path: str) -> None:
     if torch.distributed.get_rank() == 0:
         entries = {k: v for share in shares for k, v in share.items()}
         manifest = {"format": 1, "algorithm": "sha256",
-                    "files": {k: {"size": v[0], "sha256": v[1]} for k, v in sorted(entries.items())}}
+                    "files": {k: {"size": size, "sha256": digest}
+                              for k, (size, digest) in sorted(entries.items())}}
         with open(os.path.join(path, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -308,7 +312,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, schedu
     _use_in_process_results_queue()
     try:
         dist_checkpointing.save(state, tmp, sharded_strategy=get_default_save_sharded_strategy())
-    except Exception as exc:  # disk full, quota, I/O error: reported by every rank below
+    except _READ_WRITE_ERRORS as exc:  # disk full, quota, I/O error: every rank reports below
         error = exc
     # (the agreement is also the barrier: every rank's shards are on disk before going on)
     _fail_save_if_any(error, save_dir, iteration, tmp)
@@ -527,7 +531,7 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
     error = loaded = None
     try:
         loaded = dist_checkpointing.load(state, path)
-    except Exception as exc:  # a shard cut short or missing: megatron-core's exception chain
+    except _READ_WRITE_ERRORS as exc:  # a shard cut short or missing: megatron-core's chain
         error = exc
     failures = _agree(error)
     if failures:

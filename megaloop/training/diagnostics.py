@@ -264,7 +264,8 @@ def describe_samples(dataset, first: int, count: int, limit: int = 4) -> str:
 def _grad_tensors(model) -> list:
     """The gradients the optimizer will apply: megatron DDP's contiguous buffers (one tensor
     each), else every parameter's ``main_grad`` / ``grad``."""
-    buffers = getattr(model, "buffers", None)  # megatron DDP: a list attribute (nn.Module: a method)
+    # megatron DDP: a list attribute (on a plain nn.Module, `buffers` is a method)
+    buffers = getattr(model, "buffers", None)
     if isinstance(buffers, list):
         return [b.grad_data for b in buffers + list(getattr(model, "expert_parallel_buffers", []))]
     grads = (getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None

@@ -1,0 +1,238 @@
+"""Never lose or poison a checkpoint: architecture checks on --load, checksums, damaged files,
+unwritable or full disks, stale partial saves, and how a stopped run tells its launcher.
+
+Damage is made by hand on real checkpoints (bytes flipped, a shard cut short or deleted, a
+tracker overwritten); every failure must be one message that names the file and the way out.
+"""
+
+import errno
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from distributed import run_distributed
+from test_checkpoint import _train
+from test_reliability import _main
+from test_training import BASE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = os.path.join(ROOT, "examples", "slurm", "pretrain_looplm.sbatch")
+TINY = BASE + ["--micro-batch-size", "2"]
+
+
+def _save(tmp_path, iters=1):
+    """Checkpoints of iterations 1..iters of TINY's 2-iteration schedule (the loads below keep
+    that schedule, so none needs a scheduler flag)."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_train, 1, TINY + ["--save", ckpt, "--save-interval", "1",
+                                       "--exit-interval", str(iters)])
+    return ckpt
+
+
+def _start(rank, world, flags):
+    """Build a Trainer (which loads --load); returns (error message or None, printed lines)."""
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training import metrics
+    from megaloop.training.checkpointing import CheckpointError
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+
+    lines = []
+    metrics.MetricsLogger.print = lambda self, text: lines.append(text)
+    cfg = parse_args(flags)
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    try:
+        trainer = Trainer(cfg)
+    except CheckpointError as exc:
+        return str(exc), lines
+    return None, lines + [f"iteration {trainer.iteration}"]
+
+
+def _largest_shard(path):
+    shards = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".distcp")]
+    return max(shards, key=os.path.getsize)
+
+
+# --- architecture -------------------------------------------------------------------------------
+def test_architecture_mismatch_is_refused_by_name_even_with_finetune(tmp_path):
+    from megaloop.training.checkpointing import CheckpointError, check_resume
+    from megaloop.training.run_config import parse_args
+
+    ckpt = _save(tmp_path)
+    heads = TINY + ["--num-attention-heads", "2", "--load", ckpt]  # same shapes, other model
+    with pytest.raises(CheckpointError, match=r"--num-attention-heads 4 in the checkpoint, 2 in "
+                                              r"this run"):
+        check_resume(ckpt, None, parse_args(heads).to_dict())  # before any process group
+    for extra in ([], ["--finetune"]):
+        error, _ = run_distributed(_start, 1, heads + extra)[0]
+        assert error is not None and "--num-attention-heads 4" in error, extra
+    # A changed loop count is allowed, and said.
+    error, lines = run_distributed(_start, 1, TINY + ["--num-loops", "2", "--load", ckpt])[0]
+    assert error is None and "iteration 1" in lines
+    assert any("--num-loops 3, this run uses 2" in line for line in lines), lines
+    # ... but not where parameters exist per loop step.
+    with pytest.raises(CheckpointError, match="--num-loops 3 in the checkpoint"):
+        check_resume(ckpt, None, parse_args(TINY + ["--num-loops", "2", "--lora-rank", "2"])
+                     .to_dict())
+
+
+# --- checksums and damaged files ------------------------------------------------------------------
+def test_flipped_bytes_are_found_by_the_checksum_manifest(tmp_path):
+    ckpt = _save(tmp_path)
+    shard = _largest_shard(os.path.join(ckpt, "iter_0000001"))
+    with open(shard, "r+b") as f:  # same size, a few bytes inside the tensor data changed
+        f.seek(os.path.getsize(shard) // 2)
+        data = f.read(8)
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
+    error, _ = run_distributed(_start, 1, TINY + ["--load", ckpt])[0]
+    assert error is not None and shard in error and "checksum" in error
+    # The flag skips the verification (for checkpoints too large to read twice).
+    error, lines = run_distributed(_start, 1, TINY + ["--load", ckpt,
+                                                      "--ckpt-checksums", "false"])[0]
+    assert error is None and "iteration 1" in lines
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_damaged_shard_names_folder_file_and_previous_checkpoint(tmp_path, damage):
+    ckpt = _save(tmp_path, iters=2)
+    folder = os.path.join(ckpt, "iter_0000002")
+    shard = _largest_shard(folder)
+    if damage == "truncated":
+        os.truncate(shard, os.path.getsize(shard) // 3)
+    else:
+        os.remove(shard)
+    error, _ = run_distributed(_start, 1, TINY + ["--load", ckpt])[0]
+    assert error is not None and folder in error and shard in error \
+        and "--ckpt-step 1" in error, error
+    # Without the manifest, megatron-core's failure is wrapped the same way.
+    error, _ = run_distributed(_start, 1, TINY + ["--load", ckpt, "--ckpt-checksums", "false"])[0]
+    assert error is not None and folder in error and "--ckpt-step 1" in error, error
+    assert "\n" not in error
+    # The fallback it names works.
+    error, lines = run_distributed(_start, 1, TINY + ["--load", ckpt, "--ckpt-step", "1"])[0]
+    assert error is None and "iteration 1" in lines
+
+
+def test_tracker_with_invalid_bytes_names_the_file_and_the_fallback(tmp_path):
+    from megaloop.training.checkpointing import CheckpointError, check_resume
+    from megaloop.training.run_config import parse_args
+
+    ckpt = _save(tmp_path, iters=2)
+    tracker = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
+    with open(tracker, "wb") as f:
+        f.write(b"\xff\xfe\x00garbage")
+    with pytest.raises(CheckpointError) as info:
+        check_resume(ckpt, None, parse_args(TINY).to_dict())
+    assert tracker in str(info.value) and "--ckpt-step 2" in str(info.value)
+
+
+# --- saving ---------------------------------------------------------------------------------------
+def test_unwritable_save_folder_is_found_at_start_up(tmp_path):
+    from megaloop.training.run_config import parse_args
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="--save .*is not a folder"):
+        parse_args(TINY + ["--save", str(blocker / "ckpt")]).validate(world_size=1)
+    if os.geteuid() != 0:  # root writes anywhere: the permission case only as a user
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+        with pytest.raises(ValueError, match="--save .*cannot write"):
+            parse_args(TINY + ["--save", str(locked / "ckpt")]).validate(world_size=1)
+    # A folder that does not exist yet but can be created is fine, and is not created by the check.
+    parse_args(TINY + ["--save", str(tmp_path / "new" / "ckpt")]).validate(world_size=1)
+    assert not (tmp_path / "new").exists()
+
+
+def _disk_full_main(rank, world, flags):
+    """pretrain_looplm.main whose save of iteration 2 writes part of a shard, then hits ENOSPC."""
+    from megaloop.training import checkpointing
+
+    save = checkpointing.dist_checkpointing.save
+
+    def save_until_full(state, path, **kw):
+        if state["iteration"] == 2:
+            with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
+                f.write(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save(state, path, **kw)
+
+    checkpointing.dist_checkpointing.save = save_until_full
+    return _main(rank, world, flags, set())
+
+
+def test_failed_save_leaves_nothing_partial_and_exits_nonzero(tmp_path):
+    ckpt, status = tmp_path / "ckpt", tmp_path / "status.json"
+    flags = TINY + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
+                    "--exit-status-file", str(status)]
+    assert run_distributed(_disk_full_main, 1, flags)[0] == 1
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    reason = json.loads(status.read_text())["reason"]
+    assert "saving iteration 2" in reason and "No space left on device" in reason \
+        and "still names iteration 1" in reason
+
+
+def test_stale_partial_saves_are_removed_at_the_next_start(tmp_path):
+    ckpt = _save(tmp_path)
+    stale = os.path.join(ckpt, "iter_0000007.tmp")  # a save killed (SIGKILL) half-way
+    os.makedirs(stale)
+    with open(os.path.join(stale, "__0_0.distcp"), "wb") as f:
+        f.write(b"\0" * 100)
+    error, lines = run_distributed(_start, 1, TINY + ["--save", ckpt, "--load", ckpt])[0]
+    assert error is None and not os.path.exists(stale)
+    assert any(stale in line and "removed" in line for line in lines), lines
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
+# --- stopped by a signal: what the launcher is told -----------------------------------------------
+def test_sigterm_run_reports_saved_and_stopped(tmp_path):
+    ckpt, status = str(tmp_path / "ckpt"), tmp_path / "status.json"
+    flags = TINY + ["--train-iters", "6", "--save", ckpt, "--exit-signal-handler",
+                    "--exit-status-file", str(status)]
+    reason, _, it = run_distributed(_train, 1, flags, 3)[0]
+    assert it == 3 and "SIGTERM" in reason
+    result = json.loads(status.read_text())
+    assert result["status"] == "saved-and-stopped" and result["checkpoint_iteration"] == 3
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "3"
+
+
+SRUN_STUB = """#!/bin/bash
+# srun stand-in: writes the run's status as rank 0 would, then exits like torchrun.
+while [[ $# -gt 0 ]]; do
+    if [[ "$1" == "--exit-status-file" ]]; then file=$2; fi
+    shift
+done
+if [[ -n "$STUB_STATUS" ]]; then
+    echo "{\\"status\\": \\"$STUB_STATUS\\", \\"reason\\": \\"stub\\"}" > "$file"
+fi
+exit $STUB_RC
+"""
+
+
+@pytest.mark.parametrize("status,srun_rc,expected", [
+    ("saved-and-stopped", 1, 0),  # torchrun signalled: exit 1, yet the run saved and stopped
+    ("completed", 0, 0),
+    ("failed", 1, 1),
+    ("", 1, 1),                   # died before saying anything
+])
+def test_sbatch_exit_code_follows_the_run_status(tmp_path, status, srun_rc, expected):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in (("srun", SRUN_STUB), ("scontrol", "#!/bin/bash\necho 127.0.0.1\n")):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", MOCK_DATA="true",
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node0", SLURM_NNODES="1",
+               OUTPUT_DIR=str(tmp_path / "out"), CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+               MEGALOOP_DIR=ROOT, STUB_STATUS=status, STUB_RC=str(srun_rc))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "exit_status.json").write_text('{"status": "completed"}\n')  # old job's
+    proc = subprocess.run(["bash", SBATCH], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == expected, proc.stdout + proc.stderr
