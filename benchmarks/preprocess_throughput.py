@@ -120,8 +120,8 @@ def main() -> None:
               f"best of {args.repeats}")
 
         ref = os.path.join(tmp, "megatron")
-        mc_wall, mc_cpu = best([sys.executable, "-W", "ignore", "-c", MEGATRON_PATH, src, model, ref],
-                                    args.repeats)
+        mc_wall, mc_cpu = best([sys.executable, "-W", "ignore", "-c", MEGATRON_PATH, src, model,
+                                ref], args.repeats)
         tool = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", src,
                 "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
                 "--append-eod", "--no-progress"]

@@ -169,3 +169,37 @@ def test_blend_and_split_mistakes_refused_at_validation(blend):
     assert "weight/prefix pairs, but 3 values" in message
     message = _run_config_error(["--data-path", a, "--split", "100,0,0", "--eval-iters", "3"])
     assert "--eval-iters 0" in message and "--split 100,0,0" in message
+
+
+def _train_one_step(rank, world, argv):
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+
+    cfg = parse_args(argv)
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_step()
+    except TokenIdError as err:
+        return f"TokenIdError: {err}"
+    return "trained"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_trainer_stops_on_token_id_beyond_vocabulary(bad_blend, tp):
+    """Through the trainer: at TP=1 the embedding would raise an IndexError naming nothing, at
+    TP=2 the vocab-parallel embedding would silently read zeros for id 777."""
+    b, cfg = bad_blend
+    argv = ["--num-layers", "2", "--num-loops", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", str(SEQ), "--max-position-embeddings",
+            str(SEQ), "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--eval-iters", "0",
+            "--data-path", *cfg.data_path, "--split", "100,0,0", "--data-cache-path",
+            cfg.data_cache_path, "--tensor-model-parallel-size", str(tp)]
+    for outcome in run_distributed(_train_one_step, tp, argv):
+        assert outcome.startswith(f"TokenIdError: {b}: token id 777 "), outcome
+    # The same run on a vocabulary that covers 777 trains.
+    argv[argv.index("--vocab-size") + 1] = "800"
+    assert run_distributed(_train_one_step, tp, argv) == ["trained"] * tp

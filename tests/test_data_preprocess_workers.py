@@ -1,5 +1,5 @@
-"""tools/preprocess_data.py as a user runs it: byte ranges per worker, empty inputs, Ctrl-C at random
-moments, and a start-up that imports neither torch nor megatron-core.
+"""tools/preprocess_data.py as a user runs it: byte ranges per worker, empty inputs, Ctrl-C at
+random moments, and a start-up that imports neither torch nor megatron-core.
 
 Expected outputs come from an independent path: megatron-core's own ``IndexedDatasetBuilder`` fed
 sentencepiece's encodings of the parsed JSON, one document at a time.
