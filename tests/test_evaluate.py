@@ -253,3 +253,38 @@ def test_exported_folder_scores_like_its_checkpoint(run, tmp_path):
     for a, b in zip(ours["depths"], exported["depths"]):
         np.testing.assert_allclose(a["step_losses"], b["step_losses"], rtol=1e-5)
         assert a["rules"]["q:0.5"] == pytest.approx(b["rules"]["q:0.5"], rel=1e-5)
+
+
+def _task_accuracy_vs_greedy(rank, world, ckpt):
+    """Problems whose answer is (even items) or is not (odd items: last token changed) the
+    model's own greedy continuation at depth 3: the scorer must say exactly which."""
+    import torch
+
+    from megaloop.eval.tasks import accuracy, encode
+    from megaloop.inference.generate import Generator, SamplingParams
+    from megaloop.inference.loading import load_for_generation, setup_processes
+
+    setup_processes()
+    model, tok, _ = load_for_generation(ckpt)
+    gen = Generator(model, tok.vocab_size, num_loops=3, kv_policy="full")
+    rng = np.random.default_rng(3)
+    items = []
+    for i in range(12):
+        question = [int(x) for x in rng.integers(0, VOCAB, 10)]
+        answer = gen.generate([question], 2, SamplingParams(temperature=0.0))[0]
+        if i % 2:
+            answer[-1] = (answer[-1] + 1) % VOCAB
+        items.append({"family": ["a", "b"][i % 3 == 0], "k": 1 + i % 2,
+                      "question": " ".join(map(str, question)),
+                      "answer": " ".join(map(str, answer))})
+    with torch.no_grad():
+        acc = accuracy(model, encode(items, tok, 32), items, 3, tok.vocab_size, batch_size=5)
+    return acc
+
+
+def test_task_accuracy_equals_greedy_decoding(run):
+    acc = run_distributed(_task_accuracy_vs_greedy, 1, run[0])[0]
+    assert acc["overall"] == 0.5
+    # k = 1 items are the even ones (the model's own answers), k = 2 the altered ones.
+    for family in acc["by_family"].values():
+        assert family == {1: 1.0, 2: 0.0}

@@ -7,7 +7,8 @@ rules and the recurrence's geometry, as a table, a JSON file and plots.
 
 Data: the checkpoint's validation split (its --data-path and --split, the trainer's sample order:
 the samples of its first evaluation), or ``--data-path``/``--split``, ``--mock-data``, or
-``--input-file`` (JSONL or text, tokenized on the fly). ``--seq-length``, ``--micro-batch-size``,
+``--input-file`` (JSONL or text, tokenized on the fly). ``--task-file`` adds the accuracy on
+held-out problems (``tools/make_demo_corpus.py --tasks-output``) by family and k. ``--seq-length``, ``--micro-batch-size``,
 ``--global-batch-size``, ``--eval-iters`` and the tokenizer flags default to the checkpoint's.
 Writes ``depth_sweep.md``, ``depth_sweep.json``, ``loss_vs_depth.png`` and
 ``exit_distribution.png`` (gated models) into ``--output-dir``.
@@ -82,6 +83,13 @@ def main(argv=None) -> int:
             rules = parse_rules(cfg.exit_rules)
             rules = default_rules(model) if rules is None else rules
             batches, shape, data = held_out_batches(cfg, run, tokenizer)
+            tasks = None
+            if cfg.task_file:
+                from megaloop.eval.tasks import encode, read_tasks
+
+                items = read_tasks(cfg.task_file, cfg.max_tasks)
+                tasks = (items, encode(items, tokenizer, shape.seq_length),
+                         tokenizer.vocab_size)
         except (ValueError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -90,7 +98,8 @@ def main(argv=None) -> int:
             f"{','.join(map(str, depths))}; exit rules {','.join(rules) or 'none'}\n"
             f"> data: {data}")
         try:
-            results = sweep(model, batches, depths, rules, progress=runtime.print_rank_0)
+            results = sweep(model, batches, depths, rules, progress=runtime.print_rank_0,
+                            tasks=tasks)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -75,6 +75,13 @@ class EvalConfig:
     vocab_size: Optional[int] = None
     """NullTokenizer: ids before EOD (default: the checkpoint's)."""
 
+    task_file: Optional[str] = None
+    """Held-out problems with answers (``tools/make_demo_corpus.py --tasks-output``): their
+    accuracy by task family and k is scored at every depth."""
+
+    max_tasks: int = 0
+    """Score only the first this many problems of --task-file (0: all)."""
+
     plots: bool = True
     """Draw the PNG plots (needs matplotlib: ``pip install -e '.[eval]'``)."""
 
@@ -99,6 +106,8 @@ class EvalConfig:
                                          ("--input-file", self.input_file)) if on]
         if len(sources) > 1:
             raise ValueError(f"{' and '.join(sources)}: choose one data source")
+        if self.task_file and not os.path.isfile(self.task_file):
+            raise ValueError(f"--task-file {self.task_file}: no such file")
         if self.input_file and not os.path.isfile(self.input_file):
             raise ValueError(f"--input-file {self.input_file}: no such file")
         for flag, value in (("--seq-length", self.seq_length),

@@ -39,6 +39,17 @@ def markdown(results: list[DepthResult], meta: dict) -> str:
                 [_f(v) for v in values] + [""] * (width - len(values))) + " |")
         return out if len(out) > 5 else []
 
+    if results and results[0].tasks:
+        cols = [(f, k) for f, ks in results[0].tasks["by_family"].items() for k in ks]
+        lines += ["", "## Held-out task accuracy (by family and k)", "",
+                  "| depth | all | " + " | ".join(f"{f} k={k}" for f, k in cols) + " |",
+                  "|---:|---:|" + "---:|" * len(cols)]
+        for r in results:
+            lines.append(f"| {r.depth} | {r.tasks['overall']:.3f} | " + " | ".join(
+                f"{r.tasks['by_family'][f][k]:.2f}" for f, k in cols) + " |")
+        counts = results[0].tasks["count"]
+        lines += ["", "Problems per cell: " + ", ".join(
+            f"{f} k={k}: {n}" for f, ks in counts.items() for k, n in ks.items()) + "."]
     lines += table("LM loss per step", lambda r: r.step_losses)
     lines += table("Exit distribution p_t", lambda r: r.exit_probs)
     for key, title in (("angular_distance", "Angular distance between a step's input and output"),

@@ -52,6 +52,8 @@ class DepthResult:
     geometry: dict = field(default_factory=dict)
     """angular_distance / relative_update_norm / state_variance, one value per step."""
     tokens: int = 0
+    tasks: dict = field(default_factory=dict)
+    """Held-out problem accuracy (megaloop.eval.tasks.accuracy): overall, by family and k."""
 
 
 def default_rules(model) -> list[str]:
@@ -104,8 +106,11 @@ def _rule_stats(model, batches, depth: int, rule) -> dict:
 
 @torch.no_grad()
 def sweep(model, batches: list[dict], depths: list[int], rules: list[str],
-          progress: Optional[Callable[[str], None]] = None) -> list[DepthResult]:
-    """Score ``batches`` at every depth of ``depths`` (ascending), under every exit rule."""
+          progress: Optional[Callable[[str], None]] = None,
+          tasks: Optional[tuple] = None) -> list[DepthResult]:
+    """Score ``batches`` at every depth of ``depths`` (ascending), under every exit rule;
+    ``tasks``: (items, encoded, vocab_size) of held-out problems scored at every depth too."""
+    from megaloop.eval.tasks import accuracy
     from megaloop.inference.early_exit import parse_exit
     from megaloop.training.diagnostics import LoopGeometry
 
@@ -135,9 +140,13 @@ def sweep(model, batches: list[dict], depths: list[int], rules: list[str],
                 raise ValueError(f"--exit-rules {text}: a q-exit reads the exit gate, and this "
                                  f"model has none; use kl:<eps>")
             result.rules[text] = _rule_stats(model, batches, depth, rule)
+        if tasks is not None:
+            items, encoded, vocab_size = tasks
+            result.tasks = accuracy(model, encoded, items, depth, vocab_size)
         results.append(result)
         if progress is not None:
-            progress(f"depth {depth:>3} ({result.regime}): loss {loss:.4f}")
+            extra = f", task accuracy {result.tasks['overall']:.3f}" if result.tasks else ""
+            progress(f"depth {depth:>3} ({result.regime}): loss {loss:.4f}{extra}")
     return results
 
 
