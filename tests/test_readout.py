@@ -19,9 +19,9 @@ VOCAB, SEQ, BATCH, HIDDEN = 256, 12, 2, 16
 
 
 # --- the head alone ----------------------------------------------------------------------------
-def _saved_big(fn, params, limit: int) -> list:
-    """Shapes of the tensors autograd saves during ``fn()`` (parameters excluded) with at least
-    ``limit`` elements."""
+def _saved_big(fn, params, limit: int):
+    """(``fn()``, shapes of the tensors autograd saved during it with at least ``limit``
+    elements, parameters excluded)."""
     skip = {p.untyped_storage().data_ptr() for p in params}
     big = []
 
@@ -48,6 +48,7 @@ def _head(rank, world, chunk, sequence_parallel, dtype):
     head = tensor_parallel.ColumnParallelLinear(
         HIDDEN, VOCAB, config=config, init_method=config.init_method, bias=False,
         gather_output=False)
+    assert head.weight.dtype == dtype
     g = torch.Generator().manual_seed(3)  # the same full tensors on every rank
     x_full = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
     _, _, labels = lm_batch(VOCAB, SEQ, BATCH)
