@@ -1,0 +1,305 @@
+"""What every study script shares: sizes, data, training and evaluation runs, tables, plots.
+
+A study trains several configurations ("arms") on the same data for the same number of tokens
+through ``pretrain_looplm.py``'s ``main`` (each in a forked child process: a fresh process group
+and megatron-core state per run, megatron-core imported once by the parent), evaluates their
+checkpoints with ``tools/evaluate.py`` (depth sweeps, exit rules, held-out task accuracy by
+family and k) and writes ``<output-dir>/studies/<name>.md`` and ``.png``.
+
+Data: by default the demo corpus (tools/make_demo_corpus.py), its sentencepiece tokenizer and its
+``.bin/.idx``, built once into ``<output-dir>/data`` (or ``--data-dir``) and shared by the studies,
+plus held-out problems generated with another seed. ``--data-path`` / ``--tokenizer-model`` use a
+preprocessed corpus instead (task accuracy then needs ``--task-file``).
+
+Sizes: ``tiny`` (what the test suite runs: seconds per arm), ``cpu`` (minutes per arm on 2
+cores), ``gpu`` (one GPU: a real run; set ``--nproc`` for more ranks via torchrun yourself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+SIZES = {
+    # hidden, heads, seq, micro/global batch, iterations, lr, warmup, eval iters, corpus docs,
+    # held-out problems, hardest k of the corpus
+    "tiny": dict(hidden=32, heads=4, seq=64, mbs=4, gbs=4, iters=8, lr=3e-3, warmup=2,
+                 eval_iters=1, docs=300, tasks=24, max_steps=3, log=4, evals=1),
+    "cpu": dict(hidden=128, heads=4, seq=128, mbs=8, gbs=16, iters=300, lr=3e-3, warmup=30,
+                eval_iters=4, docs=20000, tasks=300, max_steps=6, log=25, evals=4),
+    "gpu": dict(hidden=1024, heads=16, seq=1024, mbs=8, gbs=64, iters=5000, lr=1e-3,
+                warmup=500, eval_iters=20, docs=400000, tasks=1200, max_steps=6, log=50,
+                evals=10),
+}
+
+
+def _child(fn, args, queue):
+    try:
+        import torch
+
+        # Tiny models: one thread per run is faster than two fighting over small matrices.
+        torch.set_num_threads(int(os.environ.get("STUDY_THREADS", torch.get_num_threads())))
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+            os.environ.pop(key, None)
+        queue.put(("ok", fn(*args)))
+    except BaseException:  # the parent reports it
+        queue.put(("error", traceback.format_exc()))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
+
+
+def in_child(fn, *args, timeout: float = 6 * 3600):
+    """``fn(*args)`` in a forked process (its own process group); its return value."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, args, queue))
+    proc.start()
+    try:
+        status, value = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+def _quietly(fn, log_path, *args):
+    """Run ``fn`` with stdout and stderr into ``log_path`` (a run's own log)."""
+    import contextlib
+
+    with open(log_path, "w") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        return fn(*args)
+
+
+def _pretrain(argv):
+    import pretrain_looplm
+
+    code = pretrain_looplm.main(argv)
+    if code != 0:
+        raise RuntimeError(f"pretrain_looplm.py exited {code}")
+    return code
+
+
+def _evaluate(argv):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate_tool",
+                                                  os.path.join(ROOT, "tools", "evaluate.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    code = tool.main(argv)
+    if code != 0:
+        raise RuntimeError(f"tools/evaluate.py exited {code}")
+    return code
+
+
+class Study:
+    """One study's settings, output folder and runs."""
+
+    def __init__(self, name: str, description: str, argv=None):
+        p = argparse.ArgumentParser(description=description.split("\n")[0])
+        p.add_argument("--size", choices=list(SIZES), default="cpu")
+        p.add_argument("--output-dir", default="studies_out",
+                       help="runs go to OUTPUT/runs/<study>/, tables and PNGs to OUTPUT/studies/")
+        p.add_argument("--data-dir", default=None,
+                       help="where the demo corpus is built and reused (default OUTPUT/data)")
+        p.add_argument("--data-path", default=None, help="a preprocessed corpus prefix instead")
+        p.add_argument("--tokenizer-model", default=None,
+                       help="its sentencepiece model (with --data-path)")
+        p.add_argument("--task-file", default=None,
+                       help="held-out problems (default: generated for the demo corpus)")
+        p.add_argument("--seed", type=int, default=1234)
+        args = p.parse_args(argv)
+        if bool(args.data_path) != bool(args.tokenizer_model):
+            p.error("--data-path and --tokenizer-model go together")
+        self.name, self.args = name, args
+        if args.size == "tiny":
+            os.environ.setdefault("STUDY_THREADS", "1")
+        self.size = dict(SIZES[args.size], name=args.size)
+        self.out = os.path.abspath(args.output_dir)
+        self.run_dir = os.path.join(self.out, "runs", name)
+        os.makedirs(self.run_dir, exist_ok=True)
+        os.makedirs(os.path.join(self.out, "studies"), exist_ok=True)
+        self.started = time.time()
+        from megaloop import runtime
+
+        runtime.quiet_megatron()
+        import megatron.core  # noqa: F401  (once here, inherited by every forked run)
+        self.data_prefix, self.tokenizer, self.task_file = self._data()
+
+    # --- data -----------------------------------------------------------------------------
+    def _data(self):
+        a = self.args
+        if a.data_path:
+            return a.data_path, os.path.abspath(a.tokenizer_model), a.task_file
+        data = os.path.abspath(a.data_dir or os.path.join(self.out, "data"))
+        os.makedirs(data, exist_ok=True)
+        prefix, model = os.path.join(data, "corpus_text_document"), os.path.join(data,
+                                                                                "tokenizer.model")
+        tasks = os.path.join(data, "tasks.jsonl")
+        stamp = os.path.join(data, "size.json")
+        wanted = {"docs": self.size["docs"], "max_steps": self.size["max_steps"],
+                  "tasks": self.size["tasks"]}
+        if os.path.isfile(stamp) and json.load(open(stamp)) == wanted and \
+                os.path.isfile(prefix + ".idx"):
+            return prefix, model, a.task_file or tasks
+        self.say(f"building the demo corpus ({self.size['docs']} documents) in {data}")
+        corpus = os.path.join(data, "corpus.jsonl")
+        in_child(_quietly, _make_data, os.path.join(data, "data.log"), corpus, data, wanted)
+        with open(stamp, "w") as f:
+            json.dump(wanted, f)
+        return prefix, model, a.task_file or tasks
+
+    # --- runs -----------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        print(f"[{self.name} {time.time() - self.started:6.0f} s] {text}", flush=True)
+
+    def base_flags(self, iters=None) -> list:
+        """Batch, schedule, data and logging flags every arm shares (matched token budgets)."""
+        s = self.size
+        iters = iters or s["iters"]
+        return ["--hidden-size", str(s["hidden"]), "--num-attention-heads", str(s["heads"]),
+                "--seq-length", str(s["seq"]), "--max-position-embeddings", str(s["seq"]),
+                "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(s["gbs"]),
+                "--train-iters", str(iters), "--lr", str(s["lr"]),
+                "--min-lr", str(s["lr"] / 10), "--lr-warmup-iters", str(s["warmup"]),
+                "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
+                # The model family every arm shares, spelled out (not left to defaults).
+                "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+                "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--data-path", self.data_prefix, "--split", "98,2,0",
+                "--tokenizer-type", "SentencePieceTokenizer",
+                "--tokenizer-model", self.tokenizer, "--seed", str(self.args.seed),
+                "--log-interval", str(s["log"]),
+                "--eval-interval", str(max(iters // s["evals"], 1)),
+                "--eval-iters", str(s["eval_iters"])]
+
+    def train(self, arm: str, flags: list, iters=None) -> dict:
+        """Train one arm; {"dir", "ckpt", "log", "records", "seconds"}."""
+        d = os.path.join(self.run_dir, slug(arm))
+        os.makedirs(d, exist_ok=True)
+        ckpt, log = os.path.join(d, "ckpt"), os.path.join(d, "train.jsonl")
+        if os.path.exists(log):
+            os.remove(log)
+        argv = self.base_flags(iters) + list(flags) + ["--log-jsonl", log, "--save", ckpt]
+        start = time.time()
+        in_child(_quietly, _pretrain, os.path.join(d, "train.log"), argv)
+        records = [json.loads(line) for line in open(log)]
+        valid = [r for r in records if r["split"] == "valid"]
+        self.say(f"trained {arm}: final validation loss {valid[-1]['loss']:.4f} "
+                 f"({time.time() - start:.0f} s)")
+        return {"dir": d, "ckpt": ckpt, "log": log, "records": records, "argv": argv,
+                "seconds": time.time() - start}
+
+    def evaluate(self, arm: str, ckpt: str, depths: list, rules: str = "none",
+                 tasks: bool = True) -> dict:
+        """tools/evaluate.py on ``ckpt`` at ``depths``; the parsed depth_sweep.json."""
+        out = os.path.join(self.run_dir, slug(arm), "eval")
+        argv = ["--load", ckpt, "--output-dir", out, "--num-loops", ",".join(map(str, depths)),
+                "--exit-rules", rules, "--plots", "false"]
+        if tasks and self.task_file:
+            argv += ["--task-file", self.task_file]
+        in_child(_quietly, _evaluate, os.path.join(self.run_dir, slug(arm), "eval.log"), argv)
+        with open(os.path.join(out, "depth_sweep.json")) as f:
+            return json.load(f)
+
+    # --- output ---------------------------------------------------------------------------
+    def write(self, title: str, command: str, sections: list, figure=None) -> str:
+        """studies/<name>.md (title, how it was made, the sections' Markdown) and the figure."""
+        path = os.path.join(self.out, "studies", f"{self.name}.md")
+        png = os.path.join(self.out, "studies", f"{self.name}.png")
+        lines = [f"# {title}", "",
+                 f"Size `{self.size['name']}`, {time.strftime('%Y-%m-%d')}, "
+                 f"{time.time() - self.started:.0f} s. Command: `{command}`", ""]
+        for section in sections:
+            lines += [section, ""]
+        if figure is not None:
+            figure.savefig(png, dpi=110)
+            lines += [f"![{self.name}]({os.path.basename(png)})", ""]
+        with open(path, "w") as f:
+            f.write("\n".join(lines))
+        self.say(f"wrote {path}" + (f" and {png}" if figure is not None else ""))
+        return path
+
+
+def _make_data(corpus, data, wanted):
+    import importlib.util
+
+    def tool(name):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools",
+                                                                         f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    tool("make_demo_corpus").main(["--output", corpus, "--num-docs", str(wanted["docs"]),
+                                   "--max-steps", str(wanted["max_steps"]), "--seed", "1",
+                                   "--tasks-output", os.path.join(data, "tasks.jsonl"),
+                                   "--num-tasks", str(wanted["tasks"])])
+    tool("train_tokenizer").main(["--input", corpus, "--output-prefix",
+                                  os.path.join(data, "tokenizer"), "--vocab-size", "512"])
+    code = tool("preprocess_data").main([
+        "--input", corpus, "--output-prefix", os.path.join(data, "corpus"),
+        "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", os.path.join(data, "tokenizer.model"), "--append-eod",
+        "--workers", "1"])
+    if code:
+        raise RuntimeError(f"preprocess_data.py exited {code}")
+    return True
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text).strip("_").lower()
+
+
+def md_table(header: list, rows: list) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, list):
+        return " ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in value)
+    return str(value)
+
+
+def valid_curve(records: list) -> tuple[list, list]:
+    pairs = [(r["iteration"], r["loss"]) for r in records if r["split"] == "valid"]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def accuracy_by_k(tasks: dict) -> dict:
+    """{k: accuracy over all families}, weighted by the problems per cell."""
+    hits, counts = {}, {}
+    for family, by_k in tasks["by_family"].items():
+        for k, acc in by_k.items():
+            n = tasks["count"][family][k]
+            hits[int(k)] = hits.get(int(k), 0) + acc * n
+            counts[int(k)] = counts.get(int(k), 0) + n
+    return {k: hits[k] / counts[k] for k in sorted(counts)}
+
+
+def figure(panels: int):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+    return fig, (axes if panels > 1 else [axes])
