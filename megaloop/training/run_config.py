@@ -28,7 +28,7 @@ SIZE_LIMITS = {
               "num_layers_at_start_in_bf16": 0, "num_layers_at_end_in_bf16": 0},
     "loop": {"num_loops": 1, "num_prelude_layers": 0, "num_coda_layers": 0, "history_window": 1,
              "mesh_slots": 0, "lora_rank": 0, "random_depth_max": 0,
-             "truncated_backprop_steps": 0},
+             "truncated_backprop_steps": 0, "loop_readout_chunk_tokens": 1},
     "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                  "context_parallel_size": 1},
     "recompute": {"recompute_num_layers": 1},
