@@ -27,6 +27,8 @@ from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: 
 from megaloop.data.config import TokenizerConfig  # noqa: E402
 from megaloop.data.preprocess import DEFAULT_BATCH_BYTES, BadInputError, preprocess  # noqa: E402
 
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         print("interrupted: temporary files removed", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     print(stats.summary())
     for prefix in stats.outputs:
         print(f"wrote {prefix}.bin/.idx")
@@ -94,4 +96,12 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == INTERRUPTED:
+        # Workers are dead and temporaries removed: nothing is left to finalize, and tearing down
+        # the interpreter (garbage-collecting numpy, the tokenizer) can take seconds on a loaded
+        # machine; a Ctrl-C must end the run at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

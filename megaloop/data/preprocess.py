@@ -5,14 +5,15 @@ only), so a run starts in a fraction of a second; the ``.bin/.idx`` files are wr
 megaloop.data.indexed_format, byte for byte what megatron-core's ``IndexedDatasetBuilder``
 writes.
 
-Layout of the work: a plain JSONL file is cut into ``workers`` contiguous byte ranges, and each
-worker process reads its own range (a line belongs to the range holding its first byte), parses
-and batch-encodes it in batches of about ``batch_bytes`` of input, and appends the tokens to its
-own part file. The main process only waits, shows progress and, at the end, joins the parts in
-range order and writes the index. So the output is the documents in input order, whatever the
-number of workers or the batch size, and nothing is sent between processes per document. A
-gzip-compressed input cannot be split by bytes: one worker reads it and encodes each batch on
-``workers`` threads (sentencepiece's multi-threaded batch encoder).
+Layout of the work: a plain JSONL file is cut into contiguous byte ranges (8 per worker), and
+each worker process takes the next free range, reads it itself (a line belongs to the range
+holding its first byte), parses and batch-encodes it in batches of about ``batch_bytes`` of
+input, and writes the tokens to that range's part file. The main process only waits, shows
+progress and, at the end, joins the parts in range order and writes the index. So the output is
+the documents in input order, whatever the number of workers or the batch size, and nothing is
+sent between processes per document. A gzip-compressed input cannot be split by bytes: one worker
+reads it and encodes each batch on ``workers`` threads (sentencepiece's multi-threaded batch
+encoder).
 
 Memory per worker is bounded by one batch: about ``batch_bytes`` of input plus the longest line,
 with its tokens, whatever the size of the corpus (a very long document is a batch of its own).
@@ -50,6 +51,7 @@ from megaloop.data.tokenizers import Tokenizer, build_tokenizer
 
 SFT_KEYS = ("text", "lossmask")
 DEFAULT_BATCH_BYTES = 1 << 20
+RANGES_PER_WORKER = 8
 
 
 @dataclass
@@ -236,14 +238,15 @@ class BatchEncoder:
         return BatchResult(n_docs, bad, arrays, {k: n_empty for k in SFT_KEYS})
 
 
-# -- one worker: a byte range into part files -------------------------------------------------
+# -- workers: byte ranges into part files ----------------------------------------------------
 
 @dataclass
 class Job:
+    """What every worker knows: the input, its byte ranges, where range i's tokens go."""
+
     path: str
-    start: int
-    end: Optional[int]  # None: to the end of the stream (gzip)
-    parts: dict[str, str]  # key -> part file
+    ranges: list[tuple[int, Optional[int]]]  # end None: to the end of the stream (gzip)
+    part_prefixes: dict[str, str]  # key -> prefix of the part files, one per range
     tok_cfg: TokenizerConfig
     data_format: str
     json_keys: list[str]
@@ -252,40 +255,70 @@ class Job:
     batch_bytes: int
     threads: int = 1
 
+    def part(self, key: str, i: int) -> str:
+        return f"{self.part_prefixes[key]}.{i}"
 
-def encode_range(job: Job, emit: Callable[[tuple], None]) -> None:
-    """Encode ``job``'s lines into its part files. Emits ``("progress", bytes, documents,
-    {key: tokens}, bad, {key: empty})`` per batch, then ``("bad", offset, reason)`` on a bad line
-    (when not skipping) or ``("done", {key: lengths})``."""
+
+class RangeQueue:
+    """Hands out range indices in input order to whichever worker is free (ranges differ in
+    encoding cost, so static halves would leave one worker idle at the end). After a bad line in
+    range r no later range starts: every earlier one has started and will report first."""
+
+    def __init__(self, n: int):
+        ctx = multiprocessing.get_context("fork")
+        self._lock = ctx.Lock()
+        self._next = ctx.RawValue("q", 0)
+        self._stop = ctx.RawValue("q", n)
+
+    def take(self) -> Optional[int]:
+        with self._lock:
+            i = self._next.value
+            if i >= self._stop.value:
+                return None
+            self._next.value = i + 1
+            return i
+
+    def stop_after(self, i: int) -> None:
+        with self._lock:
+            self._stop.value = min(self._stop.value, i + 1)
+
+
+def encode_ranges(job: Job, queue: RangeQueue, emit: Callable[[tuple], None]) -> None:
+    """Encode ranges taken from ``queue`` into their part files. Emits ``("progress", bytes,
+    documents, {key: tokens}, bad, {key: empty})`` per batch, ``("done", i, {key: lengths})`` per
+    range, or ``("bad", i, offset, reason)`` on a bad line (when not skipping), and stops."""
     encoder = BatchEncoder(build_tokenizer(job.tok_cfg), job.data_format, job.json_keys,
                            job.append_eod, job.threads)
-    files = {key: open(path, "wb") for key, path in job.parts.items()}
-    lengths: dict[str, list[numpy.ndarray]] = {key: [] for key in job.parts}
-    try:
-        for offsets, lines in read_batches(job.path, job.start, job.end, job.batch_bytes):
-            result = encoder(offsets, lines)
-            if result.bad and not job.skip_bad_lines:
-                emit(("bad",) + result.bad[0])
-                return
-            for key, (values, lens) in result.arrays.items():
-                files[key].write(values.tobytes())
-                lengths[key].append(lens.astype(numpy.int32))
-            emit(("progress", sum(map(len, lines)), result.documents_read,
-                  {k: len(v) for k, (v, _) in result.arrays.items()}, len(result.bad),
-                  result.empty))
-    finally:
-        for f in files.values():
-            f.close()
-    emit(("done", {k: numpy.concatenate(v) if v else numpy.zeros(0, numpy.int32)
-                   for k, v in lengths.items()}))
+    while (i := queue.take()) is not None:
+        start, end = job.ranges[i]
+        files = {key: open(job.part(key, i), "wb") for key in job.part_prefixes}
+        lengths: dict[str, list[numpy.ndarray]] = {key: [] for key in files}
+        try:
+            for offsets, lines in read_batches(job.path, start, end, job.batch_bytes):
+                result = encoder(offsets, lines)
+                if result.bad and not job.skip_bad_lines:
+                    queue.stop_after(i)
+                    emit(("bad", i) + result.bad[0])
+                    return
+                for key, (values, lens) in result.arrays.items():
+                    files[key].write(values.tobytes())
+                    lengths[key].append(lens.astype(numpy.int32))
+                emit(("progress", sum(map(len, lines)), result.documents_read,
+                      {k: len(v) for k, (v, _) in result.arrays.items()}, len(result.bad),
+                      result.empty))
+        finally:
+            for f in files.values():
+                f.close()
+        emit(("done", i, {k: numpy.concatenate(v) if v else numpy.zeros(0, numpy.int32)
+                          for k, v in lengths.items()}))
 
 
-def _worker(conn, job: Job) -> None:
+def _worker(conn, job: Job, queue: RangeQueue) -> None:
     # Ctrl-C reaches the whole process group; the main process alone decides (it kills us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
-        encode_range(job, conn.send)
+        encode_ranges(job, queue, conn.send)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -293,21 +326,22 @@ def _worker(conn, job: Job) -> None:
 
 
 class _Workers:
-    """Worker processes, one per job, and their pipes; ``kill`` ends them at once."""
+    """Worker processes sharing one job and range queue, and their pipes; ``kill`` ends them
+    at once."""
 
     def __init__(self):
         self.procs, self.conns = [], []
 
-    def start(self, jobs: list[Job]) -> None:
+    def start(self, job: Job, queue: RangeQueue, workers: int) -> None:
         ctx = multiprocessing.get_context("fork")
         # Children must never run Python's SIGINT handler (a traceback per worker on Ctrl-C):
         # block SIGINT across the fork; a child ignores it before unblocking, and a SIGINT that
         # arrived meanwhile is delivered to this process when it unblocks.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            for job in jobs:
+            for _ in range(workers):
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker, args=(send, job), daemon=True)
+                proc = ctx.Process(target=_worker, args=(send, job, queue), daemon=True)
                 proc.start()
                 send.close()
                 self.procs.append(proc)
@@ -418,12 +452,12 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
     gz = input_path.endswith(".gz")
     if gz or workers == 0:
         ranges, threads = [(0, None)], max(workers, 1)
-    else:
-        ranges, threads = byte_ranges(os.path.getsize(input_path), workers), 1
-    jobs = [Job(input_path, start, end, {k: f"{finals[k]}.bin{tmp}.{i}" for k in keys}, tok_cfg,
-                data_format, list(json_keys), append_eod, skip_bad_lines, batch_bytes, threads)
-            for i, (start, end) in enumerate(ranges)]
-    temporaries = [p for job in jobs for p in job.parts.values()]
+    else:  # several ranges per worker: a free worker takes the next (RangeQueue)
+        ranges, threads = byte_ranges(os.path.getsize(input_path), RANGES_PER_WORKER * workers), 1
+    job = Job(input_path, ranges, {k: f"{finals[k]}.bin{tmp}" for k in keys}, tok_cfg,
+              data_format, list(json_keys), append_eod, skip_bad_lines, batch_bytes, threads)
+    queue = RangeQueue(len(ranges))
+    temporaries = [job.part(k, i) for k in keys for i in range(len(ranges))]
     temporaries += [finals[k] + ext + tmp for k in keys for ext in (".bin", ".idx")]
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
 
@@ -432,33 +466,37 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
     bar = _Progress(stats, None if gz else os.path.getsize(input_path), progress, log_interval,
                     keys[0])
     pool = None
-    lengths: list[Optional[dict]] = [None] * len(jobs)
-    first_bad: Optional[tuple[int, int, str]] = None  # (job, offset, reason)
+    lengths: list[Optional[dict]] = [None] * len(ranges)  # per range: key -> lengths
+    first_bad: Optional[tuple[int, int, str]] = None  # (range, offset, reason)
 
     def handle(k: int, msg: tuple) -> None:
         nonlocal first_bad
         if msg[0] == "progress":
             bar.update(msg)
         elif msg[0] == "done":
-            lengths[k] = msg[1]
+            lengths[msg[1]] = msg[2]
         elif msg[0] == "bad":
-            if first_bad is None or k < first_bad[0]:
-                first_bad = (k, msg[1], msg[2])
+            if first_bad is None or msg[1] < first_bad[0]:
+                first_bad = msg[1:]
         else:
             raise RuntimeError(f"preprocessing worker {k} failed:\n{msg[1]}")
 
     try:
         if workers == 0:
-            encode_range(jobs[0], lambda msg: handle(0, msg))
+            encode_ranges(job, queue, lambda msg: handle(0, msg))
         else:
             pool = _Workers()  # assigned first: an interrupt inside start() still kills
-            pool.start(jobs)
+            pool.start(job, queue, workers)
             for k, msg in pool.messages():
                 handle(k, msg)
         if first_bad is not None:
             _, offset, reason = first_bad
             raise BadInputError(f"{input_path}:{line_number(input_path, offset)}: {reason} "
                                 "(pass --skip-bad-lines to skip such lines)")
+        lost = [i for i, d in enumerate(lengths) if d is None]
+        if lost:
+            raise RuntimeError(f"preprocessing lost byte ranges {lost} of the input (a worker "
+                               "ended early)")
         for key in keys:
             per_key = [d[key] for d in lengths]
             stats.documents[key] = sum(map(len, per_key))
@@ -468,7 +506,7 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
                     f"({stats.documents_read} non-blank lines read, {stats.bad_lines} bad lines "
                     f"skipped, {stats.empty[key]} empty after tokenization); an empty dataset "
                     "cannot be opened: check the file and --json-keys")
-            _join_parts(finals[key] + ".bin" + tmp, [job.parts[key] for job in jobs])
+            _join_parts(finals[key] + ".bin" + tmp, [job.part(key, i) for i in range(len(ranges))])
             write_index(finals[key] + ".idx" + tmp, dtypes[key], numpy.concatenate(per_key))
         bar.bar.close()
         stats.seconds = time.perf_counter() - bar.start
