@@ -20,7 +20,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megaloop.data.config import TokenizerConfig
 from megaloop.data.jsonl import BadInputError
-from megaloop.data.preprocess import byte_ranges, preprocess, read_batches
+from megaloop.data.jsonl import byte_ranges, read_batches
+from megaloop.data.preprocess import preprocess
 from megaloop.data.tokenizers import train_sentencepiece
 from test_data_preprocess import corpus, write_jsonl
 
