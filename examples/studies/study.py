@@ -205,14 +205,16 @@ class Study:
                 "seconds": time.time() - start}
 
     def evaluate(self, arm: str, ckpt: str, depths: list, rules: str = "none",
-                 tasks: bool = True) -> dict:
-        """tools/evaluate.py on ``ckpt`` at ``depths``; the parsed depth_sweep.json."""
-        out = os.path.join(self.run_dir, slug(arm), "eval")
+                 tasks: bool = True, extra: tuple = (), tag: str = "eval") -> dict:
+        """tools/evaluate.py on ``ckpt`` at ``depths`` (``extra``: more of its flags); the parsed
+        depth_sweep.json."""
+        out = os.path.join(self.run_dir, slug(arm), tag)
+        os.makedirs(out, exist_ok=True)
         argv = ["--load", ckpt, "--output-dir", out, "--num-loops", ",".join(map(str, depths)),
-                "--exit-rules", rules, "--plots", "false"]
+                "--exit-rules", rules, "--plots", "false", *extra]
         if tasks and self.task_file:
             argv += ["--task-file", self.task_file]
-        in_child(_quietly, _evaluate, os.path.join(self.run_dir, slug(arm), "eval.log"), argv)
+        in_child(_quietly, _evaluate, os.path.join(self.run_dir, slug(arm), f"{tag}.log"), argv)
         with open(os.path.join(out, "depth_sweep.json")) as f:
             return json.load(f)
 

@@ -36,8 +36,10 @@ class EvalConfig:
     and kl:0.01)."""
 
     data_path: Optional[list[str]] = None
-    """Preprocessed dataset prefix(es) (Megatron blend syntax); default: the checkpoint's. Its
-    validation split is scored, in the trainer's sample order."""
+    """Preprocessed dataset prefix(es) (Megatron blend syntax); default: the checkpoint's, whose
+    validation split is then scored in the trainer's sample order (the samples of its first
+    evaluation). Given here, the first samples of the split's own order are scored, the same
+    whatever run trained the model."""
 
     split: Optional[str] = None
     """Train/valid/test split of --data-path (default: the checkpoint's)."""

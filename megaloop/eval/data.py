@@ -88,6 +88,10 @@ def validation_batches(cfg: EvalConfig, run: dict, tokenizer, shape: Shape) -> l
     interval = max(int(training.get("eval_interval", 1)), 1)
     trainer_count = (train_iters // interval + 1) * int(training.get("eval_iters", 0)) * int(
         training.get("global_batch_size") or training.get("micro_batch_size", 1))
+    if cfg.data_path or cfg.mock_data:
+        # Data chosen here, not the checkpoint's: the same samples whatever trained the model
+        # (checkpoints of different runs compare on equal terms).
+        trainer_count = 0
     seed = int(training.get("seed", cfg.seed))
     _, valid, _ = build_train_valid_test_datasets(
         data, tokenizer, shape.seq_length, seed, (0, max(trainer_count, wanted), 0))

@@ -1,0 +1,79 @@
+"""Study 5, multi-resolution recursion: coarse-to-fine SpiralFormer loops (Anchor and MeSH) against
+the full-resolution loop at the same layer allocation, loss against training FLOPs.
+
+After "SpiralFormer" (arXiv 2602.11698): the core runs at resolutions 1/8, 1/4, 1/2, 1 of the
+sequence across the loop steps, so a step costs less; the question is the loss reached per
+training FLOP. Every arm is P + K x T + C with the same layers and tokens; FLOPs per iteration
+are megaloop's count at each step's resolution (megaloop/training/metrics.py).
+
+    python examples/studies/multi_resolution.py --size cpu --output-dir studies_out
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from study import Study, figure, md_table  # noqa: E402
+
+SHAPE = {"tiny": (1, 1, 4), "cpu": (1, 2, 4), "gpu": (2, 4, 4)}  # (P = C, K, T)
+SCHEDULE = "1/8,1/4,1/2,1"
+
+
+def flops_per_iteration(argv: list) -> float:
+    from megaloop.data.tokenizers import build_tokenizer
+    from megaloop.training.metrics import flops_per_iteration as count
+    from megaloop.training.run_config import parse_args
+
+    cfg = parse_args(argv)
+    vocab = build_tokenizer(cfg.tokenizer).vocab_size
+    return count(cfg.model, cfg.loop, vocab, cfg.training.seq_length,
+                 cfg.training.global_batch_size)
+
+
+def main(argv=None) -> int:
+    study = Study("multi_resolution", __doc__, argv)
+    P, K, T = SHAPE[study.size["name"]]
+    common = ["--num-layers", str(P + K + P), "--num-prelude-layers", str(P),
+              "--num-coda-layers", str(P), "--num-loops", str(T), "--exit-loss", "last",
+              "--step-norm-placement", "readout"]
+    spiral = ["--loop-resolutions", SCHEDULE, "--resolution-down", "self-aggregation",
+              "--resolution-up", "allocation"]
+    arms = {
+        "full resolution (plain loop)": common,
+        f"SpiralFormer {SCHEDULE}, Anchor": common + spiral + ["--loop-topology", "anchor"],
+        f"SpiralFormer {SCHEDULE}, MeSH": common + spiral + ["--loop-topology", "mesh"],
+    }
+    runs = {arm: study.train(arm, flags) for arm, flags in arms.items()}
+    rows = []
+    fig, axes = figure(1)
+    for arm, run in runs.items():
+        per_iter = flops_per_iteration(run["argv"])
+        valid = [r for r in run["records"] if r["split"] == "valid"]
+        axes[0].plot([r["iteration"] * per_iter for r in valid], [r["loss"] for r in valid],
+                     "o-", label=arm)
+        rows.append([arm, f"{per_iter:.3e}", f"{per_iter * study.size['iters']:.3e}",
+                     valid[-1]["loss"], valid[-1]["step_losses"][-1],
+                     f"{run['seconds']:.0f}"])
+    base = float(rows[0][1])
+    for row in rows:
+        row.insert(2, f"{float(row[1]) / base:.3f}")
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("training FLOPs")
+    axes[0].set_ylabel("validation loss")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    study.write(
+        "Multi-resolution recursion (SpiralFormer) vs the full-resolution loop",
+        f"python examples/studies/multi_resolution.py --size {study.size['name']}",
+        [f"Layout {P} + {K} x {T} + {P}, same tokens for every arm.",
+         md_table(["arm", "FLOPs / iteration", "vs full", "training FLOPs",
+                   "final validation loss", "loss at the last step", "wall s"], rows)],
+        figure=fig)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run the six studies one after another; each writes OUTPUT/studies/<name>.md and .png.
+#   bash examples/studies/run_all.sh --size cpu --output-dir studies_out      (20 min or less each)
+#   bash examples/studies/run_all.sh --size tiny --output-dir /tmp/studies    (the test's size)
+# Extra flags go to every study (--data-path/--tokenizer-model, --task-file, --seed).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-.venv/bin/python}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+for study in loop_vs_dense gate_collapse norm_placement dense_to_loop multi_resolution \
+             extrapolation; do
+    echo "== $study"
+    $PY "examples/studies/$study.py" "$@"
+done
