@@ -180,7 +180,7 @@ class Study:
                 # The model family every arm shares, spelled out (not left to defaults).
                 "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
                 "--hidden-dropout", "0", "--attention-dropout", "0",
-                "--data-path", self.data_prefix, "--split", "98,2,0",
+                "--num-workers", "0", "--data-path", self.data_prefix, "--split", "98,2,0",
                 "--tokenizer-type", "SentencePieceTokenizer",
                 "--tokenizer-model", self.tokenizer, "--seed", str(self.args.seed),
                 "--log-interval", str(s["log"]),
