@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
 from megaloop.data.config import TokenizerConfig  # noqa: E402
-from megaloop.data.preprocess import DEFAULT_BATCH_BYTES, BadInputError, preprocess  # noqa: E402
+from megaloop.data.jsonl import DEFAULT_BATCH_BYTES, BadInputError  # noqa: E402
 
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from megaloop.data.preprocess import preprocess  # numpy: not needed for --help
+
     try:
         stats = preprocess(args.input, args.output_prefix, tok_cfg, json_keys=args.json_keys,
                            data_format=args.data_format, workers=args.workers,

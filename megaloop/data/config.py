@@ -12,8 +12,6 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megaloop.data.indexed_format import check_indexed_dataset
-
 TokenizerType = Literal["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"]
 
 SFT_TEXT_SUFFIX = "_text_document"
@@ -201,4 +199,6 @@ class DataConfig:
                                      "or fix the prefix)")
             # A cut .bin or a mismatched .idx fails here, naming the file, instead of iterations
             # later (or never: a smaller .idx silently trains on part of the data).
+            from megaloop.data.indexed_format import check_indexed_dataset  # numpy: not at --help
+
             check_indexed_dataset(p)

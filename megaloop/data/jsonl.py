@@ -15,6 +15,9 @@ import json
 from typing import Any, Iterator, Optional
 
 
+DEFAULT_BATCH_BYTES = 1 << 20  # input bytes per encode batch (preprocess_data.py --batch-bytes)
+
+
 class BadInputError(ValueError):
     """A line that is not JSON or lacks a key; the message starts with ``file:line:``."""
 
@@ -43,7 +46,7 @@ def byte_ranges(size: int, parts: int) -> list[tuple[int, int]]:
 
 
 def read_batches(path: str, start: int = 0, end: Optional[int] = None,
-                 batch_bytes: int = 1 << 20
+                 batch_bytes: int = DEFAULT_BATCH_BYTES
                  ) -> Iterator[tuple[list[int], list[bytes]]]:
     """(byte offsets, raw lines) of the lines whose first byte lies in ``[start, end)``, in
     batches of at least ``batch_bytes`` (the last may be smaller; a longer line is one batch).

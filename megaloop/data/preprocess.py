@@ -45,9 +45,9 @@ import numpy
 from megaloop.data.batch_encoder import SFT_KEYS, BatchEncoder
 from megaloop.data.config import TokenizerConfig
 from megaloop.data.indexed_format import optimal_dtype, write_index
-from megaloop.data.jsonl import BadInputError, byte_ranges, line_number, read_batches
+from megaloop.data.jsonl import (DEFAULT_BATCH_BYTES, BadInputError, byte_ranges, line_number,
+                                 read_batches)
 from megaloop.data.tokenizers import build_tokenizer
-DEFAULT_BATCH_BYTES = 1 << 20
 RANGES_PER_WORKER = 8
 
 
