@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from study import Study, figure, in_child, md_table  # noqa: E402
 
-SHAPE = {"tiny": 2, "cpu": 4, "gpu": 8}  # dense layers
+SHAPE = {"tiny": 2, "cpu": 3, "gpu": 8}  # dense layers
 T = 3
 CONVERSIONS = {
     "looped as it is": ["--input-injection", "none", "--exit-loss", "expected"],

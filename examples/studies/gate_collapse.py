@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from study import Study, figure, md_table  # noqa: E402
 
-SHAPE = {"tiny": (1, 3), "cpu": (2, 4), "gpu": (4, 4)}  # (K, T)
+SHAPE = {"tiny": (1, 3), "cpu": (2, 3), "gpu": (4, 4)}  # (K, T)
 THRESHOLD = 0.95
 
 

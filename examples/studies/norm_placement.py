@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from study import Study, figure, md_table  # noqa: E402
 
-SHAPE = {"tiny": (2, 2), "cpu": (4, 4), "gpu": (8, 4)}  # (K, T)
+SHAPE = {"tiny": (2, 2), "cpu": (3, 3), "gpu": (8, 4)}  # (K, T)
 SCHEMES = ("ouro", "pre", "magic", "post", "sandwich")
 
 
