@@ -51,6 +51,22 @@ def test_byte_ranges_own_every_line_once(tmp_path):
             assert got == list(zip(starts, lines)), (parts, batch)
 
 
+def test_batches_are_bounded_by_bytes_not_lines(tmp_path):
+    """Memory per worker is one batch: at most --batch-bytes plus one line, so a very long
+    document is a batch of its own and many short ones share one (line counts do not matter)."""
+    rng = numpy.random.default_rng(0)
+    sizes = [int(n) for n in rng.integers(1, 300, size=400)] + [50_000] + [3] * 2000
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b"".join(b"x" * (n - 1) + b"\n" for n in sizes))
+    batch_bytes = 4096
+    batches = [lines for _, lines in read_batches(str(path), 0, None, batch_bytes)]
+    assert sum(map(len, batches)) == len(sizes)
+    for lines in batches:
+        assert sum(map(len, lines)) - len(lines[-1]) <= batch_bytes  # full before the last line
+    assert [b"x" * 49_999 + b"\n"] in batches  # the long document alone
+    assert max(map(len, batches)) > 1000  # tiny documents are not one batch each
+
+
 def _megatron_reference(src: str, model: str, prefix: str) -> dict:
     sp = sentencepiece.SentencePieceProcessor(model_file=model)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
