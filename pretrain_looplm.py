@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
     if cpu_shim.enable():
         runtime.print_rank_0("> CPU development mode: megatron-core's CUDA calls run on CPU "
-                             "(megaloop.cpu_shim)")
+                             "(megaloop.cpu_shim), collectives on gloo, layers on the local spec")
     from megaloop.parallel import initialize
     from megaloop.training.exit_conditions import RunError, write_exit_status
     from megaloop.training.trainer import Trainer

@@ -53,7 +53,9 @@ def build_models(tree: str, a) -> dict:
             torch.manual_seed(1234)
             cfg = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size,
                               num_attention_heads=4, max_position_embeddings=a.seq_length,
-                              transformer_impl="local")
+                              transformer_impl="local", swiglu=True,
+                              position_embedding_type="rope", normalization="RMSNorm",
+                              hidden_dropout=0.0, attention_dropout=0.0)
             model = build_model(cfg, LoopConfig(num_loops=a.num_loops, exit_loss=mode),
                                 a.vocab_size)
             models[mode] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))

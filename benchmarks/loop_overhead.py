@@ -98,7 +98,9 @@ def build(variant: str, s: Shape, seed: int = 1234):
     # "pre" norm: the looped layers are then exactly GPTModel's layers (same spec).
     model_cfg = ModelConfig(num_layers=s.K, hidden_size=s.hidden, num_attention_heads=s.heads,
                             ffn_hidden_size=s.ffn, max_position_embeddings=s.seq,
-                            norm_scheme="pre", transformer_impl="local")
+                            norm_scheme="pre", transformer_impl="local", swiglu=True,
+                            position_embedding_type="rope", normalization="RMSNorm",
+                            hidden_dropout=0.0, attention_dropout=0.0)
     if variant == "unrolled":
         depth = s.K * s.T
         config = transformer_config(dataclasses.replace(model_cfg, num_layers=depth), depth)

@@ -106,7 +106,9 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--steps", type=int, default=6)
     a = p.parse_args()
-    base = ["--num-layers", str(a.num_layers), "--num-loops", str(a.num_loops),
+    base = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
+            "--num-layers", str(a.num_layers), "--num-loops", str(a.num_loops),
             "--hidden-size", str(a.hidden_size), "--num-attention-heads", "4",
             "--seq-length", str(a.seq_length), "--max-position-embeddings", str(a.seq_length),
             "--micro-batch-size", str(a.micro_batch_size),

@@ -38,11 +38,17 @@ SCALES = {"160M": (768, 12, (2, 4, 2)), "410M": (1024, 16, (4, 8, 4)),
 VOCAB = 50304
 
 
+# The model family the measurements were taken with (megaloop's defaults are Megatron-LM's).
+LLAMA_STYLE = dict(swiglu=True, position_embedding_type="rope", normalization="RMSNorm",
+                   hidden_dropout=0.0, attention_dropout=0.0)
+
 def configs(hidden, heads, layout, resolutions):
     P, K, C = layout
     T = len(resolutions.split(","))
     model = ModelConfig(num_layers=P + K + C, hidden_size=hidden, num_attention_heads=heads,
                         ffn_hidden_size=4 * hidden, swiglu=False,
+                        position_embedding_type="rope", normalization="RMSNorm",
+                        hidden_dropout=0.0, attention_dropout=0.0,
                         untie_embeddings_and_output_weights=True)
     loop = LoopConfig(num_loops=T, num_prelude_layers=P, num_coda_layers=C, exit_loss="last",
                       loop_resolutions=resolutions, loop_topology="mesh")
@@ -96,7 +102,7 @@ def step_time_report(seq, steps, micro_batch):
                       ("looped {1,1,1,1}", "1,1,1,1")):
         T = len(res.split(","))
         model_cfg = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4,
-                                max_position_embeddings=seq)
+                                max_position_embeddings=seq, **LLAMA_STYLE)
         loop = LoopConfig(num_loops=T, num_prelude_layers=1, num_coda_layers=1, exit_loss="last",
                           loop_resolutions=res, loop_topology="mesh")
         variants[name] = build_model(model_cfg, loop, 512)
@@ -130,7 +136,7 @@ def step_time_report(seq, steps, micro_batch):
 
 def _small(res, seq):
     model_cfg = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4,
-                            max_position_embeddings=seq)
+                            max_position_embeddings=seq, **LLAMA_STYLE)
     loop = LoopConfig(num_loops=len(res.split(",")), num_prelude_layers=1, num_coda_layers=1,
                       exit_loss="last", loop_resolutions=res, loop_topology="mesh")
     return model_cfg, loop

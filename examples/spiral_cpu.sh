@@ -27,11 +27,14 @@ $PY -m torch.distributed.run --nproc_per_node 1 --master_port "$PORT" pretrain_l
     --resolution-down self-aggregation --resolution-up allocation \
     --exit-loss last --step-norm-placement readout \
     --hidden-size 128 --num-attention-heads 4 \
+    --swiglu --position-embedding-type rope --normalization RMSNorm \
+    --hidden-dropout 0 --attention-dropout 0 \
     --seq-length 128 --max-position-embeddings 128 \
     --micro-batch-size 16 --global-batch-size 16 --train-iters "$ITERS" \
     --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 30 --lr-decay-style cosine --weight-decay 0.1 \
     --data-path "$OUT/corpus_text_document" --split 98,2,0 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/tokenizer.model" \
+    --num-workers 0 \
     --log-interval 25 --eval-interval 100 --eval-iters 4 --log-jsonl "$OUT/spiral_train.jsonl" \
     --save "$OUT/spiral_ckpt" --save-interval "$ITERS"
 

@@ -7,7 +7,17 @@ are written exactly once. Flag names are the field names with ``-`` for ``_``; t
 Megatron-LM's names where the field is named after Megatron-LM's flag.
 
 Per-field ``metadata`` may refine the flag: ``choices``, ``nargs`` (lists), ``flag`` (an explicit
-name when the field name cannot be the flag, e.g. ``bf16``).
+name when the field name cannot be the flag, e.g. ``bf16``), and three kinds of alias, so that a
+Megatron-LM command line and a megaloop one that already shipped both parse:
+
+- ``aliases``: more names for the same flag (``--muon-nesterov`` for ``--muon-use-nesterov``);
+- ``value_aliases``: ``{spelling: value}`` for a choice with two names (``shape`` for
+  ``shape_scaling``); the config only ever holds the canonical value;
+- ``set_flags``: ``{flag: value}``, bare flags that set the field to a value (Megatron-LM's
+  ``--sft`` is ``--data-format sft``).
+
+``add_refused_flags`` adds flags of features megaloop does not have: they parse only to fail with
+the reason, instead of "unrecognized arguments".
 """
 
 from __future__ import annotations
@@ -58,6 +68,14 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
+def _choice(values: list, aliases: dict, convert):
+    """argparse ``type`` for a choice that also accepts ``aliases`` (spelling -> value)."""
+    def parse(text: str):
+        return aliases[text] if text in aliases else convert(text)
+    parse.__name__ = "choice"  # argparse names the type in its error message
+    return parse
+
+
 def _parse_bool(text: str) -> bool:
     low = text.lower()
     if low in ("1", "true", "yes", "on"):
@@ -93,7 +111,35 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs.update(type=tp)
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
-        group.add_argument(flag_name(f), **kwargs)
+        value_aliases = f.metadata.get("value_aliases")
+        if value_aliases:
+            # The alias is translated before argparse checks the choice; --help lists both.
+            kwargs["type"] = _choice(kwargs.get("choices", []), value_aliases, kwargs["type"])
+            kwargs["help"] += " Also accepted: " + ", ".join(
+                f"{a} (= {v})" for a, v in value_aliases.items()) + "."
+        aliases = list(f.metadata.get("aliases", ()))
+        if aliases:
+            kwargs["help"] += " Alias: " + ", ".join(aliases) + "."
+        group.add_argument(flag_name(f), *aliases, **kwargs)
+        for flag, value in f.metadata.get("set_flags", {}).items():
+            group.add_argument(flag, dest=f.name, action="store_const", const=value,
+                               default=default,
+                               help=f"Same as {flag_name(f)} {value} (Megatron-LM's spelling).")
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not supported: {self.help}")
+
+
+def add_refused_flags(parser: argparse.ArgumentParser, title: str, refused: dict) -> None:
+    """``refused``: flag -> one-line reason (what megaloop does not have, what to do instead).
+    Each flag takes any number of values, so the error is the reason, whatever follows it."""
+    group = parser.add_argument_group(title)
+    for flag, reason in refused.items():
+        group.add_argument(flag, action=_Refused, nargs="*", help=reason,
+                           dest="refused_" + flag.lstrip("-").replace("-", "_"),
+                           default=argparse.SUPPRESS)
 
 
 class ArgumentParser(argparse.ArgumentParser):

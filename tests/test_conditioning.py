@@ -12,6 +12,7 @@ import torch
 from distributed import run_distributed, setup_parallel
 from reference import against_plain, full_grads, lm_batch
 from test_norms import NAMES, _reference_layer, _rms
+from flags import llama_style
 
 VOCAB, SEQ, BATCH, HIDDEN = 256, 16, 2, 32
 FORMS = ["loop-gating", "branch-gating", "adaln"]
@@ -21,7 +22,7 @@ def _model(form="none", scheme="ouro", T=3, inference="rescaled", recompute=None
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.model.looped_gpt import build_model
 
-    model_cfg = ModelConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
+    model_cfg = llama_style(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
                             max_position_embeddings=SEQ, norm_scheme=scheme, **model_kw)
     loop = LoopConfig(num_loops=T, timestep_conditioning=form, timestep_inference=inference)
     return build_model(model_cfg, loop, VOCAB, tp_size=torch.distributed.get_world_size(),

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from megaloop.training.run_config import parse_args
+from flags import TEST_FLAGS
 
-OK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+OK = [*TEST_FLAGS, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
 
@@ -30,7 +31,7 @@ def test_valid_pipeline_configs_pass():
     (["--hidden-size", "90"], 1, "--hidden-size 90 is not divisible by --num-attention-heads 4"),
     (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads 4 is not divisible by "
                                                "--tensor-model-parallel-size 3"),
-    (["--num-loops", "0"], 1, "--num-loops 0 must be at least 1"),
+    (["--num-loops", "0"], 1, "--num-loops 0 must be >= 1"),
     (["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible by "
                                       "--micro-batch-size 2 x data-parallel size 2"),
     (["--num-prelude-layers", "1", "--num-coda-layers", "1"], 1, "leaves no core layer"),
@@ -97,7 +98,8 @@ def test_state_passing_variants_validate_with_pipeline():
     ring; tests/test_pipeline.py proves P = 2 == P = 1), so validation lets them through."""
     from megaloop.training.run_config import parse_args
 
-    base = ["--num-layers", "4", "--num-loops", "3", "--pipeline-model-parallel-size", "2",
+    base = [*TEST_FLAGS, "--num-layers", "4", "--num-loops", "3",
+            "--pipeline-model-parallel-size", "2",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
             "--global-batch-size", "4"]
     for extra in (["--history-injection", "scalar"], ["--timestep-conditioning", "loop-gating"]):
@@ -117,11 +119,13 @@ def _gpu_with_te(monkeypatch):
 
 def test_reset_attention_mask_refused_with_transformer_engine(monkeypatch):
     _check(["--reset-attention-mask"])  # CPU: auto is the local spec, which applies the mask
-    with pytest.raises(ValueError, match="--reset-attention-mask with the Transformer Engine"):
-        _check(["--reset-attention-mask", "--transformer-impl", "transformer_engine"])
+    # Without a GPU every setting is the local spec, Megatron-LM's default included.
+    _check(["--reset-attention-mask", "--transformer-impl", "transformer_engine"])
     _gpu_with_te(monkeypatch)
     with pytest.raises(ValueError, match="use --transformer-impl local"):
         _check(["--reset-attention-mask"])  # auto resolves to TE there
+    with pytest.raises(ValueError, match="--reset-attention-mask with the Transformer Engine"):
+        _check(["--reset-attention-mask", "--transformer-impl", "transformer_engine"])
     _check(["--reset-attention-mask", "--transformer-impl", "local"])
     _check([])
 

@@ -23,6 +23,7 @@ import torch
 
 from distributed import run_distributed
 from test_training import BASE, _compare
+from flags import TEST_FLAGS
 
 MB1, MB2 = ["--micro-batch-size", "1"], ["--micro-batch-size", "2"]
 CP2 = ["--context-parallel-size", "2"]
@@ -201,7 +202,7 @@ def test_no_split_without_context_parallelism():
 
 
 # --- validation (no process group) --------------------------------------------------------
-OK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+OK = [*TEST_FLAGS, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
       "--context-parallel-size", "2"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from flags import llama_style
 
 SEQ, BATCH = 12, 2
 
@@ -229,12 +230,12 @@ def _native(rank, world, out, kind):
 
     _world()
     if kind == "ouro":
-        model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+        model_cfg = llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                                 max_position_embeddings=SEQ, norm_scheme="ouro",
                                 untie_embeddings_and_output_weights=True, norm_epsilon=1e-6)
         loop = LoopConfig(num_loops=3)
     else:  # every optional piece the modeling file implements
-        model_cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4,
+        model_cfg = llama_style(num_layers=4, hidden_size=32, num_attention_heads=4,
                                 num_query_groups=2, kv_channels=12, qk_layernorm=True,
                                 max_position_embeddings=SEQ, norm_scheme="pre")
         loop = LoopConfig(num_loops=3, num_prelude_layers=1, num_coda_layers=1,
@@ -284,7 +285,7 @@ def test_export_refuses_unsupported(tmp_path):
     from megaloop.model.config import LoopConfig, ModelConfig
 
     with pytest.raises(ValueError, match="--swiglu"):
-        write_hf_folder(str(tmp_path), ModelConfig(swiglu=False), LoopConfig(), {})
+        write_hf_folder(str(tmp_path), llama_style(swiglu=False), LoopConfig(), {})
 
 
 def _run_tool(argv, log):

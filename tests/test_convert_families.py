@@ -20,6 +20,7 @@ import torch
 
 from distributed import run_distributed
 from test_convert import _perturb, _run_tool, _world
+from flags import llama_style
 
 SEQ, BATCH = 48, 2  # long enough that Llama 3.x's scaled low frequencies change the logits
 TOL = 1e-5  # relative to the largest logit
@@ -304,12 +305,12 @@ def test_flag_validation_names_the_flag():
 
     with pytest.raises(ValueError, match="--rope-scaling-factor 32.0 has no effect without "
                                          "--use-rope-scaling"):
-        ModelConfig(rope_scaling_factor=32.0).validate()
+        llama_style(rope_scaling_factor=32.0).validate()
     with pytest.raises(ValueError, match="--use-rope-scaling .* --position-embedding-type rope"):
-        ModelConfig(use_rope_scaling=True, position_embedding_type="learned_absolute").validate()
+        llama_style(use_rope_scaling=True, position_embedding_type="learned_absolute").validate()
     with pytest.raises(ValueError, match="--rope-scaling-factor -1.0 must be positive"):
-        ModelConfig(use_rope_scaling=True, rope_scaling_factor=-1.0).validate()
-    ModelConfig(use_rope_scaling=True, rope_scaling_factor=32.0, add_qkv_bias=True).validate()
+        llama_style(use_rope_scaling=True, rope_scaling_factor=-1.0).validate()
+    llama_style(use_rope_scaling=True, rope_scaling_factor=32.0, add_qkv_bias=True).validate()
 
 
 def test_ouro_names_refused_for_scaling_and_bias(tmp_path):
@@ -317,12 +318,12 @@ def test_ouro_names_refused_for_scaling_and_bias(tmp_path):
     from megaloop.model.config import LoopConfig, ModelConfig
 
     loop = LoopConfig(num_loops=3)
-    plain = ModelConfig(norm_scheme="ouro")
+    plain = llama_style(norm_scheme="ouro")
     assert is_ouro_style(plain, loop)
     cfg = hf_config(plain, loop, 128, True)
     assert "rope_scaling" not in cfg and "qkv_bias" not in cfg  # Ouro's keys, unchanged
     for extra in (dict(use_rope_scaling=True), dict(add_qkv_bias=True)):
-        model = ModelConfig(norm_scheme="ouro", **extra)
+        model = llama_style(norm_scheme="ouro", **extra)
         assert not is_ouro_style(model, loop)
         with pytest.raises(ValueError, match="--names ouro needs an Ouro-style model"):
             write_hf_folder(str(tmp_path), model, loop, {}, names="ouro")
@@ -333,7 +334,7 @@ def test_export_config_reads_back_with_scaling_and_bias():
     from megaloop.convert.hf_import import exported_configs
     from megaloop.model.config import LoopConfig, ModelConfig
 
-    model = ModelConfig(norm_scheme="pre", use_rope_scaling=True, rope_scaling_factor=32.0,
+    model = llama_style(norm_scheme="pre", use_rope_scaling=True, rope_scaling_factor=32.0,
                         add_qkv_bias=True, rotary_base=500000)
     loop = LoopConfig(num_loops=3, input_injection="scalar-mix")
     cfg = json.loads(json.dumps(hf_config(model, loop, 128, False)))

@@ -4,6 +4,7 @@ import torch
 
 from distributed import run_distributed
 from megaloop import cpu_shim
+from flags import TEST_FLAGS
 
 
 def test_shim_active_without_cuda():
@@ -41,7 +42,7 @@ def _traced_step(rank, world):
     from megaloop.training.trainer import Trainer
 
     cpu_shim.enable(trace=True)
-    cfg = parse_args(["--num-layers", "1", "--num-loops", "2", "--hidden-size", "16",
+    cfg = parse_args([*TEST_FLAGS, "--num-layers", "1", "--num-loops", "2", "--hidden-size", "16",
                       "--num-attention-heads", "2", "--seq-length", "8",
                       "--max-position-embeddings", "8", "--micro-batch-size", "1",
                       "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",

@@ -17,6 +17,7 @@ from megaloop.data.datasets import (TokenIdError, build_data_iterator,
                                     build_train_valid_test_datasets)
 from megaloop.data.preprocess import preprocess
 from megaloop.data.tokenizers import build_tokenizer
+from flags import TEST_FLAGS
 
 VOCAB = 500  # NullTokenizer --vocab-size 500: ids 0..499, EOD 500, vocabulary of 501 ids
 SEQ, MBS, SAMPLES = 16, 2, 24
@@ -154,7 +155,8 @@ def test_token_id_check_on_every_tensor_parallel_rank(bad_blend, tp):
 def _run_config_error(argv) -> str:
     from megaloop.training.run_config import parse_args
 
-    cfg = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    cfg = parse_args([*TEST_FLAGS,
+                      "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                       "--seq-length", "16", "--max-position-embeddings", "16",
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"] + argv)
     with pytest.raises(ValueError) as err:
@@ -192,7 +194,7 @@ def test_trainer_stops_on_token_id_beyond_vocabulary(bad_blend, tp):
     """Through the trainer: at TP=1 the embedding would raise an IndexError naming nothing, at
     TP=2 the vocab-parallel embedding would silently read zeros for id 777."""
     b, cfg = bad_blend
-    argv = ["--num-layers", "2", "--num-loops", "2", "--hidden-size", "32",
+    argv = [*TEST_FLAGS, "--num-layers", "2", "--num-loops", "2", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", str(SEQ), "--max-position-embeddings",
             str(SEQ), "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--eval-iters", "0",

@@ -13,11 +13,13 @@ import pytest
 
 from distributed import run_distributed
 from test_inference import _generate_tool
+from flags import TEST_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 200
 
-TRAIN = ["--num-layers", "2", "--num-loops", "3", "--hidden-size", "32", "--num-attention-heads",
+TRAIN = [*TEST_FLAGS,
+         "--num-layers", "2", "--num-loops", "3", "--hidden-size", "32", "--num-attention-heads",
          "4", "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--log-interval", "1",

@@ -2,6 +2,7 @@
 
 from megaloop.model.config import LoopConfig, ModelConfig
 from megaloop.training.metrics import flops_per_iteration
+from flags import llama_style
 
 
 def _hand_count(T, L=16, V=10, batch=2):
@@ -15,7 +16,7 @@ def _hand_count(T, L=16, V=10, batch=2):
 
 
 def test_flops_at_the_drawn_depth_against_hand_count():
-    model = ModelConfig(num_layers=3, hidden_size=8, num_attention_heads=2, ffn_hidden_size=16)
+    model = llama_style(num_layers=3, hidden_size=8, num_attention_heads=2, ffn_hidden_size=16)
     loop = LoopConfig(num_loops=4, num_prelude_layers=1, num_coda_layers=1, exit_loss="expected",
                       random_depth_mean=3.0)
     drawn = flops_per_iteration(model, loop, 10, 16, global_batch=2, num_loops=3)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from distributed import free_port
+from flags import TEST_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -13,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_torchrun_tp2_trains_and_logs_per_step(tmp_path):
     log = tmp_path / "run.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_looplm.py"),
+           "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_looplm.py"), *TEST_FLAGS,
            "--tensor-model-parallel-size", "2", "--num-layers", "2", "--num-loops", "4",
            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
            "--max-position-embeddings", "64", "--micro-batch-size", "2",
@@ -72,7 +73,7 @@ def _single_stage_run(rank, world, args):
 def test_torchrun_pp2_matches_single_stage(tmp_path):
     """The foundation's done-when run with --pipeline-model-parallel-size 2 instead of TP=2:
     the same loss and per-step losses (JSONL) as one stage, every iteration."""
-    args = ["--num-layers", "2", "--num-loops", "4", "--hidden-size", "64",
+    args = [*TEST_FLAGS, "--num-layers", "2", "--num-loops", "4", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "16",
             "--lr", "3e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",

@@ -9,9 +9,10 @@ import time
 
 from distributed import free_port, run_distributed
 from test_checkpoint import _records, _train
+from flags import TEST_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--num-loops", "3",
+FLAGS = [*TEST_FLAGS, "--tensor-model-parallel-size", "2", "--num-layers", "2", "--num-loops", "3",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
          "--train-iters", "40", "--lr", "3e-3", "--hidden-dropout", "0.1", "--mock-data",

@@ -16,6 +16,7 @@ import torch
 
 from distributed import run_distributed
 from test_inference import _generate_tool, _train_and_save
+from flags import llama_style
 
 SEQ = 12
 
@@ -66,7 +67,7 @@ def _hf_configs():
     from megaloop.model.config import LoopConfig, ModelConfig
 
     everything = (
-        ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        llama_style(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                     kv_channels=12, qk_layernorm=True, max_position_embeddings=SEQ,
                     norm_scheme="pre", untie_embeddings_and_output_weights=True,
                     rotary_base=50000, norm_epsilon=1e-6, init_method_std=0.01,
@@ -74,13 +75,13 @@ def _hf_configs():
         LoopConfig(num_loops=3, num_prelude_layers=1, num_coda_layers=1,
                    step_norm_placement="readout", input_injection="scalar-mix",
                    injection_source="prelude", lora_rank=2, lora_alpha=4.0))
-    ouro = (ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+    ouro = (llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                         max_position_embeddings=SEQ),
             LoopConfig(num_loops=3))
-    no_gate = (ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+    no_gate = (llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                            max_position_embeddings=SEQ, norm_scheme="pre"),
                LoopConfig(num_loops=4, exit_loss="last"))
-    dense = (ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2), LoopConfig())
+    dense = (llama_style(num_layers=1, hidden_size=32, num_attention_heads=2), LoopConfig())
     return {"everything": everything, "ouro": ouro, "no_gate": no_gate, "dense": dense}
 
 

@@ -8,6 +8,7 @@ import torch
 
 from distributed import run_distributed, setup_parallel
 from reference import lm_batch
+from flags import llama_style
 
 VOCAB, SEQ, BATCH, PREFILL = 256, 12, 2, 5
 
@@ -17,7 +18,7 @@ def _model(model_kw: dict, loop_kw: dict):
     from megaloop.model.looped_gpt import build_model
 
     num_layers = 2 + loop_kw.get("num_prelude_layers", 0) + loop_kw.get("num_coda_layers", 0)
-    model_cfg = ModelConfig(**{"num_layers": num_layers, "hidden_size": 32,
+    model_cfg = llama_style(**{"num_layers": num_layers, "hidden_size": 32,
                                "num_attention_heads": 4, "max_position_embeddings": SEQ,
                                **model_kw})
     loop = LoopConfig(**{"num_loops": 3, **loop_kw})

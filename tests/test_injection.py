@@ -8,6 +8,7 @@ import torch
 
 from distributed import run_distributed, setup_parallel
 from reference import embed_by_hand, full_grads, lm_batch, reference_objective
+from flags import llama_style
 
 VOCAB, SEQ, BATCH = 256, 16, 2
 
@@ -16,7 +17,7 @@ def _model(T, source="embedding", prelude=0, init_weight=0.7, placement="recurre
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.model.looped_gpt import build_model
 
-    model_cfg = ModelConfig(num_layers=2 + prelude, hidden_size=32, num_attention_heads=4,
+    model_cfg = llama_style(num_layers=2 + prelude, hidden_size=32, num_attention_heads=4,
                             num_query_groups=2, max_position_embeddings=SEQ)
     loop = LoopConfig(num_loops=T, num_prelude_layers=prelude, input_injection="scalar-mix",
                       injection_source=source, injection_init_weight=init_weight,

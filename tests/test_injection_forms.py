@@ -9,6 +9,7 @@ import torch
 
 from distributed import run_distributed, setup_parallel
 from reference import against_plain, embed_by_hand, full_grads, lm_batch, reference_objective
+from flags import llama_style
 
 VOCAB, SEQ, BATCH, HIDDEN = 256, 16, 2, 32
 T = 4  # history window 2 needs T >= 4 to read both lags
@@ -24,7 +25,7 @@ def _model(injection="none", history="none", source="embedding", prelude=0, wind
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.model.looped_gpt import build_model
 
-    model_cfg = ModelConfig(num_layers=2 + prelude, hidden_size=HIDDEN, num_attention_heads=4,
+    model_cfg = llama_style(num_layers=2 + prelude, hidden_size=HIDDEN, num_attention_heads=4,
                             num_query_groups=2, max_position_embeddings=SEQ)
     loop = LoopConfig(num_loops=T, num_prelude_layers=prelude, input_injection=injection,
                       injection_source=source, history_injection=history, history_window=window,
@@ -182,6 +183,6 @@ def test_hf_export_refuses_what_its_modeling_file_lacks(model_kw, loop_kw, flag)
     from megaloop.convert.hf_export import check_exportable
     from megaloop.model.config import LoopConfig, ModelConfig
 
-    check_exportable(ModelConfig(), LoopConfig(num_loops=4, input_injection="scalar-mix"))
+    check_exportable(llama_style(), LoopConfig(num_loops=4, input_injection="scalar-mix"))
     with pytest.raises(ValueError, match=flag):
-        check_exportable(ModelConfig(**model_kw), LoopConfig(num_loops=4, **loop_kw))
+        check_exportable(llama_style(**model_kw), LoopConfig(num_loops=4, **loop_kw))

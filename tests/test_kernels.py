@@ -11,6 +11,7 @@ import torch
 
 from distributed import run_distributed, setup_parallel
 from reference import lm_batch
+from flags import TEST_FLAGS, llama_style
 
 FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
            "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion",
@@ -20,7 +21,7 @@ FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusi
 def _model(**kw):
     from megaloop.model.config import ModelConfig
 
-    return ModelConfig(**kw)
+    return llama_style(**kw)
 
 
 def _settings(cuda, te, **kw):
@@ -138,7 +139,7 @@ def test_fp8_translation_with_te_on_gpu():
 
 
 # --- validation ------------------------------------------------------------------------------
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+BASE = [*TEST_FLAGS, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
         "--global-batch-size", "2", "--vocab-size", "256", "--mock-data"]
 TE_FP8 = ["--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "hybrid",
@@ -206,6 +207,8 @@ def _validate(argv, cuda, monkeypatch, world=None):
     monkeypatch.setattr(run_config, "torch_capability", lambda: cap)
     # ``cuda="apex"``: a GPU machine with apex's fused softmax kernel
     monkeypatch.setattr(model_config, "_fused_softmax_available", lambda: cuda == "apex")
+    # a pretended GPU machine has Transformer Engine (the GPU image does)
+    monkeypatch.setattr(run_config, "_te_installed", lambda: bool(cuda))
     cfg = run_config.parse_args(BASE + argv)
     tp = cfg.parallel.tensor_model_parallel_size
     cfg.validate(world or tp)
@@ -296,7 +299,7 @@ def _first_microbatch_pattern(rank, world, T, microbatches, sabotage):
 
     setup_parallel(1)
     looped_gpt.layer_spec = _recording_spec(looped_gpt.layer_spec)  # forked rank: no undo needed
-    model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+    model_cfg = llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                             max_position_embeddings=16)
     loop = LoopConfig(num_loops=T)
     # FP8 configured (what makes megatron-core's set_is_first_microbatch act); without TE its

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from flags import TEST_FLAGS
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("fastapi")
@@ -50,7 +51,7 @@ def ckpt(tmp_path_factory):
     model = train_sentencepiece(texts, str(tmp / "sp"), vocab_size=512)
     path = str(tmp / "ckpt")
     run_distributed(_train, 1, [
-        "--num-layers", "2", "--num-loops", "3", "--hidden-size", "32",
+        *TEST_FLAGS, "--num-layers", "2", "--num-loops", "3", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
         "--lr", "1e-2", "--mock-data", "--tokenizer-type", "SentencePieceTokenizer",

@@ -4,6 +4,7 @@ import torch
 
 from distributed import run_distributed, setup_parallel
 from reference import full_grads, full_params, lm_batch, max_diff
+from flags import llama_style
 
 VOCAB, SEQ, BATCH, T = 256, 16, 2, 3
 
@@ -14,7 +15,7 @@ def _model(rank_r, recompute=None, seed=11, swiglu=True):
     from megaloop.parallel.initialize import set_seed
 
     set_seed(seed)
-    model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+    model_cfg = llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                             num_query_groups=2, max_position_embeddings=SEQ, swiglu=swiglu)
     loop = LoopConfig(num_loops=T, lora_rank=rank_r, lora_alpha=8.0,
                       input_injection="scalar-mix")

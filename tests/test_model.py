@@ -5,6 +5,7 @@ import torch
 
 from distributed import run_distributed, setup_parallel
 from reference import full_grads, gather_tp, lm_batch, reference_objective
+from flags import llama_style
 
 VOCAB, SEQ, BATCH = 256, 16, 2
 
@@ -14,7 +15,7 @@ def _model(T, norm_scheme="ouro", prelude=0, coda=0, exit_loss="expected", beta=
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.model.looped_gpt import build_model
 
-    model_cfg = ModelConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4,
+    model_cfg = llama_style(num_layers=num_layers, hidden_size=32, num_attention_heads=4,
                             max_position_embeddings=SEQ, norm_scheme=norm_scheme, **model_kw)
     loop = LoopConfig(num_loops=T, num_prelude_layers=prelude, num_coda_layers=coda,
                       exit_loss=exit_loss, exit_kl_beta=beta)

@@ -12,7 +12,16 @@ from reference import full_grads, full_params
 from test_checkpoint import RESUME, _losses, _records, _train
 from test_training import BASE, _compare, _one_step
 
-MUON = ["--optimizer", "muon", "--weight-decay", "0.1"]
+# The Muon of What Makes Recurrence Effective, spelled out (Megatron-LM's defaults differ:
+# momentum 0.9, no Nesterov, `spectral` scale).
+MUON = ["--optimizer", "muon", "--weight-decay", "0.1", "--muon-momentum", "0.95",
+        "--muon-use-nesterov", "--muon-scale-mode", "rms-match"]
+
+# Scale of the orthogonalised update per mode, written from the formulas (rows, cols).
+SCALES = {"rms-match": lambda r, c: 0.2 * max(r, c) ** 0.5,
+          "spectral": lambda r, c: max(r, c) ** 0.5,
+          "unit_rms_norm": lambda r, c: (r / c) ** 0.5,
+          "shape_scaling": lambda r, c: max(1.0, r / c) ** 0.5}
 
 
 def _quintic_on_singular_values(g, steps):
@@ -45,14 +54,16 @@ def test_newton_schulz_matches_svd_reference(shape):
     assert ((out - u @ vh).norm() / (u @ vh).norm()).item() < 0.35
 
 
-def _muon_step_vs_reference(rank, world):
+def _muon_step_vs_reference(rank, world, flags=tuple(MUON), momentum=0.95, nesterov=True,
+                            mode="rms-match", extra=1.0):
     """One trainer step with --optimizer muon: every hidden matrix moves by the plainly computed
     Muon step from its (clipped) main_grad; every other parameter moves as AdamW's first step."""
     from megaloop.parallel.initialize import initialize
     from megaloop.training.run_config import parse_args
     from megaloop.training.trainer import Trainer
 
-    cfg = parse_args(BASE + MUON + ["--micro-batch-size", "2", "--lr-decay-style", "constant"])
+    cfg = parse_args(BASE + list(flags) + ["--micro-batch-size", "2", "--lr-decay-style",
+                                           "constant"])
     cfg.validate(world_size=world)
     initialize(cfg.parallel, cfg.training.seed)
     trainer = Trainer(cfg)
@@ -67,17 +78,17 @@ def _muon_step_vs_reference(rank, world):
         if w0.dim() == 2 and min(w0.shape) > 1 and "embedding" not in name \
                 and "output_layer" not in name:
             muon_names.append(name)
-            # Plain Muon: first momentum buf = 0.05 g; Nesterov g.lerp(buf, 0.95); NS5 (a plain
-            # loop here); scale 0.2 sqrt(max dim); decoupled decay.
-            buf = 0.05 * g
-            upd = g + 0.95 * (buf - g)
+            # Plain Muon: first momentum buf = (1 - beta) g; Nesterov g.lerp(buf, beta), else
+            # buf; NS5 (a plain loop here); the mode's scale; decoupled decay.
+            buf = (1 - momentum) * g
+            upd = g + momentum * (buf - g) if nesterov else buf
             x = upd.T if upd.shape[0] > upd.shape[1] else upd
             x = x / (x.norm() + 1e-7)
             for _ in range(5):
                 a = x @ x.T
                 x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
             x = x.T if upd.shape[0] > upd.shape[1] else x
-            expect = w0 * (1 - lr * wd) - lr * 0.2 * max(w0.shape) ** 0.5 * x
+            expect = w0 * (1 - lr * wd) - lr * SCALES[mode](*w0.shape) * extra * x
             assert torch.allclose(w1, expect, atol=2e-6), name
         else:  # AdamW's first step: lr * g / (|g| + eps) plus decay where it applies
             step = w0 - w1
@@ -85,8 +96,19 @@ def _muon_step_vs_reference(rank, world):
     return sorted(muon_names)
 
 
-def test_muon_step_through_trainer_matches_plain_reference():
-    names = run_distributed(_muon_step_vs_reference, 1)[0]
+@pytest.mark.parametrize("flags,momentum,nesterov,mode,extra", [
+    (MUON, 0.95, True, "rms-match", 1.0),
+    # Megatron-LM's defaults: momentum 0.9, no Nesterov, spectral scale.
+    (["--optimizer", "muon", "--weight-decay", "0.1"], 0.9, False, "spectral", 1.0),
+    (["--optimizer", "muon", "--weight-decay", "0.1", "--muon-scale-mode", "unit_rms_norm",
+      "--muon-extra-scale-factor", "0.5"], 0.9, False, "unit_rms_norm", 0.5),
+    # megaloop's shipped spellings: --muon-nesterov, --muon-ns-steps, `shape`.
+    (["--optimizer", "muon", "--weight-decay", "0.1", "--muon-nesterov", "--muon-ns-steps", "5",
+      "--muon-scale-mode", "shape"], 0.9, True, "shape_scaling", 1.0),
+], ids=["recurrence-effective", "megatron-defaults", "unit-rms-extra", "megaloop-aliases"])
+def test_muon_step_through_trainer_matches_plain_reference(flags, momentum, nesterov, mode, extra):
+    names = run_distributed(_muon_step_vs_reference, 1, flags, momentum, nesterov, mode,
+                            extra)[0]
     # Attention and MLP matrices of the core; not the embedding, head, norms or gate.
     assert any("linear_qkv" in n for n in names) and any("linear_fc2" in n for n in names)
     assert not any("exit_gate" in n or "norm" in n for n in names), names

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from distributed import run_distributed, setup_parallel
 from reference import full_grads, lm_batch
+from flags import llama_style
 
 VOCAB, SEQ, BATCH, HIDDEN, HEADS = 256, 16, 2, 32, 4
 EPS = 1e-5
@@ -73,7 +74,7 @@ def _one_layer(rank, world, scheme):
     from megaloop.model.specs import layer_spec
 
     setup_parallel(world)
-    cfg = transformer_config(ModelConfig(num_layers=1, hidden_size=HIDDEN,
+    cfg = transformer_config(llama_style(num_layers=1, hidden_size=HIDDEN,
                                          num_attention_heads=HEADS, norm_epsilon=EPS), 1)
     block = TransformerBlock(config=cfg, spec=layer_spec(cfg, scheme, use_te=False),
                              post_layer_norm=False)
@@ -115,7 +116,7 @@ def _model(T, scheme="ouro", step_norm="rms", coda=0, exit_loss="expected"):
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.model.looped_gpt import build_model
 
-    model_cfg = ModelConfig(num_layers=2 + coda, hidden_size=HIDDEN, num_attention_heads=HEADS,
+    model_cfg = llama_style(num_layers=2 + coda, hidden_size=HIDDEN, num_attention_heads=HEADS,
                             max_position_embeddings=SEQ, norm_scheme=scheme, norm_epsilon=EPS)
     loop = LoopConfig(num_loops=T, num_coda_layers=coda, step_norm=step_norm,
                       exit_loss=exit_loss)

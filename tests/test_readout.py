@@ -14,6 +14,7 @@ import torch
 
 from distributed import run_distributed, setup_parallel
 from reference import full_grads, lm_batch
+from flags import llama_style
 
 VOCAB, SEQ, BATCH, HIDDEN = 256, 12, 2, 16
 
@@ -42,7 +43,7 @@ def _head(rank, world, chunk, sequence_parallel, dtype):
     from megaloop.model.readout import chunked_language_model_loss
 
     setup_parallel(world)
-    config = transformer_config(ModelConfig(hidden_size=HIDDEN, num_attention_heads=4), 1,
+    config = transformer_config(llama_style(hidden_size=HIDDEN, num_attention_heads=4), 1,
                                 tp_size=world, sequence_parallel=sequence_parallel,
                                 bf16=dtype == torch.bfloat16)
     head = tensor_parallel.ColumnParallelLinear(
@@ -113,7 +114,7 @@ def _model_run(rank, world, readout, untie, exit_loss, layout):
 
     setup_parallel(world)
     prelude, coda = layout
-    model_cfg = ModelConfig(num_layers=2 + prelude + coda, hidden_size=32, num_attention_heads=4,
+    model_cfg = llama_style(num_layers=2 + prelude + coda, hidden_size=32, num_attention_heads=4,
                             max_position_embeddings=16,
                             untie_embeddings_and_output_weights=untie)
     loop = LoopConfig(num_loops=3, num_prelude_layers=prelude, num_coda_layers=coda,

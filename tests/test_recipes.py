@@ -28,10 +28,16 @@ def test_recipes_exist():
 def test_recipe_flags_parse_and_validate(script, size, world, tmp_path):
     from megaloop.training.run_config import parse_args
 
+    import numpy
+
+    from megaloop.data.indexed_format import IndexedWriter
+
     tokenizer = tmp_path / "tokenizer.model"
-    tokenizer.write_text("")  # validate() checks that the paths exist, not their contents
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"corpus_text_document{ext}").write_bytes(b"")
+    tokenizer.write_text("")  # validate() checks that the path exists, not its contents
+    # validate() reads the .idx header against the .bin: a real (tiny) dataset.
+    writer = IndexedWriter(str(tmp_path / "corpus_text_document.bin"), numpy.uint16)
+    writer.add_documents(numpy.arange(6), numpy.array([2, 4]))
+    writer.finalize(str(tmp_path / "corpus_text_document.idx"))
     args = recipe_args(script, size, str(tmp_path / "corpus_text_document"), str(tokenizer))
     cfg = parse_args(args)
     cfg.validate(world_size=world)

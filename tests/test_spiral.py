@@ -16,6 +16,7 @@ from distributed import run_distributed, setup_parallel
 from reference import full_grads, lm_batch
 
 from megaloop.model import spiral
+from flags import TEST_FLAGS, llama_style
 
 VOCAB, SEQ, BATCH = 256, 24, 2
 
@@ -103,7 +104,7 @@ def test_schedule_parsing_and_errors():
 def test_feature_rules():
     from megaloop.training.run_config import parse_args
 
-    base = ["--num-loops", "2", "--num-layers", "2", "--mock-data", "--tokenizer-type",
+    base = [*TEST_FLAGS, "--num-loops", "2", "--num-layers", "2", "--mock-data", "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "100"]
     with pytest.raises(ValueError, match="--loop-topology"):
         parse_args(base + ["--loop-resolutions", "1/2,1"]).validate(world_size=1)
@@ -115,7 +116,8 @@ def test_feature_rules():
 def test_parallel_refusals():
     from megaloop.training.run_config import parse_args
 
-    base = ["--num-loops", "4", "--loop-resolutions", "coarse-to-fine", "--loop-topology", "mesh",
+    base = [*TEST_FLAGS,
+            "--num-loops", "4", "--loop-resolutions", "coarse-to-fine", "--loop-topology", "mesh",
             "--num-layers", "4", "--tensor-model-parallel-size", "2", "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     with pytest.raises(ValueError, match="--sequence-parallel"):
@@ -178,7 +180,7 @@ def _model(T=4, resolutions="1/8,1/4,1/2,1", topology="mesh", down="self-aggrega
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.model.looped_gpt import build_model
 
-    model_cfg = ModelConfig(num_layers=2 + prelude + coda, hidden_size=32, num_attention_heads=4,
+    model_cfg = llama_style(num_layers=2 + prelude + coda, hidden_size=32, num_attention_heads=4,
                             max_position_embeddings=SEQ, num_query_groups=2)
     loop = LoopConfig(num_loops=T, num_prelude_layers=prelude, num_coda_layers=coda,
                       exit_loss=exit_loss, loop_resolutions=resolutions, loop_topology=topology,
@@ -280,7 +282,7 @@ def test_flops_against_hand_count():
     from megaloop.training.metrics import flops_per_iteration
 
     # h=8, 2 heads (head dim 4, no GQA), ffn 16, SwiGLU; 1 + 1 x {1/4, 1} + 1, MeSH B=3, L=16.
-    model = ModelConfig(num_layers=3, hidden_size=8, num_attention_heads=2, ffn_hidden_size=16)
+    model = llama_style(num_layers=3, hidden_size=8, num_attention_heads=2, ffn_hidden_size=16)
     loop = LoopConfig(num_loops=2, num_prelude_layers=1, num_coda_layers=1, exit_loss="last",
                       loop_resolutions="1/4,1", loop_topology="mesh", mesh_slots=3)
     L, V = 16, 10
@@ -301,7 +303,7 @@ def test_hf_export_refuses_spiral_and_mesh():
 
     for kw in (dict(loop_resolutions="1/2,1", loop_topology="anchor"), dict(loop_topology="mesh")):
         with pytest.raises(ValueError, match="SpiralFormer"):
-            check_exportable(ModelConfig(), LoopConfig(num_loops=2, exit_loss="last", **kw))
+            check_exportable(llama_style(), LoopConfig(num_loops=2, exit_loss="last", **kw))
 
 
 # --- attention probes -----------------------------------------------------------------------
@@ -363,7 +365,7 @@ def _prefix_logits(rank, world, flags):
 
     setup_parallel(world)
     loop = LoopConfig(num_loops=3, **flags)
-    model = build_model(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+    model = build_model(llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                                     max_position_embeddings=24), loop, VOCAB)
     model.eval()
     ids, pos, _ = lm_batch(VOCAB, 24, 2)

@@ -5,8 +5,10 @@ import torch
 
 from distributed import run_distributed
 from reference import full_grads, full_params
+from flags import TEST_FLAGS
 
-BASE = ["--num-layers", "2", "--num-loops", "3", "--hidden-size", "32", "--num-attention-heads",
+BASE = [*TEST_FLAGS,
+        "--num-layers", "2", "--num-loops", "3", "--hidden-size", "32", "--num-attention-heads",
         "4", "--seq-length", "32", "--max-position-embeddings", "32", "--global-batch-size", "4",
         "--train-iters", "2", "--lr", "1e-2", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "200", "--log-interval", "1", "--eval-iters", "0",

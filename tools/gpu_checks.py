@@ -60,7 +60,9 @@ PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H2
              ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12)]
 
 # Small model of the smoke and gradient checks (flags of pretrain_looplm.py).
-TINY = ["--num-layers", "2", "--num-loops", "3", "--hidden-size", "128",
+TINY = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+        "--lr-decay-style", "cosine", "--eval-iters", "10", "--num-workers", "0",
+        "--num-layers", "2", "--num-loops", "3", "--hidden-size", "128",
         "--num-attention-heads", "4", "--ffn-hidden-size", "352", "--seq-length", "128",
         "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",

@@ -12,18 +12,23 @@ source "$(dirname "$0")/_sizes.sh"
 SIZE=${SIZE:-full}
 RECIPE=(--norm-scheme pre --num-loops 3 --exit-loss last
         --history-injection channel-wise --history-window 2 --timestep-conditioning loop-gating
-        --optimizer muon --muon-momentum 0.95 --muon-ns-steps 5
+        --optimizer muon --muon-momentum 0.95 --muon-use-nesterov --muon-num-ns-steps 5
+        --muon-scale-mode rms-match
         --adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0.1 --lr-decay-style WSD
         --lr-wsd-decay-style linear --clip-grad 1.0)
 if [[ $SIZE == cpu ]]; then
     ARGS=(--num-layers 4 --num-prelude-layers 1 --num-coda-layers 1 "${RECIPE[@]}"
-          --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --ffn-hidden-size 176
+          "${LLAMA_STYLE[@]}" --num-workers 0
+          --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2
+          --ffn-hidden-size 176
           --seq-length 64 --max-position-embeddings 64 --micro-batch-size 8 --global-batch-size 8
           --train-iters 300 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 30 --lr-wsd-decay-iters 60
           --log-interval 50 --eval-interval 1000 --eval-iters 2 --split 98,2,0)
 else
     ARGS=(--num-layers 8 --num-prelude-layers 2 --num-coda-layers 2 "${RECIPE[@]}"
-          --hidden-size 2048 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 8192
+          "${LLAMA_STYLE[@]}"
+          --hidden-size 2048 --num-attention-heads 32 --group-query-attention --num-query-groups 8
+          --ffn-hidden-size 8192
           --rotary-base 500000 --seq-length 4096 --max-position-embeddings 4096 --bf16
           --micro-batch-size 4 --global-batch-size 512
           --train-iters 50000 --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 2000

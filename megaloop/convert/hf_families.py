@@ -219,5 +219,6 @@ def model_config_from_hf(cfg: dict, divisible_by: int) -> ModelConfig:
         disable_bias_linear=True, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
         init_method_std=cfg.get("initializer_range", 0.02),
-        attention_dropout=cfg.get("attention_dropout", 0.0),
+        # These families have no residual dropout; attention dropout as the config says.
+        hidden_dropout=0.0, attention_dropout=cfg.get("attention_dropout", 0.0),
         make_vocab_size_divisible_by=divisible_by, norm_scheme="pre")

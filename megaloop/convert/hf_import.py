@@ -253,6 +253,7 @@ def exported_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
         rotary_base=theta, rotary_percent=1.0, use_rope_scaling=factor is not None,
         rope_scaling_factor=factor if factor is not None else ModelConfig.rope_scaling_factor,
         normalization="RMSNorm", norm_epsilon=c["rms_norm_eps"], swiglu=True,
+        hidden_dropout=0.0, attention_dropout=0.0,  # the exported model has no dropout
         disable_bias_linear=True, add_qkv_bias=bool(c["qkv_bias"]),
         qk_layernorm=bool(c["qk_norm"]),
         untie_embeddings_and_output_weights=not c["tie_word_embeddings"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 TokenizerType = Literal["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"]
@@ -22,10 +22,13 @@ SFT_LOSSMASK_SUFFIX = "_lossmask_document"
 class TokenizerConfig:
     """Tokenizer used by preprocessing and training (the same code builds it in both)."""
 
-    tokenizer_type: TokenizerType = "NullTokenizer"
+    tokenizer_type: TokenizerType = field(
+        default="NullTokenizer",
+        metadata={"value_aliases": {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}})
     """Tokenizer kind: NullTokenizer (whitespace-separated ids, for benchmarks and mock data),
-    SentencePieceTokenizer (a local .model file) or HuggingFaceTokenizer (a local tokenizer.json,
-    or a folder holding one; never downloaded)."""
+    SentencePieceTokenizer (a local .model file; Megatron-LM calls it GPTSentencePieceTokenizer,
+    whose ids are the same) or HuggingFaceTokenizer (a local tokenizer.json, or a folder holding
+    one; never downloaded)."""
 
     tokenizer_model: Optional[str] = None
     """Path of the sentencepiece .model, or of the Hugging Face tokenizer.json (or its folder)."""
@@ -120,11 +123,12 @@ class DataConfig:
     """Folder for the sample-index cache; default: a ``cache`` folder next to the first dataset.
     Entries are keyed on the data files' content, so re-preprocessing in place is safe."""
 
-    data_format: Literal["pretrain", "sft"] = "pretrain"
+    data_format: Literal["pretrain", "sft"] = field(default="pretrain",
+                                                   metadata={"set_flags": {"--sft": "sft"}})
     """pretrain: loss on every token. sft: loss only where the ``_lossmask_document`` twin of each
     ``_text_document`` dataset (written by preprocess_data.py --data-format sft) is 1."""
 
-    num_workers: int = 0
+    num_workers: int = 2
     """DataLoader worker processes per rank (0 = load in the training process)."""
 
     reset_position_ids: bool = False

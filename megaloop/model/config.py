@@ -34,8 +34,14 @@ class ModelConfig:
     num_attention_heads: int = 4
     """Number of attention heads."""
 
+    group_query_attention: bool = False
+    """Grouped-query attention (Megatron-LM's switch): the keys and values have --num-query-groups
+    heads (1 when that is not given, as Megatron-LM's default)."""
+
     num_query_groups: Optional[int] = None
-    """Number of key/value groups for grouped-query attention (default: one per head, no GQA)."""
+    """Number of key/value groups for grouped-query attention. megaloop applies it whenever it is
+    given; Megatron-LM reads it only with --group-query-attention (a Megatron-LM script with GQA
+    passes both). Default: one per head (no GQA), or 1 with --group-query-attention."""
 
     kv_channels: Optional[int] = None
     """Per-head projection size. Default: hidden-size / num-attention-heads."""
@@ -43,8 +49,9 @@ class ModelConfig:
     max_position_embeddings: int = 64
     """Longest sequence the position embedding supports."""
 
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
-    """Position embedding: rotary (RoPE), learned absolute, or none."""
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """Position embedding: learned absolute (Megatron-LM's default), rotary (`rope`: Llama, Qwen,
+    Ouro), or none."""
 
     rotary_base: int = 10000
     """RoPE base (theta)."""
@@ -66,14 +73,19 @@ class ModelConfig:
     """A bias on the query, key and value projections only (Qwen2 / Qwen2.5); the other linears
     follow --disable-bias-linear."""
 
-    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
-    """Normalization used by every norm of the model."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Normalization used by every norm of the model (Megatron-LM's default LayerNorm; Llama,
+    Qwen and Ouro use RMSNorm)."""
+
+    apply_layernorm_1p: bool = False
+    """LayerNorm weights stored as (gamma - 1), initialised at 0 (megatron-core's
+    zero-centered gamma; Megatron-LM's flag). Needs --normalization LayerNorm."""
 
     norm_epsilon: float = 1e-5
     """Epsilon of every norm (Ouro uses 1e-6)."""
 
-    swiglu: bool = True
-    """Gated SiLU MLP (SwiGLU). Pass `--swiglu false` for a GELU MLP."""
+    swiglu: bool = False
+    """Gated SiLU MLP (SwiGLU: Llama, Qwen, Ouro) instead of Megatron-LM's default GELU MLP."""
 
     disable_bias_linear: bool = True
     """No biases in the linear layers (as the Megatron-LM flag; `false` adds them)."""
@@ -87,20 +99,23 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
 
-    hidden_dropout: float = 0.0
-    """Dropout on the residual branches."""
+    hidden_dropout: float = 0.1
+    """Dropout on the residual branches (Megatron-LM's default 0.1; Llama-style pretraining uses
+    0)."""
 
-    attention_dropout: float = 0.0
-    """Dropout on attention probabilities."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (Megatron-LM's default 0.1; Llama-style pretraining
+    uses 0)."""
 
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this; only where the tensor-parallel size does not divide
     that, pad to a multiple of this times the TP size. (Megatron-LM always multiplies by the TP
     size; megaloop does not, so the same run at TP=1 and TP=2 has the same vocabulary rows.)"""
 
-    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
-    """Layer backend: megatron-core's local modules, Transformer Engine, or auto (TE iff TE
-    imports and a GPU is present)."""
+    transformer_impl: Literal["transformer_engine", "local", "auto"] = "transformer_engine"
+    """Layer backend: Transformer Engine (Megatron-LM's default; on a GPU it must be installed),
+    megatron-core's `local` modules, or `auto` (TE iff TE imports and a GPU is present). On a
+    machine without a GPU the layers are always the local spec (TE's kernels need a GPU)."""
 
     norm_scheme: Literal["ouro", "pre", "post", "sandwich", "magic"] = "ouro"
     """Norm placement in every layer (prelude, core, coda; Closing the Loop App. A): `ouro`
@@ -186,6 +201,11 @@ class ModelConfig:
     num_layers_at_end_in_bf16: int = 1
     """Layers at the end kept in BF16 by --first-last-layers-bf16."""
 
+    def __post_init__(self):
+        # Megatron-LM's --group-query-attention without --num-query-groups means one group.
+        if self.group_query_attention and self.num_query_groups is None:
+            self.num_query_groups = 1
+
     def validate(self) -> None:
         """Raise ValueError naming the flag and the fix; called before any process group starts."""
         if self.hidden_size % self.num_attention_heads:
@@ -197,6 +217,9 @@ class ModelConfig:
             raise ValueError(
                 f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                 f"--num-query-groups {groups}; use a divisor of the head count")
+        if self.apply_layernorm_1p and self.normalization != "LayerNorm":
+            raise ValueError(f"--apply-layernorm-1p is a LayerNorm option; drop it or use "
+                             f"--normalization LayerNorm, not {self.normalization}")
         if self.num_layers < 1:
             raise ValueError(f"--num-layers {self.num_layers} must be at least 1")
         if self.position_embedding_type == "rope" and self.rotary_base <= 0:
@@ -439,14 +462,17 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
 
 
 def use_transformer_engine(model: ModelConfig) -> bool:
-    """Resolve `--transformer-impl auto`: TE only where it imports and a GPU exists."""
+    """Whether the layers are Transformer Engine's: never without a GPU; `transformer_engine`
+    on a GPU (RunConfig.validate checks that TE is installed); `auto` where TE imports."""
     import torch
 
     if model.transformer_impl == "local":
         return False
+    if not torch.cuda.is_available():
+        # Also for transformer_engine, Megatron-LM's default: its kernels need a GPU, and a
+        # CPU run (tests, the demo) is the local spec whatever the flag says.
+        return False
     if model.transformer_impl == "transformer_engine":
-        if not torch.cuda.is_available():
-            raise ValueError("--transformer-impl transformer_engine needs a GPU; use local on CPU")
         return True
     if not torch.cuda.is_available():
         return False
@@ -569,6 +595,7 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         num_query_groups=model.num_query_groups,
         kv_channels=model.kv_channels,
         normalization=model.normalization,
+        layernorm_zero_centered_gamma=model.apply_layernorm_1p,
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.swiglu,
         activation_func=_activation(model.swiglu),

@@ -43,8 +43,10 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the backward pass."""
 
-    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Collective backend: auto = nccl on GPU, gloo on CPU."""
+    distributed_backend: Literal["nccl", "gloo", "auto"] = "nccl"
+    """Collective backend (Megatron-LM's default nccl); `auto` = nccl on GPU, gloo on CPU. On a
+    machine without a GPU collectives always run on gloo (nccl needs CUDA), so a Megatron-LM
+    command line runs there unchanged; the start-up banner says so."""
 
     def world_size(self) -> int:
         """World size as the launcher announces it (torchrun/SLURM), before any group exists."""

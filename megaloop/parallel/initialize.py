@@ -15,9 +15,13 @@ from megaloop.parallel.config import ParallelConfig
 
 
 def backend_for(parallel: ParallelConfig) -> str:
+    """nccl needs CUDA: without a GPU, Megatron-LM's default nccl (and auto) run on gloo, so a
+    Megatron-LM command line and every CPU command work unchanged."""
+    if not torch.cuda.is_available():
+        return "gloo"
     if parallel.distributed_backend != "auto":
         return parallel.distributed_backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl"
 
 
 def single_process_env() -> bool:

@@ -398,7 +398,8 @@ def _unreadable(path: str, detail: str) -> str:
 ARCHITECTURE = {
     "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
               "num_query_groups", "kv_channels", "position_embedding_type", "rotary_percent",
-              "normalization", "swiglu", "disable_bias_linear", "qk_layernorm",
+              "normalization", "apply_layernorm_1p", "swiglu", "disable_bias_linear",
+              "qk_layernorm",
               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
               "norm_scheme"),
     "loop": ("num_prelude_layers", "num_coda_layers", "step_norm_placement", "step_norm",

@@ -34,8 +34,9 @@ class TrainingConfig:
     eval_interval: int = 1000
     """Run validation every this many iterations (and at the end)."""
 
-    eval_iters: int = 10
-    """Validation micro-batch rounds per evaluation (each round is one global batch)."""
+    eval_iters: int = 100
+    """Validation micro-batch rounds per evaluation (each round is one global batch; 0: no
+    validation)."""
 
     check_for_nan_in_loss_and_grad: bool = True
     """Check every step's loss and gradients on every rank (as Megatron-LM's flag); a step where
@@ -92,8 +93,8 @@ class OptimConfig:
     lr_warmup_iters: int = 0
     """Linear warmup from 0 to --lr over this many iterations."""
 
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "cosine"
-    """Shape of the decay after warmup."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
+    """Shape of the decay after warmup (Megatron-LM's default linear; the recipes use cosine)."""
 
     lr_decay_iters: Optional[int] = None
     """Iterations over which the LR decays (default: --train-iters)."""
@@ -129,19 +130,27 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
 
-    muon_momentum: float = 0.95
-    """Muon momentum (What Makes Recurrence Effective: 0.95)."""
+    muon_momentum: float = 0.9
+    """Muon momentum (Megatron-LM's default 0.9; What Makes Recurrence Effective: 0.95)."""
 
-    muon_nesterov: bool = True
-    """Muon uses Nesterov momentum (What Makes Recurrence Effective: yes)."""
+    muon_use_nesterov: bool = field(default=False, metadata={"aliases": ["--muon-nesterov"]})
+    """Muon uses Nesterov momentum (What Makes Recurrence Effective: yes; Megatron-LM's default:
+    no)."""
 
-    muon_ns_steps: int = 5
+    muon_num_ns_steps: int = field(default=5, metadata={"aliases": ["--muon-ns-steps"]})
     """Newton-Schulz iterations per Muon step (What Makes Recurrence Effective: 5)."""
 
-    muon_scale_mode: Literal["rms-match", "shape"] = "rms-match"
-    """Scale of the orthogonalised update: `rms-match` 0.2 sqrt(max(rows, cols)) (Liu et al.
-    2025: matches AdamW's update RMS, so one --lr serves both parts); `shape` sqrt(max(1,
-    rows/cols)) (Jordan et al. 2024, usually with a larger --lr)."""
+    muon_scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling", "rms-match"] = field(
+        default="spectral", metadata={"value_aliases": {"shape": "shape_scaling"}})
+    """Scale of the orthogonalised update of a rows x cols matrix, times
+    --muon-extra-scale-factor (Megatron-LM's modes): `spectral` sqrt(max(rows, cols)),
+    `unit_rms_norm` sqrt(rows / cols), `shape_scaling` sqrt(max(1, rows / cols)) (Jordan et al.
+    2024, usually with a larger --lr); megaloop's `rms-match` is `spectral` times 0.2 (Liu et al.
+    2025: matches AdamW's update RMS, so one --lr serves both parts; What Makes Recurrence
+    Effective)."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Extra factor on every Muon update (Megatron-LM's flag)."""
 
     def validate(self, train_iters: int) -> None:
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
@@ -160,15 +169,18 @@ class OptimConfig:
         if self.optimizer == "muon":
             if not 0.0 <= self.muon_momentum < 1.0:
                 raise ValueError(f"--muon-momentum {self.muon_momentum} must be in [0, 1)")
-            if self.muon_ns_steps < 1:
-                raise ValueError(f"--muon-ns-steps {self.muon_ns_steps} must be >= 1")
+            if self.muon_num_ns_steps < 1:
+                raise ValueError(f"--muon-num-ns-steps {self.muon_num_ns_steps} must be >= 1")
+            if self.muon_extra_scale_factor <= 0:
+                raise ValueError(f"--muon-extra-scale-factor {self.muon_extra_scale_factor} "
+                                 f"must be > 0")
 
 
 @dataclass
 class LoggingConfig:
     """What is logged where."""
 
-    log_interval: int = 10
+    log_interval: int = 100
     """Print (and record) one line every this many iterations."""
 
     log_jsonl: Optional[str] = None

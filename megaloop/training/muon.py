@@ -45,13 +45,19 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
 
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:
-    """`rms-match` (Liu et al. 2025, the Muon of What Makes Recurrence Effective): 0.2
+    """Megatron-LM's --muon-scale-mode values: `spectral` sqrt(max(rows, cols)), `unit_rms_norm`
+    sqrt(rows / cols), `shape_scaling` (Jordan et al. 2024) sqrt(max(1, rows / cols)); megaloop's
+    `rms-match` (Liu et al. 2025, the Muon of What Makes Recurrence Effective) 0.2
     sqrt(max(rows, cols)) gives the update the RMS of an AdamW update, so AdamW's LR and weight
-    decay carry over; `shape` (Jordan et al. 2024): sqrt(max(1, rows / cols))."""
+    decay carry over."""
+    if mode == "spectral":
+        return max(rows, cols) ** 0.5
+    if mode == "unit_rms_norm":
+        return (rows / cols) ** 0.5
+    if mode == "shape_scaling":
+        return max(1.0, rows / cols) ** 0.5
     if mode == "rms-match":
         return 0.2 * max(rows, cols) ** 0.5
-    if mode == "shape":
-        return max(1.0, rows / cols) ** 0.5
     raise ValueError(f"unknown --muon-scale-mode {mode!r}")
 
 
@@ -71,10 +77,11 @@ class Muon(torch.optim.Optimizer):
     follow megatron-core's param groups so ``OptimizerParamScheduler`` drives them."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0,
-                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 scale_mode: str = "rms-match"):
+                 momentum: float = 0.9, nesterov: bool = False, ns_steps: int = 5,
+                 scale_mode: str = "spectral", extra_scale_factor: float = 1.0):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_steps=ns_steps, scale_mode=scale_mode)
+                        ns_steps=ns_steps, scale_mode=scale_mode,
+                        extra_scale_factor=extra_scale_factor)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -97,7 +104,9 @@ class Muon(torch.optim.Optimizer):
                 update = grad.lerp(buf, beta) if group["nesterov"] else buf
                 full, dim = _full_matrix(update, p, group_tp)
                 ortho = newton_schulz(full, group["ns_steps"])
-                ortho = ortho * scale_factor(full.size(0), full.size(1), group["scale_mode"])
+                ortho = ortho * (scale_factor(full.size(0), full.size(1), group["scale_mode"])
+                                 # a group loaded from an older checkpoint has no factor
+                                 * group.get("extra_scale_factor", 1.0))
                 if dim >= 0:
                     rank = torch.distributed.get_rank(group_tp)
                     ortho = ortho.chunk(torch.distributed.get_world_size(group_tp), dim)[rank]
@@ -115,7 +124,7 @@ def is_muon_param(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def get_muon_optimizer(config, model_chunks: list, *, momentum: float, nesterov: bool,
-                       ns_steps: int, scale_mode: str):
+                       ns_steps: int, scale_mode: str, extra_scale_factor: float = 1.0):
     """megatron-core ``ChainedOptimizer`` of [Muon on the hidden matrices, megatron AdamW on
     the rest], built like megatron-core's ``get_megatron_muon_optimizer``."""
     from megatron.core.optimizer import ChainedOptimizer, _get_param_groups, get_megatron_optimizer
@@ -142,7 +151,8 @@ def get_muon_optimizer(config, model_chunks: list, *, momentum: float, nesterov:
             p.requires_grad = False
         groups = _get_param_groups(model_chunks, config, None)
         muon = Muon(groups, lr=config.lr, weight_decay=config.weight_decay, momentum=momentum,
-                    nesterov=nesterov, ns_steps=ns_steps, scale_mode=scale_mode)
+                    nesterov=nesterov, ns_steps=ns_steps, scale_mode=scale_mode,
+                    extra_scale_factor=extra_scale_factor)
         muon = Float16OptimizerWithFloat16Params(muon, config, None, init_state) if config.bf16 \
             else FP32Optimizer(muon, config, init_state)
         for p in others:

@@ -36,7 +36,7 @@ SIZE_LIMITS = {
                  "train_iters": 0, "eval_interval": 1, "eval_iters": 0,
                  "max_skipped_steps_in_a_row": 1},
     "optim": {"lr_warmup_iters": 0, "lr_decay_iters": 1, "lr_wsd_decay_iters": 1,
-              "muon_ns_steps": 1},
+              "muon_num_ns_steps": 1},
     "logging": {"log_interval": 1, "loss_spike_window": 1, "p0_collapse_iters": 1},
     "checkpoint": {"save_interval": 1, "ckpt_step": 0, "exit_interval": 1},
     "data": {"num_workers": 0},
@@ -186,8 +186,7 @@ class RunConfig:
         cp, par = self.parallel.context_parallel_size, self.parallel
         if cp == 1:
             return
-        impl = self.model.transformer_impl
-        te = impl == "transformer_engine" or (impl == "auto" and use_transformer_engine(self.model))
+        te = use_transformer_engine(self.model)
         if not te and not _cp_test_route():
             raise ValueError(
                 f"--context-parallel-size {cp} needs the Transformer Engine layer spec: "
@@ -231,10 +230,7 @@ class RunConfig:
         assert on), refused before any process group."""
         from megaloop.model.config import use_transformer_engine
 
-        impl = self.model.transformer_impl
-        # Explicit TE on a machine without a GPU is refused elsewhere; auto resolves as the
-        # model builder will resolve it.
-        te = impl == "transformer_engine" or (impl == "auto" and use_transformer_engine(self.model))
+        te = use_transformer_engine(self.model)  # as the model builder resolves it
         if self.data.reset_attention_mask and te:
             raise ValueError(
                 "--reset-attention-mask with the Transformer Engine layer spec: TE's causal "
@@ -272,8 +268,15 @@ class RunConfig:
 
         m, loop = self.model, self.loop
         cuda = torch.cuda.is_available()
-        te = m.transformer_impl == "transformer_engine" or (
-            m.transformer_impl == "auto" and use_transformer_engine(m))
+        te = use_transformer_engine(m)
+        if te and m.transformer_impl == "transformer_engine" and not _te_installed():
+            raise ValueError("--transformer-impl transformer_engine (Megatron-LM's default) needs "
+                             "Transformer Engine, which is not installed: install it (the GPU "
+                             "image has it) or pass --transformer-impl local")
+        if m.apply_layernorm_1p and not te:
+            raise ValueError("--apply-layernorm-1p needs the Transformer Engine layer spec "
+                             "(megatron-core's torch LayerNorm has no zero-centered gamma): run "
+                             "on a GPU with Transformer Engine, or drop --apply-layernorm-1p")
         if m.attention_backend in ("flash", "fused", "unfused") and not te:
             raise ValueError(
                 f"--attention-backend {m.attention_backend} is a Transformer Engine attention "
@@ -392,7 +395,10 @@ def _cp_test_route() -> bool:
 
 def _te_installed() -> bool:
     import importlib.util
+    import sys
 
+    if sys.modules.get("transformer_engine") is not None:  # imported already
+        return True
     return importlib.util.find_spec("transformer_engine") is not None
 
 

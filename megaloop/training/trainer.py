@@ -71,8 +71,10 @@ def build_optimizer(cfg: RunConfig, model):
         from megaloop.training.muon import get_muon_optimizer
 
         optimizer = get_muon_optimizer(config, [model], momentum=opt.muon_momentum,
-                                       nesterov=opt.muon_nesterov, ns_steps=opt.muon_ns_steps,
-                                       scale_mode=opt.muon_scale_mode)
+                                       nesterov=opt.muon_use_nesterov,
+                                       ns_steps=opt.muon_num_ns_steps,
+                                       scale_mode=opt.muon_scale_mode,
+                                       extra_scale_factor=opt.muon_extra_scale_factor)
     else:
         optimizer = get_megatron_optimizer(config, [model])
     # The schedule counts optimizer steps (iterations); Megatron-LM counts samples, which is the
