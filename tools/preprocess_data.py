@@ -16,9 +16,24 @@ and its aligned ``<prefix>_lossmask_document``; EOD always ends each response):
 
 from __future__ import annotations
 
-import argparse
 import os
+import signal
 import sys
+
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+
+
+def _exit_at_once(signum, frame):
+    os._exit(INTERRUPTED)
+
+
+if __name__ == "__main__":
+    # A Ctrl-C must end the run within moments; unwinding an interrupted import or tearing down
+    # the interpreter (garbage-collecting numpy, the tokenizer) took up to 2 s on a loaded
+    # machine. Until preprocessing starts nothing is written, so SIGINT exits at once.
+    signal.signal(signal.SIGINT, _exit_at_once)
+
+import argparse  # noqa: E402
 
 # Scripts run from a checkout without installation too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,8 +41,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
 from megaloop.data.config import TokenizerConfig  # noqa: E402
 from megaloop.data.jsonl import DEFAULT_BATCH_BYTES, BadInputError  # noqa: E402
-
-INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,6 +92,8 @@ def main(argv=None) -> int:
         return 2
     from megaloop.data.preprocess import preprocess  # numpy: not needed for --help
 
+    if signal.getsignal(signal.SIGINT) is _exit_at_once:  # run as a script (below)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # now there is clean-up to do
     try:
         stats = preprocess(args.input, args.output_prefix, tok_cfg, json_keys=args.json_keys,
                            data_format=args.data_format, workers=args.workers,
@@ -99,11 +114,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if code == INTERRUPTED:
-        # Workers are dead and temporaries removed: nothing is left to finalize, and tearing down
-        # the interpreter (garbage-collecting numpy, the tokenizer) can take seconds on a loaded
-        # machine; a Ctrl-C must end the run at once.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    # Whatever the outcome, every file is closed, the outputs are published or removed and the
+    # workers have ended: exit without the interpreter's teardown (see the top of this file).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

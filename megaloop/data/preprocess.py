@@ -151,7 +151,6 @@ def encode_ranges(job: Job, queue: RangeQueue, emit: Callable[[tuple], None]) ->
 def _worker(conn, job: Job, queue: RangeQueue) -> None:
     # Ctrl-C reaches the whole process group; the main process alone decides (it kills us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         encode_ranges(job, queue, conn.send)
     except BaseException:
@@ -169,11 +168,9 @@ class _Workers:
 
     def start(self, job: Job, queue: RangeQueue, workers: int) -> None:
         ctx = multiprocessing.get_context("fork")
-        # Children must never run Python's SIGINT handler (a traceback per worker on Ctrl-C):
-        # block SIGINT across the fork; a child ignores it before unblocking, and a SIGINT that
-        # arrived meanwhile is delivered to this process when it unblocks.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        # A KeyboardInterrupt inside Process.start() would leave a forked worker this object
+        # does not know (so cannot kill): interrupts wait until every worker is recorded.
+        with _interrupts_deferred(drop=False):
             for _ in range(workers):
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker, args=(send, job, queue), daemon=True)
@@ -181,8 +178,6 @@ class _Workers:
                 send.close()
                 self.procs.append(proc)
                 self.conns.append(recv)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def messages(self) -> Iterator[tuple[int, tuple]]:
         """(worker index, message) until every worker has finished."""
@@ -242,20 +237,25 @@ class _Progress:
 
 
 @contextlib.contextmanager
-def _interrupts_held(drop: bool):
-    """SIGINT waits until the block ends; then it is delivered, or discarded if ``drop``."""
+def _interrupts_deferred(drop: bool):
+    """A Ctrl-C inside the block is recorded and, when the block ends, raised (or dropped).
+
+    A handler that records, not a signal mask: a SIGINT that arrived just before the block
+    still runs its Python handler at the next bytecode, inside the block, which a mask cannot
+    stop (found by tests/test_data_preprocess_workers.py: a KeyboardInterrupt inside
+    Process.start() left an unkillable worker writing parts after the clean-up).
+    """
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only
         return
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        handler = signal.getsignal(signal.SIGINT)
-        if drop:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a pending SIGINT is discarded
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGINT, previous)
+        if caught and not drop and callable(previous):
+            previous(signal.SIGINT, None)  # default_int_handler: raises KeyboardInterrupt
 
 
 def _join_parts(target: str, parts: list[str]) -> None:
@@ -349,14 +349,14 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
         # Publish: .bin before .idx, so a reader that sees the new .idx sees the new .bin. A
         # Ctrl-C during the renames (microseconds) comes too late and is dropped: half a
         # dataset must never be visible.
-        with _interrupts_held(drop=True):
+        with _interrupts_deferred(drop=True):
             for key in keys:
                 for ext in (".bin", ".idx"):
                     os.replace(finals[key] + ext + tmp, finals[key] + ext)
         return stats
     except BaseException:
         # A (second) Ctrl-C must not cut the clean-up short: it is delivered after it.
-        with _interrupts_held(drop=False):
+        with _interrupts_deferred(drop=False):
             if pool is not None:
                 pool.kill()
             for path in temporaries:
