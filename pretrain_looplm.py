@@ -28,6 +28,11 @@ def main(argv=None) -> int:
         from megaloop.training import checkpointing
 
         single_process_env()  # no launcher: a world of one (validation reads the world size)
+        if cfg.checkpoint.use_checkpoint_args:
+            changed = checkpointing.apply_checkpoint_args(cfg)
+            if changed:
+                runtime.print_rank_0("> --use-checkpoint-args: from the checkpoint "
+                                     + ", ".join(changed))
         cfg.validate()  # before any process group starts: a bad flag fails fast on every rank
         # The checkpoint to resume: readable, and of this architecture (no process group needed).
         checkpointing.check_resume(cfg.checkpoint.load, cfg.checkpoint.ckpt_step, cfg.to_dict())

@@ -20,7 +20,7 @@ import torch
 
 from distributed import run_distributed
 from test_convert import _perturb, _run_tool, _world
-from flags import llama_style
+from flags import LLAMA_STYLE_FLAGS, llama_style
 
 SEQ, BATCH = 48, 2  # long enough that Llama 3.x's scaled low frequencies change the logits
 TOL = 1e-5  # relative to the largest logit
@@ -276,7 +276,7 @@ def test_flags_reach_the_model():
     from megaloop.training.run_config import build_parser
 
     args, _ = build_parser().parse_known_args(
-        ["--use-rope-scaling", "--rope-scaling-factor", "32", "--add-qkv-bias",
+        [*LLAMA_STYLE_FLAGS, "--use-rope-scaling", "--rope-scaling-factor", "32", "--add-qkv-bias",
          "--rotary-base", "500000", "--kv-channels", "16", "--num-attention-heads", "4",
          "--hidden-size", "48"])
     model_cfg = dataclass_from_args(ModelConfig, args)

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-TokenizerType = Literal["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"]
+TokenizerType = Literal["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
+                        "GPT2BPETokenizer"]
 
 SFT_TEXT_SUFFIX = "_text_document"
 SFT_LOSSMASK_SUFFIX = "_lossmask_document"
@@ -27,18 +28,44 @@ class TokenizerConfig:
         metadata={"value_aliases": {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}})
     """Tokenizer kind: NullTokenizer (whitespace-separated ids, for benchmarks and mock data),
     SentencePieceTokenizer (a local .model file; Megatron-LM calls it GPTSentencePieceTokenizer,
-    whose ids are the same) or HuggingFaceTokenizer (a local tokenizer.json, or a folder holding
-    one; never downloaded)."""
+    whose ids are the same), HuggingFaceTokenizer (a local tokenizer.json, or a folder holding
+    one; never downloaded) or GPT2BPETokenizer (GPT-2's byte-level BPE from --vocab-file and
+    --merge-file, EOD <|endoftext|>)."""
 
     tokenizer_model: Optional[str] = None
     """Path of the sentencepiece .model, or of the Hugging Face tokenizer.json (or its folder)."""
+
+    vocab_file: Optional[str] = None
+    """GPT2BPETokenizer: the vocabulary (GPT-2's vocab.json: token -> id)."""
+
+    merge_file: Optional[str] = None
+    """GPT2BPETokenizer: the BPE merges (GPT-2's merges.txt)."""
 
     vocab_size: Optional[int] = None
     """NullTokenizer only: number of ids before EOD; EOD is this value and the tokenizer's
     vocab_size is one more (megatron-core's NullTokenizer semantics)."""
 
+    tiktoken_pattern: Optional[str] = None
+    """Accepted for Megatron-LM command lines: the regex of Megatron-LM's TikTokenizer, which
+    megaloop does not have; no other tokenizer reads it (as in Megatron-LM)."""
+
     def validate(self) -> None:
         """Raise ValueError naming the flag to change; touches the file system only."""
+        gpt2 = self.tokenizer_type == "GPT2BPETokenizer"
+        if not gpt2 and (self.vocab_file or self.merge_file):
+            raise ValueError("--vocab-file / --merge-file are read by --tokenizer-type "
+                             "GPT2BPETokenizer (Megatron-LM's GPT-2 BPE): add it, or drop them")
+        if gpt2:
+            for flag, path in (("--vocab-file", self.vocab_file),
+                               ("--merge-file", self.merge_file)):
+                if not path:
+                    raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {flag} PATH")
+                if not os.path.isfile(path):
+                    raise ValueError(f"{flag} {path}: no such file")
+            if self.tokenizer_model is not None or self.vocab_size is not None:
+                raise ValueError("GPT2BPETokenizer reads --vocab-file and --merge-file only: "
+                                 "drop --tokenizer-model / --vocab-size")
+            return
         if self.tokenizer_type == "NullTokenizer":
             if self.vocab_size is None or self.vocab_size < 1:
                 raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N "
@@ -131,6 +158,15 @@ class DataConfig:
     num_workers: int = 2
     """DataLoader worker processes per rank (0 = load in the training process)."""
 
+    no_mmap_bin_files: bool = False
+    """Read the .bin files with plain reads instead of memory-mapping them (megatron-core's
+    mmap_bin_files off; Megatron-LM's flag, for file systems where mmap is slow)."""
+
+    no_create_attention_mask_in_dataloader: bool = False
+    """Accepted for Megatron-LM command lines: megaloop's loader makes an attention mask only
+    for --reset-attention-mask (a causal mask is implied), so this is what it does anyway;
+    with --reset-attention-mask it is refused (the mask carries the document boundaries)."""
+
     reset_position_ids: bool = False
     """Restart position ids after every EOD token (packed documents each start at position 0)."""
 
@@ -178,6 +214,10 @@ class DataConfig:
             raise ValueError(f"--split {self.split} leaves no documents for validation, but "
                              f"--eval-iters {eval_iters} evaluates on them: pass --eval-iters 0 "
                              "(no evaluation) or give validation a share, e.g. --split 98,2,0")
+        if self.no_create_attention_mask_in_dataloader and self.reset_attention_mask:
+            raise ValueError("--no-create-attention-mask-in-dataloader with "
+                             "--reset-attention-mask: the per-document mask is what the reset "
+                             "needs; drop one of the two")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers {self.num_workers}: must be >= 0")
         for prefix in self.prefixes():

@@ -138,7 +138,8 @@ def build_train_valid_test_datasets(data_cfg: DataConfig, tokenizer, seq_length:
         reset_attention_mask=data_cfg.reset_attention_mask,
         eod_mask_loss=data_cfg.eod_mask_loss,
         # A plain causal mask is implied by the model; only a reset mask carries information.
-        create_attention_mask=data_cfg.reset_attention_mask)
+        create_attention_mask=data_cfg.reset_attention_mask,
+        mmap_bin_files=not data_cfg.no_mmap_bin_files)
     if config.split_matrix is not None:
         for i, n in enumerate(num_samples):
             if n == 0:

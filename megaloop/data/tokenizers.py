@@ -179,11 +179,53 @@ class HuggingFaceTokenizer(Tokenizer):
         return ids
 
 
+class GPT2BPETokenizer(Tokenizer):
+    """Megatron-LM's GPT2BPETokenizer from a local vocab.json and merges.txt: GPT-2's byte-level
+    BPE (its pre-tokenization regex, bytes mapped to printable characters, no prefix space), with
+    EOD ``<|endoftext|>``, run by the ``tokenizers`` library. (megatron-core 0.16.1's own class,
+    MegatronHFTokenizer, passes the vocab file as the merges file and asks the hub for "gpt2", so
+    it cannot build this tokenizer from local files.)"""
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import Tokenizer as _HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        self.files = (os.path.abspath(vocab_file), os.path.abspath(merge_file))
+        self._tok = _HFTokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        self.vocab_size = self._tok.get_vocab_size()
+        eod = self._tok.token_to_id("<|endoftext|>")
+        if eod is None:
+            raise ValueError(f"--vocab-file {vocab_file}: no <|endoftext|> token (GPT-2's EOD)")
+        self.eod = eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id))
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        ids = super().unique_identifiers
+        ids["vocab_file"], ids["merge_file"] = self.files
+        return ids
+
+
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     """Build the tokenizer ``cfg`` names (validating it first)."""
     cfg.validate()
     if cfg.tokenizer_type == "NullTokenizer":
         return NullTokenizer(cfg.vocab_size)
+    if cfg.tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
     if cfg.tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(cfg.tokenizer_model)
     return HuggingFaceTokenizer(cfg.tokenizer_model)

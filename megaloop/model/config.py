@@ -25,6 +25,10 @@ class ModelConfig:
     num_layers: int = 2
     """Number of distinct (physical) transformer layers: prelude + core + coda."""
 
+    use_mcore_models: bool = False
+    """Accepted for Megatron-LM command lines: megaloop's models are always megatron-core
+    models."""
+
     hidden_size: int = 64
     """Transformer hidden size."""
 

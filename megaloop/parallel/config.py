@@ -43,6 +43,17 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with the backward pass."""
 
+    overlap_param_gather: bool = False
+    """With --use-distributed-optimizer: all-gather the updated parameters during the next
+    forward pass (each module waits for its bucket) instead of right after the optimizer step."""
+
+    grad_reduce_in_bf16: bool = False
+    """Reduce gradients over data-parallel ranks in bf16 instead of fp32 (half the traffic;
+    megatron-core DDP's grad_reduce_in_fp32 off)."""
+
+    distributed_timeout_minutes: int = 10
+    """Timeout of the collectives (torch.distributed's process-group timeout)."""
+
     distributed_backend: Literal["nccl", "gloo", "auto"] = "nccl"
     """Collective backend (Megatron-LM's default nccl); `auto` = nccl on GPU, gloo on CPU. On a
     machine without a GPU collectives always run on gloo (nccl needs CUDA), so a Megatron-LM
@@ -84,7 +95,15 @@ class ParallelConfig:
             raise ValueError(
                 f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
         if self.sequence_parallel and tp == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+            # Megatron-LM's rule (its Llama 3 example passes --sequence-parallel at TP=1).
+            from megaloop.runtime import print_rank_0
+
+            print_rank_0("> --sequence-parallel is off: --tensor-model-parallel-size is 1")
+            self.sequence_parallel = False
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (the "
+                             "parameters are gathered from its shards): add it or drop "
+                             "--overlap-param-gather")
 
     def validate_pipeline(self, num_core_layers: int) -> None:
         """How the core's layers split over the stages (before any process group; the rules

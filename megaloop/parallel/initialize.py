@@ -54,7 +54,8 @@ def initialize(parallel: ParallelConfig, seed: int) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(backend=backend_for(parallel),
-                                             timeout=timedelta(minutes=10))
+                                             timeout=timedelta(
+                                                 minutes=parallel.distributed_timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,

@@ -275,7 +275,7 @@ def remove_stale_saves(save_dir: str) -> list:
 
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
                     run_config: dict, consumed_samples: int = 0, extra: Optional[dict] = None,
-                    checksums: bool = True) -> str:
+                    checksums: bool = True, save_rng: bool = True) -> str:
     """Write ``save_dir/iter_XXXXXXX`` (collective over all ranks) and name it in the tracker.
 
     ``extra`` is a small dict of trainer counters stored in the common part of the checkpoint.
@@ -305,8 +305,10 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, schedu
                                                           metadata=OPTIM_METADATA)
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
-    state["rng_state"] = _rng_sharded_object(_rng_state())
+    if save_rng:
+        state["rng_state"] = _rng_sharded_object(_rng_state())
     state.update(iteration=iteration, consumed_samples=consumed_samples, run_config=run_config,
+                 has_rng=save_rng,
                  layout=_layout(), format_version=FORMAT_VERSION, extra=extra or {},
                  has_optimizer=optimizer is not None, optimizer_kind=_optimizer_kind(optimizer))
     _use_in_process_results_queue()
@@ -473,6 +475,27 @@ def check_resume(load_dir: Optional[str], iteration: Optional[int], run_config: 
     return compare_architecture(_read_common(path).get("run_config") or {}, run_config, path)
 
 
+def apply_checkpoint_args(cfg) -> list[str]:
+    """--use-checkpoint-args: set ``cfg``'s architecture flags (``ARCHITECTURE``, the loop count
+    and the exit objective) to the values the checkpoint in --load was saved with; returns the flags that changed. Nothing happens when
+    --load holds no checkpoint yet (a fresh run keeps its flags). No process group needed."""
+    ck = cfg.checkpoint
+    if not ck.load or not os.path.isdir(ck.load) or _resolve(ck.load, ck.ckpt_step) is None:
+        return []
+    saved = read_run_config(ck.load, ck.ckpt_step)
+    changed = []
+    # The loop count and objective too (they decide whether the model has an exit gate), as
+    # Megatron-LM's flag takes every model argument.
+    taken = {**ARCHITECTURE, "loop": ARCHITECTURE["loop"] + ("num_loops", "exit_loss")}
+    for section, names in taken.items():
+        target = getattr(cfg, section)
+        for name in names:
+            if name in saved.get(section, {}) and saved[section][name] != getattr(target, name):
+                setattr(target, name, saved[section][name])
+                changed.append(f"--{name.replace('_', '-')} {saved[section][name]}")
+    return changed
+
+
 def read_run_config(load_dir: str, iteration: Optional[int] = None) -> dict:
     """The RunConfig (as a dict) a checkpoint was saved with; no process group needed."""
     path = _resolve(load_dir, iteration)
@@ -515,7 +538,7 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
     # RNG streams belong to (PP, TP) positions: another layout has other streams.
     same_layout = {k: common["layout"][k] for k in ("tp", "pp")} == \
         {k: _layout()[k] for k in ("tp", "pp")}
-    load_rng = load_rng and same_layout
+    load_rng = load_rng and same_layout and common.get("has_rng", True)  # --no-save-rng
     if load_optim and common.get("optimizer_kind") != _optimizer_kind(optimizer):
         raise ValueError(
             f"{path} holds a {common.get('optimizer_kind')} optimizer state but this run uses a "

@@ -22,8 +22,20 @@ class TrainingConfig:
     """Samples per optimizer step over all data-parallel ranks (default: micro x DP, no
     accumulation). Gradient accumulation = global / (micro x DP)."""
 
-    train_iters: int = 20
-    """Optimizer steps to train for."""
+    train_iters: Optional[int] = None
+    """Optimizer steps to train for (default 20, unless --train-samples gives the length)."""
+
+    train_samples: Optional[int] = None
+    """Train on this many samples instead of --train-iters (Megatron-LM's sample-based
+    training): the iterations follow from the (ramped) global batch size, a last partial batch
+    is dropped, and the LR schedule counts samples (--lr-warmup-samples, --lr-decay-samples)."""
+
+    rampup_batch_size: Optional[list[int]] = field(default=None, metadata={"nargs": 3})
+    """START INCREMENT SAMPLES: the global batch size grows from START by INCREMENT, in equal
+    steps over the first SAMPLES samples, up to --global-batch-size (Megatron-LM's ramp-up;
+    every size must be a multiple of --micro-batch-size x data-parallel size). The LR schedule
+    then counts samples. Unlike Megatron-LM it also works with --train-iters (iterations at the
+    ramped batch sizes; Megatron-LM refuses the pair, which its own GPT-3 example passes)."""
 
     seed: int = 1234
     """Seed of weights, data order and dropout (the same on every rank)."""
@@ -38,6 +50,23 @@ class TrainingConfig:
     """Validation micro-batch rounds per evaluation (each round is one global batch; 0: no
     validation)."""
 
+    calculate_per_token_loss: bool = False
+    """Accepted for Megatron-LM command lines: megaloop always weighs every loss token of the
+    global batch equally (Megatron-LM's per-token loss; without this flag Megatron-LM averages
+    per micro-batch first)."""
+
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collection off and collect every --manual-gc-interval
+    iterations and around evaluations (Megatron-LM's flag: avoids collections at random steps
+    on some ranks, which stall every other rank)."""
+
+    manual_gc_interval: int = 0
+    """With --manual-gc: collect every this many iterations (0: only around evaluations)."""
+
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    """Release the CUDA caching allocator's unused memory: 1 after every training step, 2 also
+    after every evaluation (Megatron-LM's levels; no effect without a GPU)."""
+
     check_for_nan_in_loss_and_grad: bool = True
     """Check every step's loss and gradients on every rank (as Megatron-LM's flag); a step where
     any is NaN or infinite is skipped (no update, no LR-schedule step) and counted in the log's
@@ -48,16 +77,82 @@ class TrainingConfig:
     """Stop the run (exit code 1, nothing saved after the last good checkpoint) when this many
     steps in a row were skipped: the run has diverged and skipping will not bring it back."""
 
-    def num_microbatches(self, dp_size: int) -> int:
-        return self.resolved_global_batch(dp_size) // (self.micro_batch_size * dp_size)
+    def num_microbatches(self, dp_size: int, consumed_samples: Optional[int] = None) -> int:
+        """Micro-batches per step (at ``consumed_samples`` under --rampup-batch-size)."""
+        gbs = (self.resolved_global_batch(dp_size) if consumed_samples is None
+               else self.global_batch_at(consumed_samples, dp_size))
+        return gbs // (self.micro_batch_size * dp_size)
 
     def resolved_global_batch(self, dp_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * dp_size
 
+    def counts_samples(self) -> bool:
+        """Whether the LR schedule counts samples (as Megatron-LM always does) rather than
+        iterations: only where the two differ by more than the constant global batch factor,
+        i.e. with --train-samples or --rampup-batch-size (a checkpoint's schedule keeps its
+        unit)."""
+        return self.train_samples is not None or self.rampup_batch_size is not None
+
+    def global_batch_at(self, consumed_samples: int, dp_size: int) -> int:
+        """The global batch of the step that starts after ``consumed_samples`` samples: megatron-
+        core's RampupBatchsizeNumMicroBatchesCalculator rule (START + INCREMENT x floor(consumed
+        / (SAMPLES / number of increments)) until SAMPLES, then --global-batch-size)."""
+        gbs = self.resolved_global_batch(dp_size)
+        if self.rampup_batch_size is None:
+            return gbs
+        start, increment, ramp = self.rampup_batch_size
+        if consumed_samples > ramp or start == gbs:
+            return gbs
+        per_increment = ramp / ((gbs - start) // increment)
+        return start + int(consumed_samples / per_increment) * increment
+
+    def resolve(self, dp_size: int) -> None:
+        """Fill --train-iters: 20 by default, or the iterations --train-samples takes (Megatron-
+        LM's update_train_iters: the ramp-up's steps, then whole global batches)."""
+        if self.train_samples is None:
+            if self.train_iters is None:
+                self.train_iters = 20
+            return
+        iterations, consumed = 0, 0
+        if self.rampup_batch_size is not None:
+            while consumed <= self.rampup_batch_size[2] and consumed <= self.train_samples:
+                consumed += self.global_batch_at(consumed, dp_size)
+                iterations += 1
+        if self.train_samples > consumed:
+            iterations += (self.train_samples - consumed) // self.resolved_global_batch(dp_size)
+        self.train_iters = iterations
+
+    def train_samples_total(self, dp_size: int) -> int:
+        """Samples the --train-iters steps consume (with the ramp-up's smaller batches)."""
+        consumed = 0
+        for _ in range(self.train_iters):
+            consumed += self.global_batch_at(consumed, dp_size)
+        return consumed
+
     def validate(self, dp_size: int, max_position_embeddings: int) -> None:
+        if self.train_samples is not None and self.train_iters is not None:
+            raise ValueError(f"--train-samples {self.train_samples} and --train-iters "
+                             f"{self.train_iters}: the run's length is one or the other; drop "
+                             f"one (as Megatron-LM)")
+        if self.train_samples is not None and self.train_samples < 1:
+            raise ValueError(f"--train-samples {self.train_samples} must be >= 1")
+        self.resolve(dp_size)
         if self.micro_batch_size < 1 or self.train_iters < 0 or self.seq_length < 1:
             raise ValueError("--micro-batch-size and --seq-length must be >= 1, --train-iters >= 0")
         gbs = self.resolved_global_batch(dp_size)
+        if self.rampup_batch_size is not None:
+            start, increment, ramp = self.rampup_batch_size
+            chunk = self.micro_batch_size * dp_size
+            if start < 1 or increment < 1 or ramp < 0 or start > gbs or (gbs - start) % increment:
+                raise ValueError(
+                    f"--rampup-batch-size {start} {increment} {ramp}: needs START >= 1, "
+                    f"INCREMENT >= 1, SAMPLES >= 0 and --global-batch-size {gbs} - START a "
+                    f"multiple of INCREMENT")
+            if start % chunk or increment % chunk:
+                raise ValueError(
+                    f"--rampup-batch-size {start} {increment} {ramp}: every ramped global batch "
+                    f"must be a multiple of --micro-batch-size {self.micro_batch_size} x "
+                    f"data-parallel size {dp_size} = {chunk}; choose START and INCREMENT so")
         if gbs % (self.micro_batch_size * dp_size):
             raise ValueError(
                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
@@ -93,6 +188,19 @@ class OptimConfig:
     lr_warmup_iters: int = 0
     """Linear warmup from 0 to --lr over this many iterations."""
 
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup over this fraction of the decay length (--lr-decay-iters or --lr-decay-samples;
+    instead of --lr-warmup-iters / --lr-warmup-samples)."""
+
+    lr_warmup_samples: int = 0
+    """With --train-samples: linear warmup over this many samples."""
+
+    lr_decay_samples: Optional[int] = None
+    """With --train-samples: samples over which the LR decays (default: --train-samples)."""
+
+    lr_wsd_decay_samples: Optional[int] = None
+    """With --train-samples and WSD: samples of the final decay phase."""
+
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
     """Shape of the decay after warmup (Megatron-LM's default linear; the recipes use cosine)."""
 
@@ -104,6 +212,14 @@ class OptimConfig:
 
     lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
     """WSD only: shape of the final decay phase."""
+
+    decoupled_lr: Optional[float] = None
+    """Peak LR of the input embedding and the output layer (megatron-core's decoupled LR;
+    default: --lr). Follows the same schedule."""
+
+    decoupled_min_lr: Optional[float] = None
+    """Final LR of the input embedding and output layer with --decoupled-lr (default:
+    --min-lr)."""
 
     override_opt_param_scheduler: bool = field(
         default=False, metadata={"flag": "--override-opt_param-scheduler"})
@@ -152,20 +268,69 @@ class OptimConfig:
     muon_extra_scale_factor: float = 1.0
     """Extra factor on every Muon update (Megatron-LM's flag)."""
 
-    def validate(self, train_iters: int) -> None:
+    def schedule_steps(self, training: "TrainingConfig", dp_size: int) -> dict:
+        """OptimizerParamScheduler's step counts, in the unit the trainer steps it by
+        (``TrainingConfig.counts_samples``: samples, as Megatron-LM, or iterations, the same
+        schedule divided by the constant global batch): lr_warmup_steps, lr_decay_steps,
+        wd_incr_steps, wsd_decay_steps (Megatron-LM's get_optimizer_param_scheduler)."""
+        if training.train_samples is not None:
+            decay = self.lr_decay_samples or training.train_samples
+            warmup, total, wsd = self.lr_warmup_samples, training.train_samples, \
+                self.lr_wsd_decay_samples
+        else:
+            unit = training.resolved_global_batch(dp_size) if training.counts_samples() else 1
+            decay = (self.lr_decay_iters or training.train_iters) * unit
+            warmup, total = self.lr_warmup_iters * unit, training.train_iters * unit
+            wsd = self.lr_wsd_decay_iters * unit if self.lr_wsd_decay_iters else None
+        if self.lr_warmup_fraction is not None:
+            warmup = self.lr_warmup_fraction * decay
+        return {"lr_warmup_steps": warmup, "lr_decay_steps": max(decay, 1),
+                "wd_incr_steps": max(total, 1), "wsd_decay_steps": wsd}
+
+    def validate(self, training: "TrainingConfig", dp_size: int) -> None:
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-"
                              "scheduler contradict each other: pass one of them")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}) and --lr > 0")
-        decay = self.lr_decay_iters or train_iters
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ValueError("--decoupled-min-lr needs --decoupled-lr")
+        if self.decoupled_lr is not None and not (
+                0 <= (self.decoupled_min_lr or 0.0) <= self.decoupled_lr):
+            raise ValueError(f"need 0 <= --decoupled-min-lr ({self.decoupled_min_lr}) <= "
+                             f"--decoupled-lr ({self.decoupled_lr})")
+        # Megatron-LM's rule: iteration-based and sample-based schedule flags do not mix.
+        if training.train_samples is not None:
+            for flag, value in (("--lr-warmup-iters", self.lr_warmup_iters),
+                                ("--lr-decay-iters", self.lr_decay_iters),
+                                ("--lr-wsd-decay-iters", self.lr_wsd_decay_iters)):
+                if value:
+                    raise ValueError(f"{flag} {value} with --train-samples: the schedule counts "
+                                     f"samples; use {flag.replace('iters', 'samples')}")
+        else:
+            for flag, value in (("--lr-warmup-samples", self.lr_warmup_samples),
+                                ("--lr-decay-samples", self.lr_decay_samples),
+                                ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples)):
+                if value:
+                    raise ValueError(f"{flag} {value} needs --train-samples (the schedule counts "
+                                     f"iterations); use {flag.replace('samples', 'iters')}")
+        if self.lr_warmup_fraction is not None:
+            if not 0.0 <= self.lr_warmup_fraction < 1.0:
+                raise ValueError(f"--lr-warmup-fraction {self.lr_warmup_fraction} must be in "
+                                 f"[0, 1)")
+            if self.lr_warmup_iters or self.lr_warmup_samples:
+                raise ValueError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples: "
+                                 "pass one of them (as Megatron-LM)")
+        steps = self.schedule_steps(training, dp_size)
+        warmup, decay = steps["lr_warmup_steps"], steps["lr_decay_steps"]
         # megatron-core's scheduler asserts warmup < decay steps, whatever the decay style.
-        if self.lr_warmup_iters < 0 or (self.lr_warmup_iters > 0
-                                        and self.lr_warmup_iters >= max(decay, 1)):
-            raise ValueError(f"--lr-warmup-iters {self.lr_warmup_iters} must be >= 0 and below "
-                             f"--lr-decay-iters ({decay}; default --train-iters)")
-        if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
-            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+        if warmup < 0 or (warmup > 0 and warmup >= decay):
+            what = "samples" if training.train_samples is not None else "iters"
+            raise ValueError(f"--lr-warmup-{what} ({warmup}) must be >= 0 and below "
+                             f"--lr-decay-{what} ({decay}; default the run's length)")
+        if self.lr_decay_style == "WSD" and not steps["wsd_decay_steps"]:
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or "
+                             "--lr-wsd-decay-samples with --train-samples)")
         if self.optimizer == "muon":
             if not 0.0 <= self.muon_momentum < 1.0:
                 raise ValueError(f"--muon-momentum {self.muon_momentum} must be in [0, 1)")
@@ -182,6 +347,36 @@ class LoggingConfig:
 
     log_interval: int = 100
     """Print (and record) one line every this many iterations."""
+
+    log_throughput: bool = False
+    """Accepted for Megatron-LM command lines: megaloop logs tokens/s and TFLOP/s per GPU on
+    every log line anyway."""
+
+    log_timers_to_tensorboard: bool = False
+    """Accepted for Megatron-LM command lines: with --tensorboard-dir megaloop writes the step
+    time (ms_per_iter) with every logged iteration anyway."""
+
+    log_params_norm: bool = False
+    """Log the L2 norm of all parameters on every log line (`params_norm`; each parameter
+    counted once across tensor- and pipeline-parallel ranks)."""
+
+    profile: bool = False
+    """Record a torch profiler trace of iterations --profile-step-start to --profile-step-end
+    (Megatron-LM's --profile with --use-pytorch-profiler; on a GPU Megatron-LM's default records
+    for nsys instead) as a Chrome trace into --tensorboard-dir (without it: profile/ in --save,
+    or in the working directory), on --profile-ranks."""
+
+    use_pytorch_profiler: bool = False
+    """Accepted for Megatron-LM command lines: --profile always uses the torch profiler."""
+
+    profile_step_start: int = 10
+    """First profiled iteration."""
+
+    profile_step_end: int = 12
+    """Iteration at which the profile stops."""
+
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks that record a profile."""
 
     log_jsonl: Optional[str] = None
     """Append one JSON object per logged iteration (and per evaluation) to this file."""
@@ -227,6 +422,9 @@ class LoggingConfig:
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ValueError("--log-interval must be >= 1")
+        if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
+            raise ValueError(f"--profile-step-start {self.profile_step_start} must be >= 0 and "
+                             f"below --profile-step-end {self.profile_step_end}")
         if self.loss_spike_window < 1 or self.loss_spike_threshold <= 0:
             raise ValueError(f"--loss-spike-window ({self.loss_spike_window}) must be >= 1 and "
                              f"--loss-spike-threshold ({self.loss_spike_threshold}) > 0")
@@ -269,6 +467,24 @@ class CheckpointConfig:
     no_load_rng: bool = False
     """Do not restore the random-number generators."""
 
+    no_save_optim: bool = False
+    """Save the model without the optimizer state and LR schedule (smaller checkpoints; a run
+    loading one starts its optimizer and schedule afresh)."""
+
+    no_save_rng: bool = False
+    """Save without the random-number generator states (a load then keeps its own)."""
+
+    ckpt_format: Literal["torch_dist", "torch", "torch_dcp", "zarr", "fsdp_dtensor"] = "torch_dist"
+    """Checkpoint format: megatron-core's `torch_dist` distributed checkpoint, the only one
+    megaloop writes and reads (Megatron-LM's other formats are refused: `fsdp_dtensor` needs
+    Megatron FSDP, which megaloop does not use; `torch`, `torch_dcp` and `zarr` are legacy or
+    FSDP-only)."""
+
+    use_checkpoint_args: bool = False
+    """On --load, take the model's architecture flags (sizes, norm, activation, position
+    embedding, loop layout, loop count and exit objective) from the checkpoint instead of the
+    command line."""
+
     finetune: bool = False
     """Load the model's weights only and start at iteration 0 with fresh data position,
     optimizer, scheduler and RNG (a new run initialised from the checkpoint)."""
@@ -293,6 +509,13 @@ class CheckpointConfig:
     (torchrun exits 1 whenever it is signalled). examples/slurm/pretrain_looplm.sbatch reads it."""
 
     def validate(self) -> None:
+        if self.ckpt_format != "torch_dist":
+            raise ValueError(f"--ckpt-format {self.ckpt_format}: megaloop writes and reads "
+                             f"megatron-core's torch_dist checkpoints only; use --ckpt-format "
+                             f"torch_dist (convert others with Megatron-LM's tools)")
+        if self.use_checkpoint_args and not self.load:
+            raise ValueError("--use-checkpoint-args needs --load DIR (the checkpoint to read "
+                             "the architecture from)")
         if self.save_interval is not None and self.save_interval < 1:
             raise ValueError(f"--save-interval {self.save_interval} must be >= 1")
         if self.save_interval and not self.save:

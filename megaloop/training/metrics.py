@@ -175,8 +175,9 @@ def format_train_line(r: dict) -> str:
             f"{r['tokens_per_sec']:9.0f} tok/s | {r['tflops_per_gpu']:7.3f} TFLOP/s/GPU | "
             f"lr {r['lr']:.3e} | loss {r['loss']:.5f} | step losses [{steps}] | "
             f"exit p [{probs}] | p0 {'-' if r['p0'] is None else format(r['p0'], '.3f')} | "
-            f"grad norm {r['grad_norm']:.4f} | skipped {r['skipped_iters']} | "
-            f"mem {r['mem_gib']:.2f} GiB" + _format_diagnostics(r))
+            f"grad norm {r['grad_norm']:.4f} | "
+            + (f"params norm {r['params_norm']:.3f} | " if "params_norm" in r else "")
+            + f"skipped {r['skipped_iters']} | mem {r['mem_gib']:.2f} GiB" + _format_diagnostics(r))
 
 
 def _format_diagnostics(r: dict) -> str:

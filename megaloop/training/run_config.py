@@ -11,8 +11,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-from megaloop.arguments import (ArgumentParser, add_dataclass_args, check_ranges,
-                                dataclass_from_args)
+from megaloop.arguments import (ArgumentParser, add_dataclass_args, add_refused_flags,
+                                check_ranges, dataclass_from_args)
 from megaloop.data.config import DataConfig, TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
 from megaloop.parallel.config import ParallelConfig, RecomputeConfig
@@ -36,11 +36,39 @@ SIZE_LIMITS = {
                  "train_iters": 0, "eval_interval": 1, "eval_iters": 0,
                  "max_skipped_steps_in_a_row": 1},
     "optim": {"lr_warmup_iters": 0, "lr_decay_iters": 1, "lr_wsd_decay_iters": 1,
+              "lr_warmup_samples": 0, "lr_decay_samples": 1, "lr_wsd_decay_samples": 1,
               "muon_num_ns_steps": 1},
     "logging": {"log_interval": 1, "loss_spike_window": 1, "p0_collapse_iters": 1},
     "checkpoint": {"save_interval": 1, "ckpt_step": 0, "exit_interval": 1},
     "data": {"num_workers": 0},
     "tokenizer": {"vocab_size": 1},
+}
+
+# Megatron-LM flags of features megaloop does not have: each fails with its reason, not as an
+# "unrecognized argument" (a Megatron-LM user then knows it is not a typo).
+_MOE = "mixture-of-experts layers are not implemented in megaloop (its looped core is dense)"
+_FP16 = ("fp16 training with loss scaling is not implemented; use --bf16 (the same speed on "
+         "Ampere and newer, no loss scaling needed)")
+_FSDP = "FSDP is not supported; shard optimizer state with --use-distributed-optimizer"
+REFUSED_MEGATRON_FLAGS = {
+    **{flag: _MOE for flag in (
+        "--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+        "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-grouped-gemm", "--moe-layer-freq",
+        "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
+        "--moe-shared-expert-intermediate-size", "--moe-router-score-function")},
+    **{flag: _FP16 for flag in ("--fp16", "--loss-scale", "--initial-loss-scale",
+                                "--min-loss-scale", "--loss-scale-window", "--hysteresis")},
+    "--use-torch-fsdp2": _FSDP, "--use-megatron-fsdp": _FSDP,
+    "--num-layers-per-virtual-pipeline-stage": (
+        "megaloop's virtual pipeline chunks are its loop steps (one per --num-loops step, each "
+        "holding all of the stage's core layers, which they share), so layers per virtual "
+        "stage has no meaning; drop it"),
+    "--num-virtual-stages-per-pipeline-rank": (
+        "the virtual stages per pipeline rank are the --num-loops loop steps; drop it"),
+    "--async-save": ("megaloop saves synchronously (into iter_N.tmp, renamed when complete, so "
+                     "a crash never leaves half a checkpoint); drop it"),
+    "--use-legacy-models": "megaloop builds megatron-core models only; drop it",
+    "--multi-latent-attention": "multi-latent attention is not implemented in megaloop",
 }
 
 SECTIONS = {
@@ -82,7 +110,7 @@ class RunConfig:
         self.training.validate(dp, self.model.max_position_embeddings)
         self.parallel.validate_pipeline(self.loop.num_core_layers(self.model.num_layers))
         self.recompute.validate()
-        self.optim.validate(self.training.train_iters)
+        self.optim.validate(self.training, dp)
         if self.optim.optimizer == "muon" and self.parallel.use_distributed_optimizer:
             raise ValueError("--optimizer muon does not support --use-distributed-optimizer (Muon "
                              "needs whole matrices; the distributed optimizer shards flat buffers "
@@ -415,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False)
     for cls in SECTIONS.values():
         add_dataclass_args(parser, cls)
+    add_refused_flags(parser, "Megatron-LM flags megaloop refuses", REFUSED_MEGATRON_FLAGS)
     return parser
 
 

@@ -47,6 +47,7 @@ from megaloop.training.diagnostics import (GEOMETRY_KEYS, LoopDiagnostics, NonFi
                                            describe_samples)
 from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_geometry,
                                        format_train_line, peak_memory_gib)
+from megaloop.training.step_hooks import StepHooks, params_norm
 from megaloop.training.run_config import RunConfig
 
 
@@ -66,7 +67,8 @@ def build_optimizer(cfg: RunConfig, model):
                              adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
                              clip_grad=opt.clip_grad, bf16=cfg.training.bf16,
                              params_dtype=torch.bfloat16 if cfg.training.bf16 else torch.float32,
-                             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+                             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                             decoupled_lr=opt.decoupled_lr, decoupled_min_lr=opt.decoupled_min_lr)
     if opt.optimizer == "muon":
         from megaloop.training.muon import get_muon_optimizer
 
@@ -77,20 +79,24 @@ def build_optimizer(cfg: RunConfig, model):
                                        extra_scale_factor=opt.muon_extra_scale_factor)
     else:
         optimizer = get_megatron_optimizer(config, [model])
-    # The schedule counts optimizer steps (iterations); Megatron-LM counts samples, which is the
-    # same schedule scaled by the global batch size.
-    decay = opt.lr_decay_iters or cfg.training.train_iters
-    scheduler = OptimizerParamScheduler(
+    scheduler = build_scheduler(cfg, optimizer, parallel_state.get_data_parallel_world_size())
+    return optimizer, scheduler
+
+
+def build_scheduler(cfg: RunConfig, optimizer, dp_size: int) -> OptimizerParamScheduler:
+    """megatron-core's LR / weight-decay scheduler. It counts samples (as Megatron-LM) under
+    --train-samples or --rampup-batch-size and iterations otherwise (the same schedule divided by
+    the constant global batch); Trainer.train_step steps it by the matching increment."""
+    opt = cfg.optim
+    return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr,
-        lr_warmup_steps=opt.lr_warmup_iters, lr_decay_steps=max(decay, 1),
         lr_decay_style=opt.lr_decay_style, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
-        wd_incr_steps=max(cfg.training.train_iters, 1), wd_incr_style="constant",
-        wsd_decay_steps=opt.lr_wsd_decay_iters, lr_wsd_decay_style=opt.lr_wsd_decay_style,
+        wd_incr_style="constant", lr_wsd_decay_style=opt.lr_wsd_decay_style,
+        **opt.schedule_steps(cfg.training, dp_size),
         # megatron-core defaults to the checkpoint's schedule, silently; Megatron-LM's trainer
         # (and megaloop) refuse a difference unless one of the two flags says which to take.
         override_opt_param_scheduler=opt.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=opt.use_checkpoint_opt_param_scheduler)
-    return optimizer, scheduler
 
 
 def build_training_model(cfg: RunConfig, vocab_size: int):
@@ -115,7 +121,9 @@ def build_training_model(cfg: RunConfig, vocab_size: int):
 
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        grad_reduce_in_fp32=not cfg.parallel.grad_reduce_in_bf16,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.finalize_model_grads_func = finalize_model_grads
@@ -162,6 +170,8 @@ class Trainer:
         self.diagnostics = LoopDiagnostics(cfg, self.model, self.logger)
         self.guard = NonFiniteGuard(tr.check_for_nan_in_loss_and_grad,
                                     tr.max_skipped_steps_in_a_row)
+        self.hooks = StepHooks(tr, cfg.logging, torch.distributed.get_rank(),
+                               cfg.checkpoint.save)
         self._remove_stale_saves()
         self.load_info = self._load()
         self._build_data()
@@ -197,13 +207,25 @@ class Trainer:
             f"rng {'yes' if info['loaded_rng'] else 'no'})")
         return info
 
+    def sync_params(self) -> None:
+        """With --overlap-param-gather the updated weights arrive during the next forward pass;
+        whatever reads them outside one (a save, the parameter norm) gathers them first."""
+        if self.cfg.parallel.overlap_param_gather:
+            self.model.disable_forward_pre_hook(param_sync=True)
+            self.model.enable_forward_pre_hook()
+
     def save(self) -> None:
+        self.sync_params()
         ck = self.cfg.checkpoint
         start = time.time()
+        # --no-save-optim leaves out the optimizer and the LR schedule (as Megatron-LM); a load
+        # then starts both afresh, as --no-load-optim would.
+        optim = (None, None) if ck.no_save_optim else (self.optimizer, self.scheduler)
         path = checkpointing.save_checkpoint(
-            ck.save, self.iteration, self.model, self.optimizer, self.scheduler,
+            ck.save, self.iteration, self.model, *optim,
             run_config=self.cfg.to_dict(), consumed_samples=self.consumed_samples,
-            extra={"skipped_iters": self.skipped}, checksums=ck.ckpt_checksums)
+            extra={"skipped_iters": self.skipped}, checksums=ck.ckpt_checksums,
+            save_rng=not ck.no_save_rng)
         self.last_saved = self.iteration
         self.logger.print(f"> saved {path} in {time.time() - start:.2f} s")
 
@@ -217,7 +239,8 @@ class Trainer:
         evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters * self.gbs
         train, valid, _ = build_train_valid_test_datasets(
             self.cfg.data, self.tokenizer, tr.seq_length, tr.seed,
-            (tr.train_iters * self.gbs, evals, 0), built_on_this_rank=reads_data(spec))
+            (tr.train_samples_total(self.dp_size), evals, 0),
+            built_on_this_rank=reads_data(spec))
         self.train_dataset = train  # names the data of a loss spike's batch (rank 0 reads)
         self.train_iter = batch_stream(
             train, spec, self.consumed_samples, self.dp_rank, self.dp_size,
@@ -270,6 +293,10 @@ class Trainer:
             micro_batch_size=tr.micro_batch_size, forward_only=forward_only)
 
     def train_step(self) -> tuple[dict, float, bool]:
+        tr = self.cfg.training
+        # --rampup-batch-size: this step's global batch follows the samples consumed so far.
+        self.step_gbs = tr.global_batch_at(self.consumed_samples, self.dp_size)
+        self.num_microbatches = self.step_gbs // (tr.micro_batch_size * self.dp_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         depth = self.depth(self.iteration + 1)
@@ -283,13 +310,15 @@ class Trainer:
         else:
             ok, grad_norm = False, float("nan")
         if ok:
-            self.scheduler.step(increment=1)
+            self.scheduler.step(increment=self.step_gbs if tr.counts_samples() else 1)
         else:
             self.skipped += 1
         return {**stats, "depth": depth}, grad_norm, ok
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        # Validation rounds are whole --global-batch-size batches, whatever the ramp-up is at.
+        self.num_microbatches = self.cfg.training.num_microbatches(self.dp_size)
         self.model.eval()
         reports = []
         self.diagnostics.eval_start()
@@ -303,7 +332,8 @@ class Trainer:
     def log_eval(self) -> None:
         if self.valid_iter is None:
             return
-        r = self.evaluate()
+        with self.hooks.around_eval():
+            r = self.evaluate()
         steps = " ".join(f"{v:.4f}" for v in r["step_losses"])
         geometry = {k: r[k] for k in GEOMETRY_KEYS if k in r}
         self.logger.log({"iteration": self.iteration, "split": "valid", "loss": r["loss"],
@@ -343,22 +373,26 @@ class Trainer:
         tr, log, ck = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
         world = torch.distributed.get_world_size()
         self.describe()
-        window_start, window_iters, window_flops = time.time(), 0, 0.0
+        window_start, window_iters, window_flops, window_samples = time.time(), 0, 0.0, 0
         while self.iteration < tr.train_iters:
             self.diagnostics.before_step(
                 will_log=(self.iteration + 1) % log.log_interval == 0
                 or self.iteration + 1 == tr.train_iters)
             consumed_before = self.consumed_samples
+            self.hooks.before_step(self.iteration)
             stats, grad_norm, applied = self.train_step()
             self.iteration += 1
+            self.hooks.after_step(self.iteration)
+            gbs = self.step_gbs
             diagnostics = self.diagnostics.after_step(
                 stats, self.iteration, describe_batch=lambda: describe_samples(
-                    self.train_dataset, consumed_before, self.gbs))
-            self.consumed_samples += self.gbs
+                    self.train_dataset, consumed_before, gbs))
+            self.consumed_samples += gbs
             window_iters += 1
+            window_samples += gbs
             # Each iteration counts at the loop count it ran (random depth draws it per step).
             window_flops += flops_per_iteration(self.cfg.model, self.cfg.loop,
-                                                self.tokenizer.vocab_size, tr.seq_length, self.gbs,
+                                                self.tokenizer.vocab_size, tr.seq_length, gbs,
                                                 num_loops=stats["depth"])
             if self.iteration % log.log_interval == 0 or self.iteration == tr.train_iters:
                 elapsed = (time.time() - window_start) / window_iters
@@ -371,17 +405,20 @@ class Trainer:
                     "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                     "lr": self.lr,
                     "ms_per_iter": elapsed * 1000.0,
-                    "tokens_per_sec": self.gbs * tr.seq_length / elapsed,
+                    "tokens_per_sec": window_samples * tr.seq_length / elapsed / window_iters,
                     "tflops_per_gpu": window_flops / window_iters / elapsed / world / 1e12,
                     "skipped_iters": self.skipped, "mem_gib": peak_memory_gib(),
                     "depth": stats["depth"],
                     **diagnostics,
                 }
+                if log.log_params_norm:
+                    self.sync_params()
+                    record["params_norm"] = params_norm(self.model)
                 line = format_train_line(record)
                 if self.cfg.loop.random_depth_mean > 0:
                     line += f" | depth {record['depth']}"
                 self.logger.log(record, line=line)
-                window_start, window_iters, window_flops = time.time(), 0, 0.0
+                window_start, window_iters, window_flops, window_samples = time.time(), 0, 0.0, 0
             # After the log line, so the skipped steps show before the run stops.
             self.guard.record(applied, self.iteration, self.last_saved)
             if self.iteration % tr.eval_interval == 0 and self.iteration < tr.train_iters:
