@@ -33,7 +33,7 @@ SIZES = {
     # held-out problems, hardest k of the corpus
     "tiny": dict(hidden=32, heads=4, seq=64, mbs=4, gbs=4, iters=8, lr=3e-3, warmup=2,
                  eval_iters=1, docs=300, tasks=24, max_steps=3, log=4, evals=1),
-    "cpu": dict(hidden=128, heads=4, seq=128, mbs=8, gbs=16, iters=200, lr=3e-3, warmup=20,
+    "cpu": dict(hidden=96, heads=4, seq=128, mbs=8, gbs=16, iters=120, lr=3e-3, warmup=12,
                 eval_iters=4, docs=20000, tasks=300, max_steps=6, log=25, evals=4),
     "gpu": dict(hidden=1024, heads=16, seq=1024, mbs=8, gbs=64, iters=5000, lr=1e-3,
                 warmup=500, eval_iters=20, docs=400000, tasks=1200, max_steps=6, log=50,
