@@ -678,3 +678,42 @@ def test_megatron_llama3_example_trains_on_cpu(tmp_path):
     # sample-based warmup over 4 samples = the first global batch; then cosine over 20 samples
     assert train[0]["lr"] == 0.0 and train[1]["lr"] == pytest.approx(1.5e-4, rel=1e-6)
     assert (tmp_path / "ckpt" / "profile" / "trace_rank0_iters3-3.json").is_file()
+
+
+def test_rampup_with_the_looped_pipeline_needs_whole_micro_batch_groups():
+    from megaloop.training.run_config import parse_args
+
+    flags = TINY + ["--num-loops", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
+                    "--pipeline-model-parallel-size", "2", "--train-iters", "4"]
+    with pytest.raises(ValueError, match="ramped global batch 1 gives"):
+        parse_args(flags + ["--rampup-batch-size", "1", "1", "8"]).validate(world_size=2)
+    parse_args(flags + ["--rampup-batch-size", "2", "2", "8"]).validate(world_size=2)
+
+
+def test_data_args_files_give_the_blends(tmp_path):
+    """--data-args-path / --per-split-data-args-path: the same blends as the flags they hold."""
+    import json
+
+    from megaloop.data.indexed_format import IndexedWriter
+    from megaloop.training.run_config import parse_args
+
+    for name in ("a", "b"):
+        writer = IndexedWriter(str(tmp_path / f"{name}.bin"), numpy.uint16)
+        writer.add_documents(numpy.arange(400), numpy.full(20, 20))
+        writer.finalize(str(tmp_path / f"{name}.idx"))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    (tmp_path / "blend.txt").write_text(f"0.3 {a}\n0.7 {b}\n")
+    (tmp_path / "splits.json").write_text(json.dumps({"train": f"1 {a} 2 {b}", "valid": [b]}))
+    base = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-workers", "0"]
+    cfgs = [parse_args(base + flags) for flags in (
+        ["--data-args-path", str(tmp_path / "blend.txt")], ["--data-path", "0.3", a, "0.7", b],
+        ["--per-split-data-args-path", str(tmp_path / "splits.json")],
+        ["--train-data-path", "1", a, "2", b, "--valid-data-path", b])]
+    for cfg in cfgs:
+        cfg.validate(world_size=1)
+    assert cfgs[0].data.blends() == cfgs[1].data.blends() == [([a, b], [0.3, 0.7])]
+    assert cfgs[2].data.blends() == cfgs[3].data.blends() == [([a, b], [1.0, 2.0]), ([b], None),
+                                                              None]
+    with pytest.raises(ValueError, match="--data-args-path replaces --data-path"):
+        parse_args(base + ["--data-args-path", str(tmp_path / "blend.txt"), "--data-path",
+                           a]).validate(world_size=1)

@@ -146,6 +146,14 @@ class DataConfig:
     test_data_path: Optional[list[str]] = None
     """Blend used for testing only (instead of --data-path and --split)."""
 
+    data_args_path: Optional[str] = None
+    """A text file holding the --data-path value (prefixes, optionally with weights, separated
+    by whitespace or newlines): for blends too long for a command line (Megatron-LM's flag)."""
+
+    per_split_data_args_path: Optional[str] = None
+    """A JSON file {"train": ..., "valid": ..., "test": ...} holding the --train/valid/test-
+    data-path values (each a list or a whitespace-separated string; a split may be left out)."""
+
     data_cache_path: Optional[str] = None
     """Folder for the sample-index cache; default: a ``cache`` folder next to the first dataset.
     Entries are keyed on the data files' content, so re-preprocessing in place is safe."""
@@ -189,9 +197,47 @@ class DataConfig:
         """Every dataset prefix the config reads (token datasets only)."""
         return [p for blend in self.blends() if blend for p in blend[0]]
 
+    def read_args_files(self) -> None:
+        """Fill --data-path / --train/valid/test-data-path from --data-args-path /
+        --per-split-data-args-path (as Megatron-LM reads them)."""
+        import json
+
+        if self.data_args_path:
+            if self.data_path or self.per_split_data_args_path:
+                raise ValueError("--data-args-path replaces --data-path (and the per-split "
+                                 "blends): pass one of them")
+            try:
+                with open(self.data_args_path) as f:
+                    self.data_path = f.read().split()
+            except OSError as exc:
+                raise ValueError(f"--data-args-path {self.data_args_path}: {exc.strerror}") \
+                    from None
+            self.data_args_path = None  # read once: the blend is now in --data-path
+        if self.per_split_data_args_path:
+            path = self.per_split_data_args_path
+            if any((self.train_data_path, self.valid_data_path, self.test_data_path)):
+                raise ValueError("--per-split-data-args-path replaces --train/valid/test-data-"
+                                 "path: pass one or the other")
+            try:
+                with open(path) as f:
+                    splits = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--per-split-data-args-path {path}: not a readable JSON file "
+                                 f"({exc})") from None
+            if not isinstance(splits, dict) or set(splits) - {"train", "valid", "test"}:
+                raise ValueError(f"--per-split-data-args-path {path}: expected a JSON object "
+                                 f"with keys train, valid, test")
+            for name in ("train", "valid", "test"):
+                value = splits.get(name)
+                if value:
+                    setattr(self, f"{name}_data_path",
+                            value.split() if isinstance(value, str) else list(value))
+            self.per_split_data_args_path = None
+
     def validate(self, eval_iters: int = 0) -> None:
         """Raise ValueError naming the flag to change; touches the file system only.
         ``eval_iters``: validation iterations per evaluation (--eval-iters)."""
+        self.read_args_files()
         per_split = any((self.train_data_path, self.valid_data_path, self.test_data_path))
         if self.mock_data:
             if self.data_path or per_split:

@@ -147,6 +147,18 @@ class RunConfig:
         microbatches = self.training.num_microbatches(self.parallel.data_parallel_size(world_size))
         # Interleaved 1F1B (one virtual chunk per loop step) runs micro-batches in groups of the
         # pipeline size (megatron-core's microbatch_group_size_per_vp_stage default).
+        ramp = self.training.rampup_batch_size
+        if ramp is not None:
+            dp = self.parallel.data_parallel_size(world_size)
+            gbs = self.training.resolved_global_batch(dp)
+            odd = [b for b in range(ramp[0], gbs, ramp[1])
+                   if (b // (self.training.micro_batch_size * dp)) % pp]
+            if odd:
+                raise ValueError(
+                    f"--rampup-batch-size {' '.join(map(str, ramp))} with --num-loops {T} and "
+                    f"--pipeline-model-parallel-size {pp}: the ramped global batch {odd[0]} "
+                    f"gives a number of micro-batches that is not a multiple of {pp}, which the "
+                    f"interleaved pipeline schedule needs; choose START and INCREMENT so")
         if microbatches % pp:
             raise ValueError(
                 f"{microbatches} micro-batches per step (--global-batch-size / (--micro-batch-size "
