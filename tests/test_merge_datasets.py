@@ -1,0 +1,77 @@
+"""tools/merge_datasets.py: shards preprocessed separately merge into the bytes that
+preprocessing their concatenation writes; mistakes are one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _preprocess(jsonl, prefix, tokenizer):
+    from megaloop.data.config import TokenizerConfig
+    from megaloop.data.preprocess import preprocess
+
+    preprocess(str(jsonl), str(prefix), TokenizerConfig(tokenizer_type="SentencePieceTokenizer",
+                                                         tokenizer_model=tokenizer),
+               append_eod=True, workers=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from megaloop.data.tokenizers import train_sentencepiece
+
+    tmp = tmp_path_factory.mktemp("merge")
+    docs = [f"document {i}: the loop runs {i % 7} times and then {i * 13 % 11} more."
+            for i in range(300)]
+    model = train_sentencepiece(docs, str(tmp / "sp"), vocab_size=300)
+    parts = [docs[:40], docs[40:41], docs[41:200], docs[200:]]  # one single-document shard
+    (tmp / "shards").mkdir()
+    for i, part in enumerate(parts):
+        jsonl = tmp / f"part_{i:02d}.jsonl"
+        jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+        _preprocess(jsonl, tmp / "shards" / f"part_{i:02d}", model)
+    whole = tmp / "all.jsonl"
+    whole.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    _preprocess(whole, tmp / "all", model)
+    return tmp
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "merge_datasets.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_merged_shards_are_byte_identical_to_the_concatenation(shards):
+    out = shards / "merged" / "corpus_text_document"
+    proc = _run("--input", str(shards / "shards"), "--output-prefix", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "merged 4 datasets (300 documents)" in proc.stdout
+    for ext in (".bin", ".idx"):
+        assert (out.parent / f"corpus_text_document{ext}").read_bytes() == \
+            (shards / f"all_text_document{ext}").read_bytes(), ext
+
+
+def test_merge_mistakes_are_one_line_errors(shards, tmp_path):
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    src = shards / "shards" / "part_00_text_document.bin"
+    (lone / "x.bin").write_bytes(src.read_bytes())
+    proc = _run("--input", str(lone), "--output-prefix", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "x.idx is missing" in proc.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _run("--input", str(empty), "--output-prefix", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "no .bin/.idx datasets" in proc.stderr
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "a.idx").write_bytes((shards / "shards" / "part_00_text_document.idx").read_bytes())
+    (cut / "a.bin").write_bytes(src.read_bytes()[:-2])
+    proc = _run("--input", str(cut), "--output-prefix", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "a.bin" in proc.stderr and "cut short" in proc.stderr
+    assert not os.path.exists(tmp_path / "o.bin")
+    assert len(proc.stderr.strip().splitlines()) == 1
