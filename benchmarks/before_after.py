@@ -55,7 +55,8 @@ def build_models(tree: str, a) -> dict:
                               num_attention_heads=4, max_position_embeddings=a.seq_length,
                               transformer_impl="local", swiglu=True,
                               position_embedding_type="rope", normalization="RMSNorm",
-                              hidden_dropout=0.0, attention_dropout=0.0)
+                              hidden_dropout=0.0, attention_dropout=0.0,
+                              disable_bias_linear=True)
             model = build_model(cfg, LoopConfig(num_loops=a.num_loops, exit_loss=mode),
                                 a.vocab_size)
             models[mode] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))

@@ -60,6 +60,7 @@ def main() -> None:
     cfg = parse_args([
         "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
+        "--disable-bias-linear",
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", str(heads), "--num-loops", str(args.num_loops),
         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",

@@ -100,7 +100,8 @@ def build(variant: str, s: Shape, seed: int = 1234):
                             ffn_hidden_size=s.ffn, max_position_embeddings=s.seq,
                             norm_scheme="pre", transformer_impl="local", swiglu=True,
                             position_embedding_type="rope", normalization="RMSNorm",
-                            hidden_dropout=0.0, attention_dropout=0.0)
+                            hidden_dropout=0.0, attention_dropout=0.0,
+                            disable_bias_linear=True)
     if variant == "unrolled":
         depth = s.K * s.T
         config = transformer_config(dataclasses.replace(model_cfg, num_layers=depth), depth)

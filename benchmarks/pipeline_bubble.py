@@ -108,6 +108,7 @@ def main() -> None:
     a = p.parse_args()
     base = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
+            "--disable-bias-linear",
             "--num-layers", str(a.num_layers), "--num-loops", str(a.num_loops),
             "--hidden-size", str(a.hidden_size), "--num-attention-heads", "4",
             "--seq-length", str(a.seq_length), "--max-position-embeddings", str(a.seq_length),

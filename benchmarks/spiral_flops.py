@@ -40,7 +40,7 @@ VOCAB = 50304
 
 # The model family the measurements were taken with (megaloop's defaults are Megatron-LM's).
 LLAMA_STYLE = dict(swiglu=True, position_embedding_type="rope", normalization="RMSNorm",
-                   hidden_dropout=0.0, attention_dropout=0.0)
+                   hidden_dropout=0.0, attention_dropout=0.0, disable_bias_linear=True)
 
 def configs(hidden, heads, layout, resolutions):
     P, K, C = layout
@@ -48,7 +48,7 @@ def configs(hidden, heads, layout, resolutions):
     model = ModelConfig(num_layers=P + K + C, hidden_size=hidden, num_attention_heads=heads,
                         ffn_hidden_size=4 * hidden, swiglu=False,
                         position_embedding_type="rope", normalization="RMSNorm",
-                        hidden_dropout=0.0, attention_dropout=0.0,
+                        hidden_dropout=0.0, attention_dropout=0.0, disable_bias_linear=True,
                         untie_embeddings_and_output_weights=True)
     loop = LoopConfig(num_loops=T, num_prelude_layers=P, num_coda_layers=C, exit_loss="last",
                       loop_resolutions=resolutions, loop_topology="mesh")

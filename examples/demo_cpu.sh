@@ -3,8 +3,9 @@
 #   generate -> train a tokenizer -> preprocess to Megatron .bin/.idx -> torchrun pretraining of a
 #   tiny looped model (2 ranks, TP=2) -> validation loss per loop step -> a checkpoint ->
 #   greedy continuations of a few demo-task prompts with tools/generate.py -> a picture of the run.
-# The model is Llama-style (SwiGLU, RoPE, RMSNorm, no dropout): those flags are spelled out, since
-# megaloop's defaults are Megatron-LM's (GELU, learned positions, LayerNorm, dropout 0.1).
+# The model is Llama-style (SwiGLU, RoPE, RMSNorm, no dropout, no biases): those flags are spelled
+# out, since megaloop's defaults are Megatron-LM's (GELU, learned positions, LayerNorm, dropout
+# 0.1, biases).
 # Usage: bash examples/demo_cpu.sh [OUTPUT_DIR]   (default: demo/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ $PY -m torch.distributed.run --nproc_per_node 2 --master_port "$PORT" pretrain_l
     --tensor-model-parallel-size 2 \
     --num-layers 2 --num-loops 4 --hidden-size 128 --num-attention-heads 4 \
     --swiglu --position-embedding-type rope --normalization RMSNorm \
-    --hidden-dropout 0 --attention-dropout 0 \
+    --hidden-dropout 0 --attention-dropout 0 --disable-bias-linear \
     --seq-length 128 --max-position-embeddings 128 \
     --micro-batch-size 8 --global-batch-size 16 --train-iters 300 \
     --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 30 --lr-decay-style cosine --weight-decay 0.1 \

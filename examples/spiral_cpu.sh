@@ -28,7 +28,7 @@ $PY -m torch.distributed.run --nproc_per_node 1 --master_port "$PORT" pretrain_l
     --exit-loss last --step-norm-placement readout \
     --hidden-size 128 --num-attention-heads 4 \
     --swiglu --position-embedding-type rope --normalization RMSNorm \
-    --hidden-dropout 0 --attention-dropout 0 \
+    --hidden-dropout 0 --attention-dropout 0 --disable-bias-linear \
     --seq-length 128 --max-position-embeddings 128 \
     --micro-batch-size 16 --global-batch-size 16 --train-iters "$ITERS" \
     --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 30 --lr-decay-style cosine --weight-decay 0.1 \

@@ -41,6 +41,7 @@ MEGATRON_DEFAULTS = {
     "decoupled_lr": None, "decoupled_min_lr": None, "no_mmap_bin_files": False,
     "use_distributed_optimizer": False, "overlap_grad_reduce": False,
     "sequence_parallel": False, "untie_embeddings_and_output_weights": False,
+    "disable_bias_linear": False,
 }
 
 
@@ -306,7 +307,8 @@ def test_realistic_megatron_command_line(tmp_path, monkeypatch):
 
 # --- the README demo trains the model it trained before the defaults changed -------------------
 FAMILY = {"--swiglu": 0, "--position-embedding-type": 1, "--normalization": 1,
-          "--hidden-dropout": 1, "--attention-dropout": 1, "--num-workers": 1}
+          "--hidden-dropout": 1, "--attention-dropout": 1, "--disable-bias-linear": 0,
+          "--num-workers": 1}
 
 # Every flag whose default changed, at megaloop's earlier default (the Muon ones aside: the
 # demo trains with Adam).
@@ -314,7 +316,7 @@ EARLIER_DEFAULTS = ["--swiglu", "true", "--position-embedding-type", "rope", "--
                     "RMSNorm", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
                     "--lr-decay-style", "cosine", "--eval-iters", "10", "--log-interval", "10",
                     "--num-workers", "0", "--transformer-impl", "auto", "--distributed-backend",
-                    "auto"]
+                    "auto", "--disable-bias-linear", "true"]
 
 
 def demo_flags() -> list[str]:
@@ -487,7 +489,7 @@ def test_gpt2_bpe_flags(tmp_path):
 
 # --- features behind the new flags ---------------------------------------------------------------
 BASE2 = TINY + ["--num-loops", "2", "--swiglu", "--position-embedding-type", "rope",
-                "--normalization", "RMSNorm", "--adam-eps", "1e-4"]
+                "--normalization", "RMSNorm", "--disable-bias-linear", "--adam-eps", "1e-4"]
 
 
 def _two_steps(rank, world, flags):

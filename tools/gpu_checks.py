@@ -61,6 +61,7 @@ PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H2
 
 # Small model of the smoke and gradient checks (flags of pretrain_looplm.py).
 TINY = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+        "--disable-bias-linear",
         "--lr-decay-style", "cosine", "--eval-iters", "10", "--num-workers", "0",
         "--num-layers", "2", "--num-loops", "3", "--hidden-size", "128",
         "--num-attention-heads", "4", "--ffn-hidden-size", "352", "--seq-length", "128",

@@ -3,11 +3,11 @@
 # matches it): hidden 2048, 16 heads, head dim 128, SwiGLU 5632, RoPE, untied embeddings,
 # RMSNorm eps 1e-6.
 # LLAMA_STYLE: the model family of every recipe (megaloop's flags default to Megatron-LM's GELU,
-# learned absolute positions, LayerNorm and dropout 0.1).
+# learned absolute positions, LayerNorm, dropout 0.1 and linear biases).
 # CPU_* keeps every switch of the recipe but shrinks widths, sequence and schedule so a run on
 # the demo corpus (examples/recipes/make_demo_data.sh) takes about a minute on one CPU rank.
 LLAMA_STYLE=(--swiglu --position-embedding-type rope --normalization RMSNorm
-             --hidden-dropout 0 --attention-dropout 0)
+             --hidden-dropout 0 --attention-dropout 0 --disable-bias-linear)
 FULL_BACKBONE=("${LLAMA_STYLE[@]}"
                --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632
                --seq-length 4096 --max-position-embeddings 4096 --untie-embeddings-and-output-weights

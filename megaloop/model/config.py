@@ -91,8 +91,8 @@ class ModelConfig:
     swiglu: bool = False
     """Gated SiLU MLP (SwiGLU: Llama, Qwen, Ouro) instead of Megatron-LM's default GELU MLP."""
 
-    disable_bias_linear: bool = True
-    """No biases in the linear layers (as the Megatron-LM flag; `false` adds them)."""
+    disable_bias_linear: bool = False
+    """No biases in the linear layers (Llama, Qwen, Ouro; Megatron-LM's default keeps them)."""
 
     qk_layernorm: bool = False
     """Normalize queries and keys per head before attention (Qwen3)."""
