@@ -192,11 +192,18 @@ class Study:
         d = os.path.join(self.run_dir, slug(arm))
         os.makedirs(d, exist_ok=True)
         ckpt, log = os.path.join(d, "ckpt"), os.path.join(d, "train.jsonl")
-        if os.path.exists(log):
-            os.remove(log)
         argv = self.base_flags(iters) + list(flags) + ["--log-jsonl", log, "--save", ckpt]
+        done = os.path.join(d, "done.json")  # written after a finished run: rerunning reuses it
         start = time.time()
-        in_child(_quietly, _pretrain, os.path.join(d, "train.log"), argv)
+        if os.path.isfile(done) and json.load(open(done)) == argv:
+            self.say(f"reusing {arm} (same flags, finished before)")
+        else:
+            for stale in (log, done):
+                if os.path.exists(stale):
+                    os.remove(stale)
+            in_child(_quietly, _pretrain, os.path.join(d, "train.log"), argv)
+            with open(done, "w") as f:
+                json.dump(argv, f)
         records = [json.loads(line) for line in open(log)]
         valid = [r for r in records if r["split"] == "valid"]
         self.say(f"trained {arm}: final validation loss {valid[-1]['loss']:.4f} "

@@ -84,15 +84,16 @@ def validation_batches(cfg: EvalConfig, run: dict, tokenizer, shape: Shape) -> l
     wanted = shape.eval_iters * shape.global_batch_size
     # The trainer asks for this many validation samples; asking for the same number keeps
     # megatron-core's sample index (epochs, shuffle) and so the samples themselves identical.
-    train_iters = int(training.get("train_iters", 0))
-    interval = max(int(training.get("eval_interval", 1)), 1)
-    trainer_count = (train_iters // interval + 1) * int(training.get("eval_iters", 0)) * int(
-        training.get("global_batch_size") or training.get("micro_batch_size", 1))
+    # (A converted checkpoint's run config has no schedule: its fields are None.)
+    train_iters = int(training.get("train_iters") or 0)
+    interval = max(int(training.get("eval_interval") or 1), 1)
+    trainer_count = (train_iters // interval + 1) * int(training.get("eval_iters") or 0) * int(
+        training.get("global_batch_size") or training.get("micro_batch_size") or 1)
     if cfg.data_path or cfg.mock_data:
         # Data chosen here, not the checkpoint's: the same samples whatever trained the model
         # (checkpoints of different runs compare on equal terms).
         trainer_count = 0
-    seed = int(training.get("seed", cfg.seed))
+    seed = int(training.get("seed") or cfg.seed)
     _, valid, _ = build_train_valid_test_datasets(
         data, tokenizer, shape.seq_length, seed, (0, max(trainer_count, wanted), 0))
     if valid is None or len(valid) == 0:
