@@ -35,15 +35,16 @@ class TokenizerConfig:
     tokenizer_model: Optional[str] = None
     """Path of the sentencepiece .model, or of the Hugging Face tokenizer.json (or its folder)."""
 
+    vocab_size: Optional[int] = None
+    """NullTokenizer only: number of ids before EOD; EOD is this value and the tokenizer's
+    vocab_size is one more (megatron-core's NullTokenizer semantics)."""
+
+    # (After vocab_size: callers build TokenizerConfig(type, model, vocab_size) positionally.)
     vocab_file: Optional[str] = None
     """GPT2BPETokenizer: the vocabulary (GPT-2's vocab.json: token -> id)."""
 
     merge_file: Optional[str] = None
     """GPT2BPETokenizer: the BPE merges (GPT-2's merges.txt)."""
-
-    vocab_size: Optional[int] = None
-    """NullTokenizer only: number of ids before EOD; EOD is this value and the tokenizer's
-    vocab_size is one more (megatron-core's NullTokenizer semantics)."""
 
     tiktoken_pattern: Optional[str] = None
     """Accepted for Megatron-LM command lines: the regex of Megatron-LM's TikTokenizer, which
