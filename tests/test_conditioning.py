@@ -19,7 +19,7 @@ FORMS = ["loop-gating", "branch-gating", "adaln"]
 
 
 def _model(form="none", scheme="ouro", T=3, inference="rescaled", recompute=None, **model_kw):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     model_cfg = llama_style(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,

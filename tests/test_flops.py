@@ -1,6 +1,6 @@
 """TFLOP/s accounting under random depth: an iteration counts at the loop count it ran."""
 
-from megaloop.model.config import LoopConfig, ModelConfig
+from megaloop.model.config import LoopConfig
 from megaloop.training.metrics import flops_per_iteration
 from flags import llama_style
 

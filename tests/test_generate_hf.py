@@ -64,7 +64,7 @@ def test_generate_from_exported_folder_equals_checkpoint(tmp_path):
 
 
 def _hf_configs():
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
 
     everything = (
         llama_style(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,

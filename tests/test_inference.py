@@ -14,7 +14,7 @@ VOCAB, SEQ, BATCH, PREFILL = 256, 12, 2, 5
 
 
 def _model(model_kw: dict, loop_kw: dict):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     num_layers = 2 + loop_kw.get("num_prelude_layers", 0) + loop_kw.get("num_coda_layers", 0)

@@ -14,7 +14,7 @@ VOCAB, SEQ, BATCH = 256, 16, 2
 
 
 def _model(T, source="embedding", prelude=0, init_weight=0.7, placement="recurrent"):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     model_cfg = llama_style(num_layers=2 + prelude, hidden_size=32, num_attention_heads=4,

@@ -22,7 +22,7 @@ VARIANTS = [(f, "none") for f in FORMS] + [("none", h) for h in HISTORY] + \
 
 
 def _model(injection="none", history="none", source="embedding", prelude=0, window=2):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     model_cfg = llama_style(num_layers=2 + prelude, hidden_size=HIDDEN, num_attention_heads=4,
@@ -181,7 +181,7 @@ def test_validation_names_the_flag(flags, match):
 ])
 def test_hf_export_refuses_what_its_modeling_file_lacks(model_kw, loop_kw, flag):
     from megaloop.convert.hf_export import check_exportable
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
 
     check_exportable(llama_style(), LoopConfig(num_loops=4, input_injection="scalar-mix"))
     with pytest.raises(ValueError, match=flag):

@@ -19,8 +19,6 @@ FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusi
 
 
 def _model(**kw):
-    from megaloop.model.config import ModelConfig
-
     return llama_style(**kw)
 
 
@@ -294,7 +292,7 @@ def _first_microbatch_pattern(rank, world, T, microbatches, sabotage):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megaloop.model import recurrence
-    from megaloop.model.config import LoopConfig, ModelConfig, transformer_config
+    from megaloop.model.config import LoopConfig, transformer_config
     from megaloop.training.trainer import forward_step
 
     setup_parallel(1)

@@ -10,7 +10,7 @@ VOCAB, SEQ, BATCH, T = 256, 16, 2, 3
 
 
 def _model(rank_r, recompute=None, seed=11, swiglu=True):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
     from megaloop.parallel.initialize import set_seed
 

@@ -12,7 +12,7 @@ VOCAB, SEQ, BATCH = 256, 16, 2
 
 def _model(T, norm_scheme="ouro", prelude=0, coda=0, exit_loss="expected", beta=0.15,
            num_layers=2, **model_kw):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     model_cfg = llama_style(num_layers=num_layers, hidden_size=32, num_attention_heads=4,

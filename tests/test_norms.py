@@ -70,7 +70,7 @@ EXPECTED_NORMS = {"pre": {"in1", "in2"}, "magic": set(), "ouro": {"in1", "in2", 
 def _one_layer(rank, world, scheme):
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megaloop.model.config import ModelConfig, transformer_config
+    from megaloop.model.config import transformer_config
     from megaloop.model.specs import layer_spec
 
     setup_parallel(world)
@@ -113,7 +113,7 @@ def test_schemes_differ():
 
 
 def _model(T, scheme="ouro", step_norm="rms", coda=0, exit_loss="expected"):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     model_cfg = llama_style(num_layers=2 + coda, hidden_size=HIDDEN, num_attention_heads=HEADS,

@@ -39,7 +39,7 @@ def _saved_big(fn, params, limit: int):
 def _head(rank, world, chunk, sequence_parallel, dtype):
     from megatron.core import tensor_parallel
 
-    from megaloop.model.config import ModelConfig, transformer_config
+    from megaloop.model.config import transformer_config
     from megaloop.model.readout import chunked_language_model_loss
 
     setup_parallel(world)
@@ -109,7 +109,7 @@ def test_head_bf16_within_rounding():
 
 # --- inside the looped model: the exit objective and its gate -----------------------------------
 def _model_run(rank, world, readout, untie, exit_loss, layout):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     setup_parallel(world)

@@ -177,7 +177,7 @@ def test_mesh_matches_plain_reimplementation():
 def _model(T=4, resolutions="1/8,1/4,1/2,1", topology="mesh", down="self-aggregation",
            up="allocation", shift="overlap", offset="half", exit_loss="expected", prelude=1,
            coda=1):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     model_cfg = llama_style(num_layers=2 + prelude + coda, hidden_size=32, num_attention_heads=4,
@@ -278,7 +278,7 @@ def test_tp2_equals_tp1(kw):
 
 # --- FLOPs --------------------------------------------------------------------------------------
 def test_flops_against_hand_count():
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.training.metrics import flops_per_iteration
 
     # h=8, 2 heads (head dim 4, no GQA), ffn 16, SwiGLU; 1 + 1 x {1/4, 1} + 1, MeSH B=3, L=16.
@@ -299,7 +299,7 @@ def test_flops_against_hand_count():
 
 def test_hf_export_refuses_spiral_and_mesh():
     from megaloop.convert.hf_export import check_exportable
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
 
     for kw in (dict(loop_resolutions="1/2,1", loop_topology="anchor"), dict(loop_topology="mesh")):
         with pytest.raises(ValueError, match="SpiralFormer"):
@@ -360,7 +360,7 @@ def test_attention_probe_rows_per_step_layer_head():
 
 
 def _prefix_logits(rank, world, flags):
-    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     setup_parallel(world)
