@@ -719,3 +719,19 @@ def test_data_args_files_give_the_blends(tmp_path):
     with pytest.raises(ValueError, match="--data-args-path replaces --data-path"):
         parse_args(base + ["--data-args-path", str(tmp_path / "blend.txt"), "--data-path",
                            a]).validate(world_size=1)
+
+
+def test_sample_based_config_validates_again_as_saved():
+    """A --train-samples run's saved config (train_iters resolved) validates again unchanged."""
+    import dataclasses
+
+    from megaloop.training.run_config import RunConfig, parse_args
+
+    cfg = parse_args(TINY + ["--micro-batch-size", "2", "--global-batch-size", "8",
+                             "--train-samples", "40", "--rampup-batch-size", "2", "2", "12"])
+    cfg.validate(world_size=1)
+    assert cfg.training.train_iters == 7
+    again = RunConfig(**{f.name: type(getattr(cfg, f.name))(**section)
+                         for f, section in zip(dataclasses.fields(cfg), cfg.to_dict().values())})
+    again.validate(world_size=1)
+    assert again.training.train_iters == 7

@@ -130,13 +130,17 @@ class TrainingConfig:
         return consumed
 
     def validate(self, dp_size: int, max_position_embeddings: int) -> None:
-        if self.train_samples is not None and self.train_iters is not None:
-            raise ValueError(f"--train-samples {self.train_samples} and --train-iters "
-                             f"{self.train_iters}: the run's length is one or the other; drop "
-                             f"one (as Megatron-LM)")
         if self.train_samples is not None and self.train_samples < 1:
             raise ValueError(f"--train-samples {self.train_samples} must be >= 1")
+        given = self.train_iters
+        if self.train_samples is not None:
+            self.train_iters = None
         self.resolve(dp_size)
+        # A config validated before (or saved by a run) holds the iterations it resolved.
+        if self.train_samples is not None and given not in (None, self.train_iters):
+            raise ValueError(f"--train-samples {self.train_samples} and --train-iters "
+                             f"{given}: the run's length is one or the other; drop one (as "
+                             f"Megatron-LM)")
         if self.micro_batch_size < 1 or self.train_iters < 0 or self.seq_length < 1:
             raise ValueError("--micro-batch-size and --seq-length must be >= 1, --train-iters >= 0")
         gbs = self.resolved_global_batch(dp_size)
