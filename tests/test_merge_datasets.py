@@ -75,3 +75,35 @@ def test_merge_mistakes_are_one_line_errors(shards, tmp_path):
     assert proc.returncode == 2 and "a.bin" in proc.stderr and "cut short" in proc.stderr
     assert not os.path.exists(tmp_path / "o.bin")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _preprocess_tool(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_partitions_order_documents_as_megatron(shards, tmp_path):
+    """--partitions 3: line i in partition i mod 3, merged in partition order, i.e. the bytes of
+    preprocessing the lines in that order; with --keep-sequential-samples the input order."""
+    lines = (shards / "all.jsonl").read_text().splitlines(keepends=True)
+    reordered = tmp_path / "reordered.jsonl"
+    reordered.write_text("".join(lines[p] for r in range(3) for p in range(r, len(lines), 3)))
+    common = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+              str(shards / "sp.model"), "--append-eod", "--workers", "2", "--no-progress"]
+    for extra, reference in ((["--partitions", "3"], reordered),
+                             (["--partitions", "3", "--keep-sequential-samples"],
+                              shards / "all.jsonl")):
+        out = tmp_path / ("seq" if len(extra) == 3 else "rr")
+        proc = _preprocess_tool("--input", str(shards / "all.jsonl"), "--output-prefix",
+                                str(out), *common, *extra)
+        assert proc.returncode == 0, proc.stderr
+        ref = tmp_path / f"ref_{out.name}"
+        assert _preprocess_tool("--input", str(reference), "--output-prefix", str(ref),
+                                *common).returncode == 0
+        for ext in (".bin", ".idx"):
+            assert Path(f"{out}_text_document{ext}").read_bytes() == \
+                Path(f"{ref}_text_document{ext}").read_bytes(), (extra, ext)
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".partitions")]
+    proc = _preprocess_tool("--input", str(shards / "all.jsonl"), "--output-prefix",
+                            str(tmp_path / "x"), *common, "--split-sentences")
+    assert proc.returncode == 2 and "--split-sentences is not supported" in proc.stderr

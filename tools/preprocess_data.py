@@ -70,8 +70,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--log-interval", type=int, default=1000,
                    help="documents between throughput updates of the progress bar")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="Megatron-LM's input partitions: line i goes to partition i mod N (with "
+                        "--keep-sequential-samples: N consecutive runs of lines), each partition "
+                        "is preprocessed and the results are merged in partition order "
+                        "(tools/merge_datasets.py), so N > 1 without --keep-sequential-samples "
+                        "reorders the documents exactly as Megatron-LM does")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="with --partitions: keep the documents in input order")
+    g = p.add_argument_group("sentence splitting (Megatron-LM's flags)")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="refused: Megatron-LM splits with nltk's punkt model, which this machine "
+                        "cannot download; megaloop writes whole documents")
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="only read with --split-sentences (as in Megatron-LM)")
+    g.add_argument("--lang", default="english",
+                   help="only read with --split-sentences (as in Megatron-LM)")
     add_dataclass_args(p, TokenizerConfig)
     args = p.parse_args(argv)
+    if args.split_sentences:
+        p.error("--split-sentences is not supported: Megatron-LM splits documents into sentences "
+                "with nltk's punkt model, which needs a download (nltk.download('punkt')) that "
+                "megaloop does not make; drop it to write whole documents")
+    if args.partitions < 1:
+        p.error(f"--partitions {args.partitions} must be >= 1")
     if args.workers < 0 or args.batch_bytes < 1 or args.log_interval < 1:
         p.error("--workers must be >= 0, --batch-bytes and --log-interval >= 1")
     if args.data_format == "sft" and (args.json_keys != ["text"] or args.append_eod):
@@ -80,6 +102,66 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not os.path.isfile(args.input):
         p.error(f"--input {args.input}: no such file")
     return args
+
+
+def preprocess_partitions(args, run):
+    """--partitions N: split the input's lines into N files as Megatron-LM does (round robin, or
+    N consecutive runs with --keep-sequential-samples), preprocess each with ``run(input,
+    prefix)``, and merge every output dataset in partition order (megatron-core's
+    IndexedDatasetBuilder, via tools/merge_datasets.py). Temporary files live in a folder next
+    to the output and are removed whatever happens. Returns the partitions' summed stats."""
+    import gzip
+    import importlib.util
+    import math
+    import shutil
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location(
+        "merge_datasets", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                       "merge_datasets.py"))
+    merge_datasets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_datasets)
+
+    opener = gzip.open if args.input.endswith(".gz") else open
+    with opener(args.input, "rt", encoding="utf-8") as f:
+        lines = f.readlines()
+    n = args.partitions
+    if len(lines) < n:
+        raise ValueError(f"--partitions {n} exceeds the {len(lines)} lines of --input "
+                         f"{args.input}; use fewer partitions")
+    size = math.ceil(len(lines) / n)
+    parts = [lines[i * size:(i + 1) * size] for i in range(n)] if args.keep_sequential_samples \
+        else [lines[i::n] for i in range(n)]
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".partitions-", dir=out_dir)
+    try:
+        total = None
+        for i, part in enumerate(parts):
+            path = os.path.join(tmp, f"part_{i:05d}.jsonl")
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(part)
+            stats = run(path, os.path.join(tmp, f"part_{i:05d}"))
+            if total is None:
+                total = stats
+            else:
+                total.documents_read += stats.documents_read
+                total.bad_lines += stats.bad_lines
+                total.seconds += stats.seconds
+                for table in ("documents", "empty", "tokens"):
+                    for key, value in getattr(stats, table).items():
+                        getattr(total, table)[key] += value
+        outputs = []
+        for prefix in total.outputs:  # <tmp>/part_00000_<key>_document
+            suffix = os.path.basename(prefix)[len("part_00000"):]
+            merged = args.output_prefix + suffix
+            merge_datasets.merge([os.path.join(tmp, f"part_{i:05d}{suffix}") for i in range(n)],
+                                 merged)
+            outputs.append(merged)
+        total.outputs = outputs
+        return total
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv=None) -> int:
@@ -94,13 +176,19 @@ def main(argv=None) -> int:
 
     if signal.getsignal(signal.SIGINT) is _exit_at_once:  # run as a script (below)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # now there is clean-up to do
+    def run(input_path, output_prefix):
+        return preprocess(input_path, output_prefix, tok_cfg, json_keys=args.json_keys,
+                          data_format=args.data_format, workers=args.workers,
+                          append_eod=args.append_eod, skip_bad_lines=args.skip_bad_lines,
+                          batch_bytes=args.batch_bytes, log_interval=args.log_interval,
+                          progress=not args.no_progress)
+
     try:
-        stats = preprocess(args.input, args.output_prefix, tok_cfg, json_keys=args.json_keys,
-                           data_format=args.data_format, workers=args.workers,
-                           append_eod=args.append_eod, skip_bad_lines=args.skip_bad_lines,
-                           batch_bytes=args.batch_bytes, log_interval=args.log_interval,
-                           progress=not args.no_progress)
-    except BadInputError as err:
+        if args.partitions > 1:
+            stats = preprocess_partitions(args, run)
+        else:
+            stats = run(args.input, args.output_prefix)
+    except (BadInputError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
