@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True,
                    help="megaloop checkpoint directory, or a folder written by export-hf")
     tok = p.add_argument_group("tokenizer of an exported folder without tokenizer.json")
+    # Megatron-LM's name for the sentencepiece tokenizer is accepted as pretrain_looplm.py does.
+    megatron_names = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
     tok.add_argument("--tokenizer-type", default=None,
+                     type=lambda name: megatron_names.get(name, name),
                      choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
     tok.add_argument("--tokenizer-model", default=None,
                      help="sentencepiece .model, or Hugging Face tokenizer.json (or its folder)")
