@@ -3,6 +3,8 @@
 #   bash examples/studies/run_all.sh --size cpu --output-dir studies_out      (20 min or less each)
 #   bash examples/studies/run_all.sh --size tiny --output-dir /tmp/studies    (the test's size)
 # Extra flags go to every study (--data-path/--tokenizer-model, --task-file, --seed).
+# Threads per run: STUDY_THREADS (torch) and OMP_NUM_THREADS. With other CPU jobs beside the
+# studies set both to 1: oversubscribed OpenMP threads made one run 15x slower on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}

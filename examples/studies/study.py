@@ -12,7 +12,9 @@ plus held-out problems generated with another seed. ``--data-path`` / ``--tokeni
 preprocessed corpus instead (task accuracy then needs ``--task-file``).
 
 Sizes: ``tiny`` (what the test suite runs: seconds per arm), ``cpu`` (minutes per arm on 2
-cores), ``gpu`` (one GPU: a real run; set ``--nproc`` for more ranks via torchrun yourself).
+cores), ``gpu`` (one GPU; the arms run one process each). ``STUDY_THREADS`` sets torch's threads
+per run (``tiny``: 1): on a machine shared with other jobs use 1, as oversubscribed OpenMP
+threads slow a run down by an order of magnitude.
 """
 
 from __future__ import annotations
