@@ -98,6 +98,8 @@ def test_gpu_rows_flags_pass_validation(monkeypatch):
     from megaloop.training.run_config import parse_args
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # ... and Transformer Engine installed, as in the GPU image the rows run in
+    monkeypatch.setattr("megaloop.training.run_config._te_installed", lambda: True)
     for layout in (gpu_checks.LOOPED, gpu_checks.DENSE):
         for fp8 in ("", gpu_checks.DEFAULT_FP8_ARGS):
             cfg = parse_args([*gpu_checks.BIG, *layout, *shlex.split(fp8)])
