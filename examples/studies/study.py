@@ -181,7 +181,7 @@ class Study:
                 "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
                 # The model family every arm shares, spelled out (not left to defaults).
                 "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
-                "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear",
                 "--num-workers", "0", "--data-path", self.data_prefix, "--split", "98,2,0",
                 "--tokenizer-type", "SentencePieceTokenizer",
                 "--tokenizer-model", self.tokenizer, "--seed", str(self.args.seed),
