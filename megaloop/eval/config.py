@@ -68,8 +68,11 @@ class EvalConfig:
     """Evaluation iterations of --global-batch-size sequences (default: the checkpoint's); with
     --input-file: every window of the file when unset."""
 
-    tokenizer_type: Optional[TokenizerType] = None
-    """Tokenizer (default: the checkpoint's, or the exported folder's tokenizer.json)."""
+    tokenizer_type: Optional[TokenizerType] = field(
+        default=None,
+        metadata={"value_aliases": {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}})
+    """Tokenizer (default: the checkpoint's, or the exported folder's tokenizer.json);
+    Megatron-LM's GPTSentencePieceTokenizer is accepted for SentencePieceTokenizer."""
 
     tokenizer_model: Optional[str] = None
     """sentencepiece .model or Hugging Face tokenizer.json (default: the checkpoint's)."""

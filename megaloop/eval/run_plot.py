@@ -20,6 +20,7 @@ DRAWN = {
     "exit_probs": "exit distribution",
     "p0": "p0", "p0_collapse_iters": "p0",
     "grad_norm": "gradient norm", "skipped_iters": "gradient norm",
+    "params_norm": "gradient norm",
     "grad_norm_per_step": "per-step gradient norm",
     "lr": "learning rate",
     "angular_distance": "geometry", "relative_update_norm": "geometry",
@@ -142,6 +143,9 @@ def plot_run(records: list[dict], output: str, p0_threshold: float = 0.95,
     x, g = _series(train, "grad_norm")
     ax.plot(x, g, color="tab:blue", label="grad norm")
     ax.set_yscale("log")
+    xp, params = _series(train, "params_norm")  # --log-params-norm
+    if xp:
+        ax.plot(xp, params, color="tab:gray", label="params norm")
     xs, skipped = _series(train, "skipped_iters")
     if xs and max(skipped) > 0:
         ax.twinx().plot(xs, skipped, color="tab:orange", label="skipped steps (total)")
