@@ -53,9 +53,15 @@ def initialize(parallel: ParallelConfig, seed: int) -> None:
         single_process_env()
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        store = {}
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            # A world of one needs no rendezvous: an in-process store, not a TCP port (a port
+            # found free may be taken before the store listens on it: EADDRINUSE).
+            store = dict(store=torch.distributed.HashStore(), rank=0, world_size=1)
         torch.distributed.init_process_group(backend=backend_for(parallel),
                                              timeout=timedelta(
-                                                 minutes=parallel.distributed_timeout_minutes))
+                                                 minutes=parallel.distributed_timeout_minutes),
+                                             **store)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
