@@ -120,7 +120,24 @@ def _special_token(config: dict, key: str) -> Optional[str]:
     return value.get("content") if isinstance(value, dict) else value
 
 
-class HuggingFaceTokenizer(Tokenizer):
+class _TokenizersLibrary(Tokenizer):
+    """Encoding and decoding through a ``tokenizers.Tokenizer`` in ``self._tok`` (no special
+    tokens added: EOD is appended by preprocessing, as for the other tokenizers)."""
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def piece(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id))
+
+
+class HuggingFaceTokenizer(_TokenizersLibrary):
     """A local ``tokenizer.json`` read with the ``tokenizers`` library (no hub access).
 
     Special tokens come from ``tokenizer_config.json`` next to it when present, else from the
@@ -160,18 +177,6 @@ class HuggingFaceTokenizer(Tokenizer):
         self.pad = NO_PAD if pad is None or pad == eod else pad
         self.bos = lookup("bos_token", self.BOS_NAMES)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def piece(self, token_id: int) -> str:
-        return self._tok.id_to_token(int(token_id))
-
     @property
     def unique_identifiers(self) -> OrderedDict:
         ids = super().unique_identifiers
@@ -179,7 +184,7 @@ class HuggingFaceTokenizer(Tokenizer):
         return ids
 
 
-class GPT2BPETokenizer(Tokenizer):
+class GPT2BPETokenizer(_TokenizersLibrary):
     """Megatron-LM's GPT2BPETokenizer from a local vocab.json and merges.txt: GPT-2's byte-level
     BPE (its pre-tokenization regex, bytes mapped to printable characters, no prefix space), with
     EOD ``<|endoftext|>``, run by the ``tokenizers`` library. (megatron-core 0.16.1's own class,
@@ -199,18 +204,6 @@ class GPT2BPETokenizer(Tokenizer):
         if eod is None:
             raise ValueError(f"--vocab-file {vocab_file}: no <|endoftext|> token (GPT-2's EOD)")
         self.eod = eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def piece(self, token_id: int) -> str:
-        return self._tok.id_to_token(int(token_id))
 
     @property
     def unique_identifiers(self) -> OrderedDict:
