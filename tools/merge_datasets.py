@@ -1,7 +1,8 @@
 """Merge Megatron indexed datasets (``.bin/.idx`` shards) into one, as Megatron-LM's
 tools/merge_datasets.py does: every dataset in ``--input`` (a folder), in the order of their
 names, appended with megatron-core's ``IndexedDatasetBuilder.add_index``. The result is
-byte-identical to preprocessing the concatenated input in that order (tests/test_merge_datasets.py).
+byte-identical to preprocessing the concatenated input in that order (tests/test_merge_datasets.py),
+with the same SHA-1 in the ``.idx.digest`` beside it (megaloop.data.indexed_format).
 
     python tools/merge_datasets.py --input data/shards --output-prefix data/corpus_text_document
 
@@ -69,6 +70,12 @@ def merge(prefixes: list[str], output_prefix: str) -> int:
     for prefix in prefixes:
         builder.add_index(prefix)
     builder.finalize(output_prefix + ".idx")
+    from megaloop.data.indexed_format import hash_file, write_digest
+
+    # The merged .idx is hashed as written, not combined from the inputs' digests: its bytes
+    # (pointers, boundaries) are not a function of theirs, and one read here, once, spares every
+    # training rank a full read (megaloop.data.datasets keys its cache on the digest).
+    write_digest(output_prefix, hash_file(output_prefix + ".idx"))
     return documents
 
 

@@ -3,13 +3,17 @@
 Datasets come from megatron-core's ``BlendedMegatronDatasetBuilder`` (GPTDataset, MockGPTDataset,
 or megaloop's SFTDataset), with three guards megatron-core lacks:
 
-- the index cache folder is keyed on the data files' content, so re-preprocessing in place never
+- the index cache folder is keyed on the data files' content (``content_key``: their digest, or
+  their stat and sampled bytes; never a whole-file read), so re-preprocessing in place never
   reuses sample indices built for the old files (megatron-core keys them on paths and config);
 - a split that would get 0 documents is a ValueError up front (GPTDataset loops forever on it);
 - a split asked for 0 samples is not built at all (returned as None).
 
 Every rank that reads data builds every dataset: the sample order is a pure function of the seed,
-so ranks agree without communication, and rank 0 writes the cache first. Which ranks read is
+so ranks agree without communication. megatron-core's builder builds (document, sample and
+shuffle indices; a blend's indices) on global rank 0 while the others wait at a barrier, then
+the others ``numpy.load(mmap_mode="r")`` the cache: only rank 0 walks the document lengths
+(tests/test_scale_startup.py counts bytes read per rank). Which ranks read is
 megaloop.data.broadcast's business (the first tensor-parallel rank of the first and last
 pipeline stages).
 
@@ -35,6 +39,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megaloop.data.config import DataConfig
+from megaloop.data.indexed_format import read_digest, sampled_fields
 from megaloop.data.sft import SFTDataset, lossmask_prefix
 from megaloop.device import to_device
 
@@ -43,19 +48,24 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 
 
 def content_key(prefixes: list[str]) -> str:
-    """Hash of the datasets' content: every .idx in full, plus size and mtime of every .bin.
+    """Key of the datasets' content, from a few hundred bytes per dataset whatever its size.
 
-    The .idx holds every document length, so any re-tokenisation that changes the sample layout
-    changes the key; the .bin stat catches rewrites that keep the lengths.
+    The cached indices depend on the document lengths only, i.e. on the ``.idx``. A dataset
+    written by preprocessing or tools/merge_datasets.py carries a digest of its ``.idx``
+    (megaloop.data.indexed_format.read_digest; ignored once the ``.idx`` changed); any other is
+    keyed on its files' sizes and mtimes, its header and its last document's entries
+    (``sampled_fields``). Every rank computes the same key from the same files without
+    communication, and none reads a whole ``.idx`` (at 1e12 tokens the ``.idx`` files hold
+    ~12 GB, read by every rank before the first step otherwise).
     """
     h = hashlib.sha1()
     for prefix in prefixes:
         h.update(os.path.abspath(prefix).encode() + b"\0")
-        with open(prefix + ".idx", "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        st = os.stat(prefix + ".bin")
-        h.update(f"{st.st_size}:{st.st_mtime_ns}\0".encode())
+        digest = read_digest(prefix)
+        if digest is not None:
+            h.update(f"digest:{digest}:{os.path.getsize(prefix + '.bin')}\0".encode())
+        else:
+            h.update(b"sampled:" + sampled_fields(prefix) + b"\0")
     return h.hexdigest()[:16]
 
 

@@ -17,10 +17,18 @@ Layout (version 1, little-endian), as megatron-core 0.16 reads it:
 index declares against the files' sizes), so that a truncated ``.bin`` or an ``.idx`` paired
 with another dataset's ``.bin`` is refused at start-up, naming the file, instead of failing
 iterations later (or never, when the ``.idx`` is smaller).
+
+The digest file ``<prefix>.idx.digest`` (written by preprocessing and tools/merge_datasets.py,
+ignored by Megatron-LM's tools) holds the SHA-1 of the ``.idx`` with the ``.idx``'s size and
+mtime when the digest was taken: megaloop.data.datasets keys the index cache on it, so a rank
+reads a few hundred bytes per dataset at start-up instead of every ``.idx`` in full. A digest
+whose size or mtime no longer matches (the ``.idx`` was rewritten by another tool) is ignored.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import struct
 from typing import BinaryIO
@@ -74,11 +82,14 @@ class IndexedWriter:
         self.close()
         lengths = (numpy.concatenate(self._lengths) if self._lengths
                    else numpy.zeros(0, numpy.int32))
-        write_index(idx_path, self.dtype, lengths)
+        sha1 = write_index(idx_path, self.dtype, lengths)
+        if idx_path.endswith(".idx"):
+            write_digest(idx_path[:-4], sha1)
 
 
-def write_index(idx_path: str, dtype, lengths: numpy.ndarray) -> None:
-    """The ``.idx`` of one-sequence-per-document data with these sequence ``lengths``."""
+def write_index(idx_path: str, dtype, lengths: numpy.ndarray) -> str:
+    """The ``.idx`` of one-sequence-per-document data with these sequence ``lengths``; returns
+    the SHA-1 of the bytes written (for ``write_digest``, without reading the file back)."""
     lengths = numpy.asarray(lengths, dtype=numpy.int32)
     n = len(lengths)
     itemsize = numpy.dtype(dtype).itemsize
@@ -86,15 +97,75 @@ def write_index(idx_path: str, dtype, lengths: numpy.ndarray) -> None:
     # int64 before the multiply: megatron-core computes pointers in int64 too.
     numpy.cumsum(lengths[:-1].astype(numpy.int64) * itemsize, out=pointers[1:])
     documents = numpy.arange(n + 1, dtype=numpy.int64)
+    header = (INDEX_HEADER + struct.pack("<Q", INDEX_VERSION) + struct.pack("<B", DTYPE_CODES[dtype])
+              + struct.pack("<Q", n) + struct.pack("<Q", len(documents)))
+    sha = hashlib.sha1()
     with open(idx_path, "wb") as f:
-        f.write(INDEX_HEADER)
-        f.write(struct.pack("<Q", INDEX_VERSION))
-        f.write(struct.pack("<B", DTYPE_CODES[dtype]))
-        f.write(struct.pack("<Q", n))
-        f.write(struct.pack("<Q", len(documents)))
-        f.write(lengths.tobytes())
-        f.write(pointers.tobytes())
-        f.write(documents.tobytes())
+        for part in (header, lengths, pointers, documents):  # buffers: no copies of big arrays
+            f.write(part)
+            sha.update(part)
+    return sha.hexdigest()
+
+
+DIGEST_SUFFIX = ".idx.digest"
+
+
+def _stat_fields(path: str) -> dict:
+    st = os.stat(path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def write_digest(prefix: str, sha1: str) -> None:
+    """Record ``sha1`` (of ``prefix.idx``'s bytes) next to it, with the ``.idx``'s current size
+    and mtime; call it once the ``.idx`` has its final name (a rename keeps the mtime)."""
+    record = {"sha1": sha1, "idx": _stat_fields(prefix + ".idx")}
+    tmp = prefix + DIGEST_SUFFIX + f".tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, prefix + DIGEST_SUFFIX)
+
+
+def hash_file(path: str) -> str:
+    """SHA-1 of a whole file (for an ``.idx`` written by megatron-core's builder, once, in the
+    tool that wrote it)."""
+    sha = hashlib.sha1()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def read_digest(prefix: str):
+    """The SHA-1 recorded for ``prefix.idx``, or None when there is no digest or it no longer
+    describes the file (size or mtime changed since it was written)."""
+    try:
+        with open(prefix + DIGEST_SUFFIX, "rb", buffering=0) as f:
+            record = json.loads(f.read(4096))
+        if record["idx"] == _stat_fields(prefix + ".idx"):
+            return str(record["sha1"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: the caller keys on the file's stat and sampled bytes
+    return None
+
+
+def sampled_fields(prefix: str) -> bytes:
+    """What keys a dataset without a valid digest, in a few hundred bytes read: the ``.idx``
+    and ``.bin`` sizes and mtimes, the header, and the last document's length, pointer and
+    boundary. A rewrite by any tool changes the mtime; the sampled bytes catch the rest."""
+    idx = prefix + ".idx"
+    parts = [json.dumps([_stat_fields(idx), _stat_fields(prefix + ".bin")]).encode()]
+    with open(idx, "rb", buffering=0) as f:  # see check_indexed_dataset
+        head = f.read(HEADER_BYTES)
+        parts.append(head)
+        if len(head) == HEADER_BYTES and head[:9] == INDEX_HEADER:
+            _, _, n, d = struct.unpack_from("<QBQQ", head, 9)
+            for offset, size in ((HEADER_BYTES + 4 * (n - 1), 4),
+                                 (HEADER_BYTES + 4 * n + 8 * (n - 1), 8),
+                                 (HEADER_BYTES + 12 * n + 8 * (d - 1), 8)):
+                if n and d and offset >= HEADER_BYTES:
+                    f.seek(offset)
+                    parts.append(f.read(size))
+    return b"\0".join(parts)
 
 
 class BadIndexedDataset(ValueError):
@@ -110,7 +181,9 @@ def check_indexed_dataset(prefix: str) -> int:
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     fix = "re-run tools/preprocess_data.py for it (or pair it with its own .bin/.idx)"
     idx_size = os.path.getsize(idx)
-    with open(idx, "rb") as f:
+    # Unbuffered: a buffered read fills a buffer of the file system's block size, 1-4 MB of the
+    # .idx per read on parallel file systems, on every rank, for the few bytes asked.
+    with open(idx, "rb", buffering=0) as f:
         head = f.read(HEADER_BYTES)
         if len(head) < HEADER_BYTES or head[:9] != INDEX_HEADER:
             raise BadIndexedDataset(f"{idx}: not a Megatron .idx file (bad header): {fix}")

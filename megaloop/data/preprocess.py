@@ -44,7 +44,7 @@ import numpy
 
 from megaloop.data.batch_encoder import SFT_KEYS, BatchEncoder
 from megaloop.data.config import TokenizerConfig
-from megaloop.data.indexed_format import optimal_dtype, write_index
+from megaloop.data.indexed_format import optimal_dtype, write_digest, write_index
 from megaloop.data.jsonl import (DEFAULT_BATCH_BYTES, BadInputError, byte_ranges, line_number,
                                  read_batches)
 from megaloop.data.tokenizers import build_tokenizer
@@ -303,6 +303,7 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
     pool = None
     lengths: list[Optional[dict]] = [None] * len(ranges)  # per range: key -> lengths
     first_bad: Optional[tuple[int, int, str]] = None  # (range, offset, reason)
+    digests: dict[str, str] = {}  # key -> SHA-1 of its .idx
 
     def handle(k: int, msg: tuple) -> None:
         nonlocal first_bad
@@ -342,7 +343,8 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
                     f"skipped, {stats.empty[key]} empty after tokenization); an empty dataset "
                     "cannot be opened: check the file and --json-keys")
             _join_parts(finals[key] + ".bin" + tmp, [job.part(key, i) for i in range(len(ranges))])
-            write_index(finals[key] + ".idx" + tmp, dtypes[key], numpy.concatenate(per_key))
+            digests[key] = write_index(finals[key] + ".idx" + tmp, dtypes[key],
+                                       numpy.concatenate(per_key))
         bar.bar.close()
         stats.seconds = time.perf_counter() - bar.start
         stats.outputs = [finals[k] for k in keys]
@@ -353,6 +355,8 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
             for key in keys:
                 for ext in (".bin", ".idx"):
                     os.replace(finals[key] + ext + tmp, finals[key] + ext)
+        for key in keys:  # after the renames: a digest describes the published .idx
+            write_digest(finals[key], digests[key])
         return stats
     except BaseException:
         # A (second) Ctrl-C must not cut the clean-up short: it is delivered after it.
