@@ -198,4 +198,30 @@ def _adapter_checks(rank, world, ckpt):
     assert step1 == pytest.approx(one, abs=1e-5)  # exiting after step 1 = running 1 step
     with pytest.raises(ValueError, match="--exit"):
         MegaloopLM(load=ckpt, exit="sometimes")
+    # A depth below 1 and a misspelt key are refused by name (they ran the trained depth).
+    from megaloop.eval.lm_eval_adapter import ModelArgsError
+
+    for kwargs, message in (({"num_loops": 0}, "num_loops 0: the loop steps"),
+                            ({"num_loops": -3}, "num_loops -3: the loop steps"),
+                            ({"nmu_loops": 1}, "nmu_loops=1: unknown key (did you mean "
+                                               "num_loops?); the megaloop model takes load, "
+                                               "num_loops, exit,"),
+                            ({"batch_size": "auto"}, "batch_size auto:")):
+        with pytest.raises(ModelArgsError) as info:
+            MegaloopLM(load=ckpt, **kwargs)
+        assert str(info.value).startswith(message), info.value
+
+
+def test_run_lm_eval_refuses_a_misspelt_model_arg_in_one_line(ckpt, tmp_path):
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "megaloop",
+         "--model_args", f"load={ckpt[0]},nmu_loops=1", "--include_path", TASKS,
+         "--tasks", "megaloop_demo_mc", "--limit", "1", "--output_path", str(tmp_path / "o")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().split("\n")[-1].startswith(
+        "error: --model_args nmu_loops=1: unknown key (did you mean num_loops?)"), proc.stderr
     return True

@@ -202,3 +202,18 @@ def test_serve_refuses_a_torchrun_launch(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     assert tool.main(["--load", "nowhere", "--port", "1"]) == 2
     assert "not supported yet" in capsys.readouterr().err
+
+
+def test_out_of_range_requests_are_refused_as_generate_refuses_them(server):
+    """The server's requests go through the range checks of tools/generate.py's flags
+    (megaloop/inference/flags.py): the same words, with the request's field names."""
+    client, _ = server
+    for body, start in (({"top_p": 0.0}, "top_p 0.0: must be in (0, 1]"),
+                        ({"temperature": -1.0}, "temperature -1.0: must be >= 0"),
+                        ({"top_k": -2}, "top_k -2: must be >= 0"),
+                        ({"prompt": list(range(5, 35)), "max_tokens": 6},
+                         "the prompt has 30 tokens and max_tokens is 6: 36 tokens exceed the "
+                         "model's context of 32")):
+        r = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"].startswith(start), r.text

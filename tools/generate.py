@@ -51,10 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", action="append",
                         help="comma-separated token ids (repeat for a batch); the output is ids")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--keep-prompt-tail", action="store_true",
+                   help="a prompt that, with --max-tokens, does not fit the model's context "
+                        "keeps only its last tokens (default: such a prompt is refused)")
     add_generation_flags(p)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the most likely tokens whose probability reaches p, in "
+                        "(0, 1] (default 1: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--no-stop-at-eod", action="store_true",
                    help="keep generating past the end-of-document token")
@@ -66,10 +72,12 @@ def main(argv=None) -> int:
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
+    from megaloop.inference.flags import check_sampling, fit_prompt
     from megaloop.inference.loading import check_generation_flags, parse_prompt_ids
 
     try:
-        rule = check_generation_flags(args.load, args.kv_policy, args.exit)
+        check_sampling(args.temperature, args.top_k, args.top_p)
+        rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops)
         prompts_ids = [parse_prompt_ids(t) for t in args.prompt_ids] if args.prompt_ids else None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -92,7 +100,8 @@ def main(argv=None) -> int:
 
     runtime.quiet_megatron()
     from megaloop.inference.generate import Generator, SamplingParams
-    from megaloop.inference.loading import is_hf_folder, load_for_generation, setup_processes
+    from megaloop.inference.loading import (context_length, is_hf_folder, load_for_generation,
+                                            setup_processes)
     from megaloop.parallel import initialize
 
     tp = setup_processes(args.seed)
@@ -114,15 +123,20 @@ def main(argv=None) -> int:
             print(f"error: token id {bad[0]} is outside the vocabulary (size "
                   f"{tokenizer.vocab_size})", file=sys.stderr)
             return 2
+        flag = "--prompt-ids" if prompts_ids else "--prompt"
         try:
+            # Every rank holds the same prompts and config: all refuse alike, nothing hangs.
+            prompts = [fit_prompt(p, args.max_tokens, context_length(run), args.keep_prompt_tail,
+                                  tail_flag="--keep-prompt-tail", what=f"{flag} {i + 1}")
+                       for i, p in enumerate(prompts)]
             gen = Generator(model, tokenizer.vocab_size, num_loops=args.num_loops,
                             kv_policy=args.kv_policy, exit_rule=rule,
                             eod=None if args.no_stop_at_eod else tokenizer.eod)
-        except ValueError as exc:
+            params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+            outputs = gen.generate(prompts, args.max_tokens, params)
+        except ValueError as exc:  # also a depth the model cannot run (e.g. an exit gate missing)
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-        outputs = gen.generate(prompts, args.max_tokens, params)
         if runtime.is_rank_zero():
             for i, out in enumerate(outputs):
                 if prompts_ids is not None:

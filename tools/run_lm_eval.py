@@ -26,9 +26,13 @@ def main() -> None:
     from megaloop import runtime
 
     runtime.quiet_megatron()
-    import megaloop.eval.lm_eval_adapter  # noqa: F401  (registers --model megaloop)
+    from megaloop.eval.lm_eval_adapter import ModelArgsError  # registers --model megaloop
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ModelArgsError as exc:
+        sys.stderr.write(f"error: --model_args {exc}\n")
+        sys.exit(2)
 
 
 if __name__ == "__main__":

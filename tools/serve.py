@@ -58,18 +58,15 @@ def main(argv=None) -> int:
     from megaloop.inference.loading import check_generation_flags
 
     try:
-        rule = check_generation_flags(args.load, args.kv_policy, args.exit)
+        rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.num_loops is not None and args.num_loops < 1:
-        print("error: --num-loops must be >= 1", file=sys.stderr)
         return 2
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runtime.quiet_megatron()
-    from megaloop.inference.loading import load_for_generation, setup_processes
+    from megaloop.inference.loading import context_length, load_for_generation, setup_processes
     from megaloop.inference.server import Engine, serve
     from megaloop.parallel import initialize
 
@@ -83,7 +80,7 @@ def main(argv=None) -> int:
         try:
             engine = Engine(model, tokenizer, name, num_loops=args.num_loops,
                             kv_policy=args.kv_policy, exit_rule=rule,
-                            max_length=run.get("model", {}).get("max_position_embeddings"))
+                            max_length=context_length(run))
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -14,6 +14,10 @@ Importing this module registers the model (lm-eval registers models by import;
 - ``tokenizer_type`` / ``tokenizer_model`` / ``vocab_size``: for an exported folder without
   tokenizer.json.
 
+Any other key is refused by name with the list of these (a misspelt ``nmu_loops=1`` must not run
+the trained depth), and so are values out of range (``num_loops=0``), with the checks
+tools/generate.py applies to its flags (megaloop/inference/flags.py).
+
 ``--batch_size`` sets how many requests share a forward. Log-likelihoods are the model's
 teacher-forced log-probabilities over the real vocabulary (padded rows dropped), as
 ``tools/serve.py`` returns them, so lm-eval's ``local-completions`` model against the server gets
@@ -33,15 +37,58 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 
+class ModelArgsError(ValueError):
+    """A ``--model_args`` value the megaloop model refuses (tools/run_lm_eval.py prints it as one
+    line and exits with code 2)."""
+
+
+# The keys MegaloopLM takes (batch_size also arrives from lm-eval's --batch_size); a refused
+# key's message lists them.
+MODEL_ARGS = ("load", "num_loops", "exit", "kv_policy", "max_length", "max_gen_toks",
+              "tokenizer_type", "tokenizer_model", "vocab_size", "seed", "batch_size")
+
+
+def check_model_args(unknown: dict, *, load, max_length, batch_size, max_gen_toks,
+                     max_batch_size, device) -> None:
+    """ModelArgsError for an unknown key (a typo must not be ignored) and for values the model
+    cannot use; the range checks of num_loops and the generation keys are
+    megaloop.inference.flags', shared with tools/generate.py and tools/serve.py."""
+    import difflib
+
+    for key, value in unknown.items():
+        close = difflib.get_close_matches(key, MODEL_ARGS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ModelArgsError(f"{key}={value}: unknown key{hint}; the megaloop model takes "
+                             f"{', '.join(MODEL_ARGS)}")
+    if not load:
+        raise ModelArgsError("load is required: load=CKPT (a megaloop checkpoint directory or "
+                             "an exported folder)")
+    if not str(batch_size).isdigit() or int(batch_size) < 1:
+        raise ModelArgsError(f"batch_size {batch_size}: the megaloop model takes a whole number "
+                             f"of requests per forward, at least 1 (no 'auto')")
+    if max_batch_size is not None:
+        raise ModelArgsError(f"max_batch_size {max_batch_size}: it bounds --batch_size auto, "
+                             f"which the megaloop model does not take; leave it out")
+    if device is not None:
+        raise ModelArgsError(f"device {device}: the megaloop model places itself (the GPU of "
+                             f"LOCAL_RANK where there is one, else the CPU); leave --device out")
+    for key, value in (("max_length", max_length), ("max_gen_toks", max_gen_toks)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ModelArgsError(f"{key} {value}: must be a whole number of tokens, at least 1")
+
+
 @register_model("megaloop")
 class MegaloopLM(TemplateLM):
     """A looped LM trained by megaloop, in lm-eval's interface."""
 
-    def __init__(self, load: str, num_loops: Optional[int] = None, exit: Optional[str] = None,
-                 kv_policy: str = "full", max_length: Optional[int] = None, batch_size=1,
-                 max_gen_toks: int = 256, tokenizer_type: Optional[str] = None,
-                 tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
-                 seed: int = 1234, **unused):
+    def __init__(self, load: Optional[str] = None, num_loops: Optional[int] = None,
+                 exit: Optional[str] = None, kv_policy: str = "full",
+                 max_length: Optional[int] = None, batch_size=1, max_gen_toks: int = 256,
+                 tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
+                 vocab_size: Optional[int] = None, seed: int = 1234,
+                 max_batch_size: Optional[int] = None, device: Optional[str] = None,
+                 **unknown):
         super().__init__()
         from megaloop import runtime
         from megaloop.data.config import TokenizerConfig
@@ -49,7 +96,13 @@ class MegaloopLM(TemplateLM):
         from megaloop.inference.loading import (check_generation_flags, load_for_generation,
                                                 setup_processes)
 
-        rule = check_generation_flags(load, kv_policy, exit)
+        check_model_args(unknown, load=load, max_length=max_length, batch_size=batch_size,
+                         max_gen_toks=max_gen_toks, max_batch_size=max_batch_size,
+                         device=device)
+        try:
+            rule = check_generation_flags(load, kv_policy, exit, num_loops, spell=str)
+        except ValueError as exc:
+            raise ModelArgsError(str(exc)) from None
         tokenizer_cfg = None
         if tokenizer_type:
             tokenizer_cfg = TokenizerConfig(tokenizer_type, tokenizer_model,
@@ -64,12 +117,12 @@ class MegaloopLM(TemplateLM):
                                  "launch without torchrun")
         self.model, self.tokenizer_, run = load_for_generation(load, 1, tokenizer=tokenizer_cfg)
         self.vocab_size = self.tokenizer_.vocab_size
-        self.num_loops = int(num_loops) if num_loops else self.model.loop.num_loops
+        self.num_loops = num_loops or self.model.loop.num_loops
         self.rule = rule
         trained_length = run.get("training", {}).get("seq_length")
         self._max_length = int(max_length or trained_length or
-                               self.model.config.max_position_embeddings or 2048)
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
+                               run.get("model", {}).get("max_position_embeddings") or 2048)
+        self.batch_size = int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.generator = Generator(self.model, self.vocab_size, num_loops=self.num_loops,
                                    kv_policy=kv_policy, eod=self.tokenizer_.eod, exit_rule=rule)

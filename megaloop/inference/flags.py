@@ -1,16 +1,70 @@
-"""The flags every generation entry point shares (tools/generate.py, tools/serve.py). Standard
-library only: ``--help`` of those tools imports no torch or megatron-core."""
+"""The flags every generation entry point shares (tools/generate.py, tools/serve.py) and the range
+checks of their values, which those tools, the server's requests and the lm-eval adapter all call,
+so a value is refused the same way wherever it is given. Standard library only: ``--help`` of
+those tools imports no torch or megatron-core.
+
+A check names the value as its caller spells it (``spell``): ``--top-p`` on a command line,
+``top_p`` in a request body or in lm-eval's ``--model_args``.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Callable, Optional
+
+
+def cli_name(name: str) -> str:
+    """``top_p`` -> ``--top-p`` (the command-line spelling)."""
+    return "--" + name.replace("_", "-")
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
     """--num-loops, --kv-policy, --exit (checked by loading.check_generation_flags)."""
     p.add_argument("--num-loops", type=int, default=None,
-                   help="loop steps per token (default: the trained --num-loops)")
+                   help="loop steps per token, at least 1 (default: the trained --num-loops)")
     p.add_argument("--kv-policy", default="full",
                    help="full | last-step | first-step | shared-mod-<k> | none (default: full)")
     p.add_argument("--exit", default=None,
                    help="early exit: q:<q> | kl:<eps> | fixed:<n> (default: all steps)")
+
+
+def check_num_loops(value, spell: Callable[[str], str] = cli_name) -> None:
+    """None (the trained depth) or an integer >= 1; ValueError naming the value otherwise."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{spell('num_loops')} {value}: the loop steps per token must be an "
+                         f"integer of at least 1 (leave it out for the trained depth)")
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float,
+                   spell: Callable[[str], str] = cli_name) -> None:
+    """temperature >= 0 (0 = greedy), top_k >= 0 (0 = all), 0 < top_p <= 1 (1 = all)."""
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"{spell('temperature')} {temperature}: must be >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise ValueError(f"{spell('top_k')} {top_k}: must be >= 0 (0 = every token)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{spell('top_p')} {top_p}: must be in (0, 1] (1 = every token; a "
+                         f"smaller p keeps the most likely tokens whose probability reaches p)")
+
+
+def fit_prompt(ids: list, max_tokens: int, context: Optional[int], keep_tail: bool = False,
+               spell: Callable[[str], str] = cli_name, tail_flag: Optional[str] = None,
+               what: str = "the prompt") -> list:
+    """``ids``, or its last ``context - max_tokens`` tokens with ``keep_tail``, so that the prompt
+    and the tokens to generate fit the model's context (positions past it were never trained:
+    the output would be garbage). ``context`` None: unknown, nothing is checked. ``tail_flag``:
+    how the caller asks for ``keep_tail`` (named in the refusal)."""
+    if context is None or len(ids) + max_tokens <= context:
+        return ids
+    room = context - max_tokens
+    if room < 1:
+        raise ValueError(f"{spell('max_tokens')} {max_tokens}: the model's context is {context} "
+                         f"tokens, which must hold the prompt too: use at most {context - 1}")
+    if keep_tail:
+        return ids[-room:]
+    hint = f", or pass {tail_flag} to keep its last {room} tokens" if tail_flag else ""
+    raise ValueError(f"{what} has {len(ids)} tokens and {spell('max_tokens')} is {max_tokens}: "
+                     f"{len(ids) + max_tokens} tokens exceed the model's context of {context}; "
+                     f"shorten the prompt or lower {spell('max_tokens')}{hint}")

@@ -24,6 +24,7 @@ import torch
 
 from megaloop.device import current_device
 from megaloop.inference import early_exit
+from megaloop.inference.flags import check_num_loops, check_sampling
 from megaloop.inference.kv_cache import LoopKVCache
 
 @dataclass
@@ -64,6 +65,7 @@ class Generator:
 
     def __init__(self, model, vocab_size: int, num_loops: Optional[int] = None,
                  kv_policy: str = "full", eod: Optional[int] = None, exit_rule=None):
+        check_num_loops(num_loops, spell=str)  # 0 must not silently mean the trained depth
         self.model, self.vocab_size, self.eod = model, vocab_size, eod
         self.num_loops = num_loops or model.loop.num_loops
         self.kv_policy, self.exit_rule = kv_policy, exit_rule
@@ -103,6 +105,7 @@ class Generator:
         """The generated ids of every prompt (without the prompt), EOD included if reached."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        check_sampling(params.temperature, params.top_k, params.top_p, spell=str)
         self.model.eval()
         device = current_device()
         b, lengths = len(prompts), [len(p) for p in prompts]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from megaloop.inference.flags import check_num_loops, cli_name
 
 
 def setup_processes(seed: int = 1234) -> int:
@@ -56,6 +57,13 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None):
     return model, tokenizer, run
 
 
+def context_length(run: dict):
+    """The model's context in tokens (its --max-position-embeddings; None if the run config does
+    not say): what a prompt and the tokens generated after it must fit in."""
+    value = run.get("model", {}).get("max_position_embeddings")
+    return int(value) if value else None
+
+
 def parse_prompt_ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -64,12 +72,14 @@ def parse_prompt_ids(text: str) -> list[int]:
                          f"5,6,7") from None
 
 
-def check_generation_flags(load: str, kv_policy: str, exit_text):
-    """The flags generate.py and serve.py share, checked before any model is loaded: the
-    early-exit rule (or None); ValueError naming the flag otherwise."""
+def check_generation_flags(load: str, kv_policy: str, exit_text, num_loops=None,
+                           spell=cli_name):
+    """The flags generate.py, serve.py and the lm-eval adapter share, checked before any model is
+    loaded: the early-exit rule (or None); ValueError naming the flag otherwise."""
     from megaloop.inference.early_exit import parse_exit
     from megaloop.inference.kv_cache import parse_policy
 
+    check_num_loops(num_loops, spell)
     if kv_policy != "none":
         parse_policy(kv_policy)
     rule = parse_exit(exit_text)

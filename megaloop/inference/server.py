@@ -65,9 +65,11 @@ class CompletionRequest(BaseModel):
     model: Optional[StrictStr] = None
     prompt: Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]
     max_tokens: Optional[StrictInt] = Field(16, ge=0)
-    temperature: Optional[StrictFloat] = Field(1.0, ge=0)
-    top_p: Optional[StrictFloat] = Field(1.0, gt=0, le=1)
-    top_k: Optional[StrictInt] = Field(0, ge=0)
+    # Ranges are checked by megaloop.inference.flags.check_sampling, as on generate.py's
+    # command line (one message for one mistake, wherever it is made).
+    temperature: Optional[StrictFloat] = 1.0
+    top_p: Optional[StrictFloat] = 1.0
+    top_k: Optional[StrictInt] = 0
     seed: Optional[StrictInt] = None
     stop: Optional[Union[StrictStr, List[StrictStr]]] = None
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -194,20 +196,28 @@ class Engine:
             raise RequestError(400, "only n=1 is supported", "n")
         if req.stream:
             raise RequestError(400, "streaming is not supported", "stream")
+        from megaloop.inference.flags import check_sampling, fit_prompt
+
         prompts = self._prompt_ids(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        for p in prompts:
-            if self.max_length is not None and len(p) + max_tokens > self.max_length:
-                raise RequestError(400, f"this model's context is {self.max_length} tokens; "
-                                        f"the prompt ({len(p)} tokens) and max_tokens "
-                                        f"({max_tokens}) exceed it", "max_tokens")
+        for i, p in enumerate(prompts):
+            try:
+                fit_prompt(p, max_tokens, self.max_length, spell=str,
+                           what="the prompt" if len(prompts) == 1 else f"prompt {i}")
+            except ValueError as exc:
+                raise RequestError(400, str(exc), "max_tokens") from None
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(s == "" for s in stop):
             raise RequestError(400, "stop strings must not be empty", "stop")
         seed = req.seed if req.seed is not None else random.randrange(2 ** 31)
         params = SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p, seed=seed)
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else float(req.top_p),
+            seed=seed)
+        try:
+            check_sampling(params.temperature, params.top_k, params.top_p, spell=str)
+        except ValueError as exc:
+            raise RequestError(400, str(exc), str(exc).split()[0]) from None
         return _Job(prompts, max_tokens, params, req.logprobs, req.echo, stop)
 
     def _prompt_ids(self, prompt) -> list[list[int]]:
