@@ -20,7 +20,9 @@ def main(argv=None) -> int:
     # bad flag answer without importing torch or megatron-core.
     from megaloop import runtime
     from megaloop.training.run_config import parse_args
+    from megaloop.training.startup import StartupTimer
 
+    startup = StartupTimer()  # the first phase counts from the process's start
     cfg = parse_args(argv)
     runtime.quiet_megatron()  # validate() may import megatron-core; filter its warnings first
     try:
@@ -49,10 +51,12 @@ def main(argv=None) -> int:
     from megaloop.training.exit_conditions import RunError, write_exit_status
     from megaloop.training.trainer import Trainer
 
+    startup.mark("imports")  # with flag parsing and validation
     initialize.initialize(cfg.parallel, cfg.training.seed)
+    startup.mark("process groups")
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, startup)
         trainer.train()  # writes --exit-status-file itself (before the ranks may leave)
     except RunError as exc:
         # Every rank raises the same error at the same point; one copy is enough.

@@ -46,11 +46,13 @@ def _assert_quiet(proc, train_lines):
     evaluation, and no Python warning on either stream (megaloop.runtime.quiet_megatron)."""
     out = proc.stdout.splitlines()
     for line in out:
-        assert line.startswith(("> CPU development mode", "> LoopedGPT layout", " iteration ",
+        assert line.startswith(("> CPU development mode", "> LoopedGPT layout", "> start-up",
+                                " iteration ",
                                 " validation at iteration ", "> loop geometry")), (
             "unexpected line", line, out)
     assert sum(line.startswith("> LoopedGPT layout") for line in out) == 1, out
     assert sum(line.startswith("> CPU development mode") for line in out) <= 1, out
+    assert sum(line.startswith("> start-up (s): ") for line in out) == 1, out  # rank 0 only
     assert sum(line.startswith(" iteration ") for line in out) == train_lines, out
     noisy = [line for line in (proc.stdout + proc.stderr).splitlines()
              if "Warning" in line or "warn" in line]

@@ -45,6 +45,7 @@ from megaloop.training.random_depth import draw_depth, no_grad_steps
 from megaloop.training.exit_conditions import ExitConditions, write_exit_status
 from megaloop.training.diagnostics import (GEOMETRY_KEYS, LoopDiagnostics, NonFiniteGuard,
                                            describe_samples)
+from megaloop.training.startup import StartupTimer
 from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_geometry,
                                        format_train_line, peak_memory_gib)
 from megaloop.training.step_hooks import StepHooks, params_norm
@@ -147,8 +148,11 @@ def count_parameters(model) -> int:
 
 # --- the loop ----------------------------------------------------------------------------------
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, startup: Optional[StartupTimer] = None):
         self.cfg = cfg
+        # Phases so far (imports, process groups) come from the entry point; the trainer marks
+        # the rest up to the end of the first step (megaloop.training.startup).
+        self.startup = startup or StartupTimer(from_process_start=False)
         tr = cfg.training
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -156,7 +160,9 @@ class Trainer:
         self.num_microbatches = tr.num_microbatches(self.dp_size)
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.model, self.config = build_training_model(cfg, self.tokenizer.vocab_size)
+        self.startup.mark("model")
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
+        self.startup.mark("optimizer")
         self.iteration, self.consumed_samples, self.skipped = 0, 0, 0
         self.last_saved = None
         self.logger = MetricsLogger(cfg.logging, cfg.to_dict(),
@@ -174,7 +180,9 @@ class Trainer:
                                cfg.checkpoint.save)
         self._remove_stale_saves()
         self.load_info = self._load()
+        self.startup.mark("checkpoint load")
         self._build_data()
+        self.startup.mark("data index")
 
     def _remove_stale_saves(self) -> None:
         """Saves that never finished (killed, disk full) left iter_*.tmp folders: rank 0 removes
@@ -374,6 +382,7 @@ class Trainer:
         world = torch.distributed.get_world_size()
         self.describe()
         window_start, window_iters, window_flops, window_samples = time.time(), 0, 0.0, 0
+        startup = None
         while self.iteration < tr.train_iters:
             self.diagnostics.before_step(
                 will_log=(self.iteration + 1) % log.log_interval == 0
@@ -381,6 +390,9 @@ class Trainer:
             consumed_before = self.consumed_samples
             self.hooks.before_step(self.iteration)
             stats, grad_norm, applied = self.train_step()
+            if not self.startup.done:
+                startup = self.startup.finish("first step")
+                self.logger.print(self.startup.line())
             self.iteration += 1
             self.hooks.after_step(self.iteration)
             gbs = self.step_gbs
@@ -411,6 +423,8 @@ class Trainer:
                     "depth": stats["depth"],
                     **diagnostics,
                 }
+                if startup is not None:  # the first record of this process carries start-up
+                    record["startup_s"], startup = startup, None
                 if log.log_params_norm:
                     self.sync_params()
                     record["params_norm"] = params_norm(self.model)
