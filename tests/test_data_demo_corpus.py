@@ -62,3 +62,37 @@ def test_demo_corpus_is_deterministic_and_correct(tmp_path):
                 assert m.group(2) == solve(m.group(1)), part
                 checked += 1
     assert checked > 400
+
+
+def test_hops_family_answers_follow_one_cycle(tmp_path):
+    """--families hops: each table is one cycle through the 8 nodes (so the k <= 6 nodes
+    visited are distinct and the answer is never the start), and every answer is k arrows on;
+    the default families' output does not change when the flag is spelled out."""
+    tool = load_tool()
+    tool.main(["--output", str(tmp_path / "h.jsonl"), "--num-docs", "50", "--families", "hops",
+               "--prose-fraction", "0", "--sft-output", str(tmp_path / "h_sft.jsonl"),
+               "--seed", "3"])
+    checked = 0
+    for line in open(tmp_path / "h_sft.jsonl"):
+        row = json.loads(line)
+        m = re.match(r"((?:[A-H]{2} ){7}[A-H]{2})\. from ([A-H]) go (\d)\.$", row["prompt"])
+        table = dict(arrow for arrow in m.group(1).split())
+        node, k = m.group(2), int(m.group(3))
+        seen = {node}
+        for _ in range(k):
+            node = table[node]
+            seen.add(node)
+        walk, n = m.group(2), 0
+        while True:  # the cycle through every node
+            walk, n = table[walk], n + 1
+            if walk == m.group(2):
+                break
+        assert n == 8 and len(seen) == k + 1, row
+        assert row["response"] == f"answer: {node}."
+        checked += 1
+    assert checked == 50
+    for name, flags in (("a", []), ("b", ["--families", "arithmetic,binding,pointers",
+                                          "--prose-fraction", "0.4"])):
+        tool.main(["--output", str(tmp_path / f"{name}.jsonl"), "--num-docs", "100",
+                   "--seed", "9", *flags])
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()

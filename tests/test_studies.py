@@ -1,36 +1,66 @@
 """The six studies of examples/studies at --size tiny, end to end: each script trains its arms,
-evaluates them and writes its Markdown table (every column, a row per arm) and its PNG. Whether a
-finding holds is for the README's cpu-size results, not for this test."""
+evaluates them and writes its Markdown table (every column, a row per arm, the verdict rule) and
+its PNG. Whether a finding holds is for the README's cpu-size results, not for this test. The
+spread statistics and the verdict rule the tables use are checked on numbers worked out by hand."""
 
 import importlib.util
+import math
 import os
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples", "studies"))
 STUDIES = {
-    "loop_vs_dense": (["final validation loss", "per-step loss at T", "task accuracy at T",
-                       "| depth | regime | loss | accuracy | k=1 |"],
-                      ["looped 1 x 2", "dense 1 (same parameters)", "dense 2 (same compute)"]),
+    "loop_vs_dense": (["final validation loss", "| arm | final validation loss | accuracy | k=1 |",
+                       "## Differences in accuracy", "| comparison | accuracy | k=1 |",
+                       "| depth | regime | held-out loss | accuracy | k=1 |",
+                       "every arm pre-norm"],
+                      ["looped 1 x 2", "dense 1 (same parameters)", "dense 2 (same compute)",
+                       "dense 2 (same compute) - dense 1 (same parameters)"]),
     "gate_collapse": (["final p0", "max p0", "longest run above threshold", "alarm fired",
-                       "per-step validation loss", "exit distribution"],
-                      ["no warmup, beta 0.05", "no warmup, beta 0.1", "no warmup, beta 0.5",
-                       "warmup, beta 0.15"]),
+                       "per-step validation loss", "final p0 vs warmup + cosine, beta 0.05",
+                       "pre-norm"],
+                      ["constant LR, no warmup, beta 0.05", "constant LR, no warmup, beta 0.5",
+                       "warmup + cosine, beta 0.05"]),
     "norm_placement": (["final validation objective", "drop, second half", "plateau",
-                        "at loop step 1", "layer 1 / layer 2 at step 2"],
+                        "objective vs pre", "at loop step 1", "layer 1 / layer 2 at step 2"],
                        ["| ouro |", "| pre |", "| magic |", "| post |", "| sandwich |"]),
     "dense_to_loop": (["per-step loss after conversion",
-                       "per-step loss after continued training", "final loss"],
+                       "per-step loss after continued training", "final loss",
+                       "final loss vs dense, continued"],
                       ["looped as it is", "input mixing + smoothed exit loss",
                        "input mixing + smoothed + stepwise LoRA", "dense, continued"]),
     "multi_resolution": (["FLOPs / iteration", "vs full", "training FLOPs",
-                          "final validation loss"],
+                          "final validation loss", "loss vs full resolution", "pre-norm"],
                          ["full resolution (plain loop)", "Anchor", "MeSH"]),
-    "extrapolation": (["| arm | depth | regime | loss | accuracy | accuracy by k |",
-                       "training horizon", "extrapolation"],
+    "extrapolation": (["| arm | depth | regime | loss | accuracy | accuracy vs depth 3 |",
+                       "training horizon", "extrapolation", "pointer chasing"],
                       ["BaseLoop 3 x 3", "CoreLoop 1 + 1 x 3 + 1",
                        "CoreLoop + history injection + loop gating"]),
 }
+
+
+def test_spread_and_verdict_rule_on_hand_computed_numbers():
+    from study import compare, mean_sd, spread, verdict_cell
+
+    # [1.0, 1.2, 1.1]: mean 1.1, deviations -0.1, 0.1, 0, sample variance 0.02 / 2 = 0.01
+    mean, sd = mean_sd([1.0, 1.2, 1.1])
+    assert math.isclose(mean, 1.1) and math.isclose(sd, 0.1)
+    assert spread([1.0, 1.2, 1.1]) == "1.100 ± 0.100"
+    # against [1.5, 1.7, 1.6] (sd 0.1): pooled sd 0.1, |diff| 0.5 > 0.2
+    diff, word = compare([1.0, 1.2, 1.1], [1.5, 1.7, 1.6])
+    assert math.isclose(diff, -0.5) and word == "beyond spread"
+    # against [1.2, 1.4, 1.0] (mean 1.2, sd 0.2): pooled sqrt((0.01 + 0.04) / 2) = 0.158,
+    # |diff| 0.1 < 0.316
+    assert compare([1.0, 1.2, 1.1], [1.2, 1.4, 1.0])[1] == "within spread"
+    # the boundary: sd 0.1 each, |diff| 0.19 within, 0.21 beyond (2 x pooled = 0.2)
+    assert compare([0.9, 1.0, 1.1], [1.09, 1.19, 1.29])[1] == "within spread"
+    assert compare([0.9, 1.0, 1.1], [1.11, 1.21, 1.31])[1] == "beyond spread"
+    # one seed: no sd, no verdict
+    assert math.isnan(mean_sd([2.0])[1]) and spread([2.0]) == "2.000"
+    assert verdict_cell([2.0], [1.0]) == "+1.000, one seed: no verdict"
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +79,7 @@ def test_study_runs_and_writes_every_column(name, out):
     columns, arms = STUDIES[name]
     for needle in columns + arms:
         assert needle in md, f"{name}.md lacks {needle!r}:\n{md}"
+    assert "Verdicts: a difference is *beyond spread* when" in md
     assert "nan" not in md.replace("nans", "")
     with open(out / "studies" / f"{name}.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

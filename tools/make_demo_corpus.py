@@ -93,35 +93,59 @@ def pointers(rng: random.Random, hops: int) -> tuple[str, str]:
     return f"{table}. start at {start}, follow {hops} arrows. where are you?", node
 
 
+HOP_NODES = list(string.ascii_uppercase[:8])
+
+
+def hops(rng: random.Random, k: int) -> tuple[str, str]:
+    """``EB AF ... . from C go 3.`` -> the node 3 arrows on (``EB``: an arrow from E to B):
+    pointer chasing sized for small models (8 nodes, about 20 tokens with a tokenizer that makes
+    each arrow one piece, so that a hop is one attention look-up). The arrows form one cycle
+    through all 8 nodes, so the k nodes visited are distinct (k < 8: no shortcut through a short
+    cycle or a fixed point), and they are listed in shuffled order, so no hop can be read off a
+    position: the k-hop task of "Reasoning with Latent Thoughts: On the Power of Looped
+    Transformers" (Saunshi et al., 2025) in the short contexts a CPU run trains on."""
+    cycle = HOP_NODES[:]
+    rng.shuffle(cycle)
+    pairs = list(zip(cycle, cycle[1:] + cycle[:1]))
+    rng.shuffle(pairs)
+    node = start = rng.choice(HOP_NODES)
+    table = dict(pairs)
+    for _ in range(k):
+        node = table[node]
+    return " ".join(f"{s}{t}" for s, t in pairs) + f". from {start} go {k}.", node
+
+
 TASKS = [arithmetic, binding, pointers]
+FAMILIES = {f.__name__: f for f in TASKS + [hops]}
 
 
-def problem(rng: random.Random, max_steps: int) -> tuple[str, str]:
-    return rng.choice(TASKS)(rng, rng.randint(1, max_steps))
+def problem(rng: random.Random, max_steps: int, tasks: list = TASKS) -> tuple[str, str]:
+    return rng.choice(tasks)(rng, rng.randint(1, max_steps))
 
 
-def task_item(rng: random.Random, max_steps: int) -> dict:
+def task_item(rng: random.Random, max_steps: int, tasks: list = TASKS) -> dict:
     """A held-out problem for evaluation: its family, its k (steps or hops), the prompt as the
     corpus writes it (``... answer:``), the answer, and four choices (the answer and three
     distractors of the same kind) with the answer's index."""
-    family = rng.choice(TASKS)
+    family = rng.choice(tasks)
     k = rng.randint(1, max_steps)
     question, answer = family(rng, k)
-    pool = list(string.ascii_uppercase[:10]) if family is pointers else \
-        [str(v) for v in range(100)]
+    pool = list(string.ascii_uppercase[:10]) if family is pointers else HOP_NODES \
+        if family is hops else [str(v) for v in range(100)]
     choices = [answer] + rng.sample([c for c in pool if c != answer], 3)
     rng.shuffle(choices)
     return {"family": family.__name__, "k": k, "question": f"{question} answer:",
             "answer": answer, "choices": choices, "gold": choices.index(answer)}
 
 
-def document(rng: random.Random, max_steps: int) -> str:
+def document(rng: random.Random, max_steps: int, tasks: list = TASKS,
+             prose_fraction: float = 0.4) -> str:
     parts = []
     for _ in range(rng.randint(2, 6)):
-        if rng.random() < 0.4:
+        if rng.random() < prose_fraction:
             parts.append(prose(rng))
         else:
-            question, answer = problem(rng, max_steps)
+            question, answer = problem(rng, max_steps, tasks)
             parts.append(f"{question} answer: {answer}.")
     return "\n".join(parts)
 
@@ -140,14 +164,27 @@ def main(argv=None) -> None:
                         "family, k, question, answer, choices, gold) for evaluation")
     p.add_argument("--num-tasks", type=int, default=300)
     p.add_argument("--max-steps", type=int, default=6, help="largest number of hops/steps")
+    p.add_argument("--families", default="arithmetic,binding,pointers",
+                   help=f"comma-separated problem families, of {', '.join(FAMILIES)} (hops: "
+                        f"8-node pointer chasing, short enough for CPU-sized models)")
+    p.add_argument("--prose-fraction", type=float, default=0.4,
+                   help="probability that a document part is prose rather than a problem")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
+    unknown = [f for f in args.families.split(",") if f not in FAMILIES]
+    if unknown:
+        p.error(f"--families {args.families}: unknown {', '.join(unknown)}; choose from "
+                f"{', '.join(FAMILIES)}")
+    if not 0 <= args.prose_fraction < 1:
+        p.error(f"--prose-fraction {args.prose_fraction} is not in [0, 1)")
+    tasks = [FAMILIES[f] for f in args.families.split(",")]
 
     rng = random.Random(args.seed)
     written = size = 0
     with open(args.output, "w") as f:
         while (size < args.size_mb * 2**20) if args.size_mb else (written < args.num_docs):
-            line = json.dumps({"text": document(rng, args.max_steps)}) + "\n"
+            line = json.dumps({"text": document(rng, args.max_steps, tasks,
+                                                args.prose_fraction)}) + "\n"
             f.write(line)
             written, size = written + 1, size + len(line)
     print(f"wrote {written} documents ({size / 2**20:.1f} MiB) to {args.output}")
@@ -157,7 +194,7 @@ def main(argv=None) -> None:
         n = args.num_sft if args.num_sft is not None else written
         with open(args.sft_output, "w") as f:
             for _ in range(n):
-                question, answer = problem(sft_rng, args.max_steps)
+                question, answer = problem(sft_rng, args.max_steps, tasks)
                 f.write(json.dumps({"prompt": question, "response": f"answer: {answer}."}) + "\n")
         print(f"wrote {n} prompt/response pairs to {args.sft_output}")
     if args.tasks_output:
@@ -165,7 +202,7 @@ def main(argv=None) -> None:
         task_rng = random.Random(args.seed + 2)
         with open(args.tasks_output, "w") as f:
             for _ in range(args.num_tasks):
-                f.write(json.dumps(task_item(task_rng, args.max_steps)) + "\n")
+                f.write(json.dumps(task_item(task_rng, args.max_steps, tasks)) + "\n")
         print(f"wrote {args.num_tasks} held-out problems to {args.tasks_output}")
 
 

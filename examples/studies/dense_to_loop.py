@@ -5,7 +5,8 @@ After "Closing the Loop" (arXiv 2610.00673) section 4: the dense model's whole d
 the looped core. Three conversions: looped as it is (no input mixing, plain expected exit loss),
 with the input-mixing scalar and the smoothed exit loss, and with stepwise LoRA on top. Each is
 scored per loop step before and after continued training, against the dense model continued for
-the same steps.
+the same steps; every seed of the size trains its own dense model, conversions and continuations,
+and the final losses are compared with the dense model's continued (mean difference, verdict).
 
 The dense model is trained Llama-shaped (pre-norm, RMSNorm, SwiGLU, RoPE, no biases), so its
 export-hf tensors carry Llama's names; a Llama config.json written with ``transformers`` makes
@@ -21,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from study import Study, figure, in_child, md_table  # noqa: E402
+from study import Study, figure, in_child, md_table, spread, verdict_cell  # noqa: E402
 
 SHAPE = {"tiny": 2, "cpu": 3, "gpu": 8}  # dense layers
 T = 3
@@ -109,46 +110,65 @@ def main(argv=None) -> int:
     study = Study("dense_to_loop", __doc__, argv)
     layers = SHAPE[study.size["name"]]
     iters = study.size["iters"]
-    dense = study.train("dense", ["--num-layers", str(layers), "--num-loops", "1",
-                                  "--norm-scheme", "pre"])
-    folder = in_child(export_as_llama, dense["ckpt"], os.path.join(study.run_dir, "dense_llama"))
     data = ["--data-path", study.data_prefix, "--split", "98,2,0",
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", study.tokenizer,
             "--seq-length", str(study.size["seq"]),
             "--micro-batch-size", str(study.size["mbs"]),
             "--global-batch-size", str(study.size["gbs"]),
             "--eval-iters", str(study.size["eval_iters"])]
-    rows = []
-    curves = {}
-    for name, flags in CONVERSIONS.items():
-        save = os.path.join(study.run_dir, "converted", name.replace(" ", "_").replace("+", ""))
-        train_flags = without_tokenizer(in_child(convert, folder, save, flags))
-        before = study.evaluate(name, save, list(range(1, T + 1)), extra=data, tag="before")
-        after_run = study.train(name, train_flags, iters=iters)
-        after = study.evaluate(name, after_run["ckpt"], list(range(1, T + 1)), extra=data,
-                               tag="after")
-        at_t = lambda ev: ev["depths"][-1]  # noqa: E731
-        rows.append([name, at_t(before)["step_losses"], at_t(after)["step_losses"],
-                     at_t(after)["loss"]])
-        curves[name] = after_run["records"]
-    continued = study.train("dense continued", ["--num-layers", str(layers), "--num-loops", "1",
-                                                "--norm-scheme", "pre", "--load", dense["ckpt"],
-                                                "--finetune"], iters=iters)
-    dense_before = study.evaluate("dense", dense["ckpt"], [1], extra=data, tag="before")
-    dense_after = study.evaluate("dense continued", continued["ckpt"], [1], extra=data,
-                                 tag="after")
-    rows.append(["dense, continued", dense_before["depths"][0]["step_losses"],
-                 dense_after["depths"][0]["step_losses"], dense_after["depths"][0]["loss"]])
-    curves["dense, continued"] = continued["records"]
+    dense_flags = ["--num-layers", str(layers), "--num-loops", "1", "--norm-scheme", "pre"]
+    at_t = lambda ev: ev["depths"][-1]  # noqa: E731
+    # model -> per seed: (per-step loss after conversion, after continued training, final loss)
+    results = {name: [] for name in [*CONVERSIONS, "dense, continued"]}
+    curves = {name: [] for name in results}
+    for seed in study.seeds:  # each seed: its own dense model, conversions and continuations
+        dense = study.train("dense", dense_flags, seed=seed)
+        folder = in_child(export_as_llama, dense["ckpt"],
+                          os.path.join(study.run_dir, f"dense_llama_{seed}"))
+        for name, flags in CONVERSIONS.items():
+            save = os.path.join(study.run_dir, "converted", f"seed_{seed}",
+                                name.replace(" ", "_").replace("+", ""))
+            train_flags = without_tokenizer(in_child(convert, folder, save, flags))
+            before = study.evaluate(name, save, list(range(1, T + 1)), extra=data,
+                                    tag="before", seed=seed)
+            after_run = study.train(name, train_flags, iters=iters, seed=seed)
+            after = study.evaluate(name, after_run["ckpt"], list(range(1, T + 1)), extra=data,
+                                   tag="after", seed=seed)
+            results[name].append((at_t(before)["step_losses"], at_t(after)["step_losses"],
+                                  at_t(after)["loss"]))
+            curves[name].append(after_run["records"])
+        continued = study.train("dense continued", dense_flags + ["--load", dense["ckpt"],
+                                                                  "--finetune"],
+                                iters=iters, seed=seed)
+        dense_before = study.evaluate("dense", dense["ckpt"], [1], extra=data, tag="before",
+                                      seed=seed)
+        dense_after = study.evaluate("dense continued", continued["ckpt"], [1], extra=data,
+                                     tag="after", seed=seed)
+        results["dense, continued"].append((dense_before["depths"][0]["step_losses"],
+                                            dense_after["depths"][0]["step_losses"],
+                                            dense_after["depths"][0]["loss"]))
+        curves["dense, continued"].append(continued["records"])
+
+    def per_step(values):  # [seed][step] -> "m ± sd / m ± sd / ..."
+        return " / ".join(spread([v[t] for v in values]) for t in range(len(values[0])))
+
+    dense_final = [r[2] for r in results["dense, continued"]]
+    rows = [[name, per_step([r[0] for r in rs]), per_step([r[1] for r in rs]),
+             spread([r[2] for r in rs]),
+             "-" if name == "dense, continued" else verdict_cell([r[2] for r in rs],
+                                                                 dense_final)]
+            for name, rs in results.items()]
 
     fig, axes = figure(1)
-    for name, records in curves.items():
-        valid = [r for r in records if r["split"] == "valid"]
-        train = [r for r in records if r["split"] == "train"]
-        axes[0].plot([r["iteration"] for r in train],
-                     [r["step_losses"][-1] for r in train], label=f"{name} (train, last step)")
-        axes[0].plot([r["iteration"] for r in valid], [r["step_losses"][-1] for r in valid],
-                     "o", color=axes[0].lines[-1].get_color())
+    for i, (name, per_seed) in enumerate(curves.items()):
+        for j, records in enumerate(per_seed):
+            valid = [r for r in records if r["split"] == "valid"]
+            train = [r for r in records if r["split"] == "train"]
+            axes[0].plot([r["iteration"] for r in train], [r["step_losses"][-1] for r in train],
+                         color=f"C{i}", lw=1,
+                         label=f"{name} (train, last step)" if j == 0 else None)
+            axes[0].plot([r["iteration"] for r in valid], [r["step_losses"][-1] for r in valid],
+                         "o", color=f"C{i}")
     axes[0].set_xlabel("iteration of continued training")
     axes[0].set_ylabel("LM loss at the last loop step")
     axes[0].legend(fontsize=8)
@@ -160,7 +180,7 @@ def main(argv=None) -> int:
          f"T = {T} (the whole decoder is the core) and continued for {iters} more; the dense "
          f"model continued for the same {iters}. Held-out loss per loop step:",
          md_table(["model", "per-step loss after conversion", "per-step loss after continued "
-                   "training", "final loss"], rows)],
+                   "training", "final loss", "final loss vs dense, continued"], rows)],
         figure=fig)
     return 0
 

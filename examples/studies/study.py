@@ -11,6 +11,17 @@ Data: by default the demo corpus (tools/make_demo_corpus.py), its sentencepiece 
 plus held-out problems generated with another seed. ``--data-path`` / ``--tokenizer-model`` use a
 preprocessed corpus instead (task accuracy then needs ``--task-file``).
 
+Reasoning data (``corpus="hops"``): only the 8-node pointer-chasing problems of
+``make_demo_corpus.py --families hops`` (a 400-piece tokenizer: every arrow one piece, so a hop
+is one attention look-up), the task family where depth is needed, as question/answer pairs
+trained with the loss on the answers only (``--sft``: in the plain corpus the answer is one token
+in 35, and with arrows of three pieces neither a 2- nor an 8-layer model left chance in 300-600
+iterations); held-out problems for k = 1..6.
+
+Seeds: every arm trains ``seeds`` times (``cpu``/``gpu``: 3, ``tiny``: 1) with --seed, --seed+1,
+...; tables give mean and sample standard deviation over the seeds, and a difference between two
+arms is called a finding only under ``VERDICT_RULE`` (``compare``).
+
 Sizes: ``tiny`` (what the test suite runs: seconds per arm), ``cpu`` (minutes per arm on 2
 cores), ``gpu`` (one GPU; the arms run one process each). ``STUDY_THREADS`` sets torch's threads
 per run (``tiny``: 1): on a machine shared with other jobs use 1, as oversubscribed OpenMP
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -34,13 +46,53 @@ SIZES = {
     # hidden, heads, seq, micro/global batch, iterations, lr, warmup, eval iters, corpus docs,
     # held-out problems, hardest k of the corpus
     "tiny": dict(hidden=32, heads=4, seq=64, mbs=4, gbs=4, iters=8, lr=3e-3, warmup=2,
-                 eval_iters=1, docs=300, tasks=24, max_steps=3, log=4, evals=1),
+                 eval_iters=1, docs=300, tasks=24, max_steps=3, log=4, evals=1, seeds=1),
     "cpu": dict(hidden=96, heads=4, seq=128, mbs=8, gbs=16, iters=120, lr=3e-3, warmup=12,
-                eval_iters=4, docs=20000, tasks=300, max_steps=6, log=25, evals=4),
+                eval_iters=4, docs=20000, tasks=300, max_steps=6, log=25, evals=4, seeds=3),
     "gpu": dict(hidden=1024, heads=16, seq=1024, mbs=8, gbs=64, iters=5000, lr=1e-3,
                 warmup=500, eval_iters=20, docs=400000, tasks=1200, max_steps=6, log=50,
-                evals=10),
+                evals=10, seeds=3),
 }
+# The reasoning data: documents (for the tokenizer), question/answer pairs (the training data),
+# held-out problems, hardest k.
+# vocab: byte fallback's 256 + specials + ~140 pieces, among them the 56 arrows; the tiny corpus
+# has fewer distinct pieces.
+HOPS = {"tiny": dict(docs=300, pairs=600, tasks=24, max_steps=3, vocab=300),
+        "cpu": dict(docs=5000, pairs=60000, tasks=480, max_steps=6, vocab=400),
+        "gpu": dict(docs=100000, pairs=2000000, tasks=1200, max_steps=6, vocab=400)}
+
+VERDICT_RULE = ("a difference is *beyond spread* when |mean difference| > 2 x the pooled "
+                "standard deviation sqrt((sd_a^2 + sd_b^2) / 2) of the two arms' seeds (sample "
+                "sd), *within spread* otherwise; with one seed per arm there is no verdict")
+
+
+def mean_sd(values: list) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; NaN for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+
+
+def compare(a: list, b: list) -> tuple[float, str]:
+    """(mean(a) - mean(b), verdict under VERDICT_RULE)."""
+    (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
+    if len(a) < 2 or len(b) < 2:
+        return ma - mb, "one seed: no verdict"
+    pooled = math.sqrt((sa ** 2 + sb ** 2) / 2)
+    return ma - mb, "beyond spread" if abs(ma - mb) > 2 * pooled else "within spread"
+
+
+def spread(values: list, digits: int = 3) -> str:
+    """``mean ± sd`` (the value alone for one seed)."""
+    mean, sd = mean_sd(values)
+    return f"{mean:.{digits}f}" if len(values) < 2 else f"{mean:.{digits}f} ± {sd:.{digits}f}"
+
+
+def verdict_cell(a: list, b: list, digits: int = 3) -> str:
+    diff, word = compare(a, b)
+    return f"{diff:+.{digits}f}, {word}"
 
 
 def _child(fn, args, queue):
@@ -111,7 +163,7 @@ def _evaluate(argv):
 class Study:
     """One study's settings, output folder and runs."""
 
-    def __init__(self, name: str, description: str, argv=None):
+    def __init__(self, name: str, description: str, argv=None, corpus: str = "demo"):
         p = argparse.ArgumentParser(description=description.split("\n")[0])
         p.add_argument("--size", choices=list(SIZES), default="cpu")
         p.add_argument("--output-dir", default="studies_out",
@@ -124,13 +176,20 @@ class Study:
         p.add_argument("--task-file", default=None,
                        help="held-out problems (default: generated for the demo corpus)")
         p.add_argument("--seed", type=int, default=1234)
+        p.add_argument("--seeds", type=int, default=None,
+                       help="seeds per arm (--seed, --seed+1, ...); default: the size's "
+                            "(tiny 1, cpu and gpu 3)")
         args = p.parse_args(argv)
+        if args.seeds is not None and args.seeds < 1:
+            p.error(f"--seeds {args.seeds}: give at least 1")
         if bool(args.data_path) != bool(args.tokenizer_model):
             p.error("--data-path and --tokenizer-model go together")
         self.name, self.args = name, args
         if args.size == "tiny":
             os.environ.setdefault("STUDY_THREADS", "1")
         self.size = dict(SIZES[args.size], name=args.size)
+        self.corpus = corpus
+        self.seeds = [args.seed + i for i in range(args.seeds or self.size["seeds"])]
         self.out = os.path.abspath(args.output_dir)
         self.run_dir = os.path.join(self.out, "runs", name)
         os.makedirs(self.run_dir, exist_ok=True)
@@ -148,17 +207,22 @@ class Study:
         if a.data_path:
             return a.data_path, os.path.abspath(a.tokenizer_model), a.task_file
         data = os.path.abspath(a.data_dir or os.path.join(self.out, "data"))
+        wanted = {"docs": self.size["docs"], "max_steps": self.size["max_steps"],
+                  "tasks": self.size["tasks"]}
+        if self.corpus == "hops":
+            data = os.path.join(data, "hops")
+            wanted = dict(HOPS[self.size["name"]], families="hops", prose=0.0)
         os.makedirs(data, exist_ok=True)
         prefix, model = os.path.join(data, "corpus_text_document"), os.path.join(data,
                                                                                 "tokenizer.model")
+        if self.corpus == "hops":
+            prefix = os.path.join(data, "pairs_text_document")
         tasks = os.path.join(data, "tasks.jsonl")
         stamp = os.path.join(data, "size.json")
-        wanted = {"docs": self.size["docs"], "max_steps": self.size["max_steps"],
-                  "tasks": self.size["tasks"]}
         if os.path.isfile(stamp) and json.load(open(stamp)) == wanted and \
                 os.path.isfile(prefix + ".idx"):
             return prefix, model, a.task_file or tasks
-        self.say(f"building the demo corpus ({self.size['docs']} documents) in {data}")
+        self.say(f"building the {self.corpus} corpus ({wanted['docs']} documents) in {data}")
         corpus = os.path.join(data, "corpus.jsonl")
         in_child(_quietly, _make_data, os.path.join(data, "data.log"), corpus, data, wanted)
         with open(stamp, "w") as f:
@@ -169,7 +233,7 @@ class Study:
     def say(self, text: str) -> None:
         print(f"[{self.name} {time.time() - self.started:6.0f} s] {text}", flush=True)
 
-    def base_flags(self, iters=None) -> list:
+    def base_flags(self, iters=None, seed=None) -> list:
         """Batch, schedule, data and logging flags every arm shares (matched token budgets)."""
         s = self.size
         iters = iters or s["iters"]
@@ -184,17 +248,25 @@ class Study:
                 "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear",
                 "--num-workers", "0", "--data-path", self.data_prefix, "--split", "98,2,0",
                 "--tokenizer-type", "SentencePieceTokenizer",
-                "--tokenizer-model", self.tokenizer, "--seed", str(self.args.seed),
+                "--tokenizer-model", self.tokenizer,
+                *(["--sft"] if self.corpus == "hops" else []),
+                "--seed", str(self.args.seed if seed is None else seed),
                 "--log-interval", str(s["log"]),
                 "--eval-interval", str(max(iters // s["evals"], 1)),
                 "--eval-iters", str(s["eval_iters"])]
 
-    def train(self, arm: str, flags: list, iters=None) -> dict:
-        """Train one arm; {"dir", "ckpt", "log", "records", "seconds"}."""
-        d = os.path.join(self.run_dir, slug(arm))
+    def train_seeds(self, arm: str, flags: list, iters=None) -> list:
+        """``train`` once per seed of this size (``self.seeds``); the runs in seed order."""
+        return [self.train(arm, flags, iters, seed=seed) for seed in self.seeds]
+
+    def train(self, arm: str, flags: list, iters=None, seed=None) -> dict:
+        """Train one arm (at ``seed``, default --seed); {"dir", "ckpt", "log", "records",
+        "seconds", "seed"}."""
+        seed = self.args.seed if seed is None else seed
+        d = os.path.join(self.run_dir, slug(arm), f"seed_{seed}")
         os.makedirs(d, exist_ok=True)
         ckpt, log = os.path.join(d, "ckpt"), os.path.join(d, "train.jsonl")
-        argv = self.base_flags(iters) + list(flags) + ["--log-jsonl", log, "--save", ckpt]
+        argv = self.base_flags(iters, seed) + list(flags) + ["--log-jsonl", log, "--save", ckpt]
         done = os.path.join(d, "done.json")  # written after a finished run: rerunning reuses it
         start = time.time()
         if os.path.isfile(done) and json.load(open(done)) == argv:
@@ -208,22 +280,23 @@ class Study:
                 json.dump(argv, f)
         records = [json.loads(line) for line in open(log)]
         valid = [r for r in records if r["split"] == "valid"]
-        self.say(f"trained {arm}: final validation loss {valid[-1]['loss']:.4f} "
+        self.say(f"trained {arm}, seed {seed}: final validation loss {valid[-1]['loss']:.4f} "
                  f"({time.time() - start:.0f} s)")
         return {"dir": d, "ckpt": ckpt, "log": log, "records": records, "argv": argv,
-                "seconds": time.time() - start}
+                "seconds": time.time() - start, "seed": seed}
 
     def evaluate(self, arm: str, ckpt: str, depths: list, rules: str = "none",
-                 tasks: bool = True, extra: tuple = (), tag: str = "eval") -> dict:
+                 tasks: bool = True, extra: tuple = (), tag: str = "eval", seed=None) -> dict:
         """tools/evaluate.py on ``ckpt`` at ``depths`` (``extra``: more of its flags); the parsed
-        depth_sweep.json."""
-        out = os.path.join(self.run_dir, slug(arm), tag)
+        depth_sweep.json. Written next to the arm's run at ``seed`` (default --seed)."""
+        seed = self.args.seed if seed is None else seed
+        out = os.path.join(self.run_dir, slug(arm), f"seed_{seed}", tag)
         os.makedirs(out, exist_ok=True)
         argv = ["--load", ckpt, "--output-dir", out, "--num-loops", ",".join(map(str, depths)),
                 "--exit-rules", rules, "--plots", "false", *extra]
         if tasks and self.task_file:
             argv += ["--task-file", self.task_file]
-        in_child(_quietly, _evaluate, os.path.join(self.run_dir, slug(arm), f"{tag}.log"), argv)
+        in_child(_quietly, _evaluate, os.path.join(os.path.dirname(out), f"{tag}.log"), argv)
         with open(os.path.join(out, "depth_sweep.json")) as f:
             return json.load(f)
 
@@ -234,7 +307,9 @@ class Study:
         png = os.path.join(self.out, "studies", f"{self.name}.png")
         lines = [f"# {title}", "",
                  f"Size `{self.size['name']}`, {time.strftime('%Y-%m-%d')}, "
-                 f"{time.time() - self.started:.0f} s. Command: `{command}`", ""]
+                 f"{time.time() - self.started:.0f} s, seeds {', '.join(map(str, self.seeds))}"
+                 f" (mean ± sample sd over them). Command: `{command}`", "",
+                 f"Verdicts: {VERDICT_RULE}.", ""]
         for section in sections:
             lines += [section, ""]
         if figure is not None:
@@ -247,6 +322,8 @@ class Study:
 
 
 def _make_data(corpus, data, wanted):
+    """The corpus (``wanted``: documents, held-out problems, hardest k, and for the reasoning
+    data its families, prose fraction and vocabulary), its tokenizer and its .bin/.idx."""
     import importlib.util
 
     def tool(name):
@@ -256,12 +333,17 @@ def _make_data(corpus, data, wanted):
         spec.loader.exec_module(module)
         return module
 
+    pairs = os.path.join(data, "pairs.jsonl")
+    family = ["--families", wanted["families"], "--prose-fraction", str(wanted["prose"]),
+              "--sft-output", pairs, "--num-sft", str(wanted["pairs"])] \
+        if "families" in wanted else []
     tool("make_demo_corpus").main(["--output", corpus, "--num-docs", str(wanted["docs"]),
                                    "--max-steps", str(wanted["max_steps"]), "--seed", "1",
                                    "--tasks-output", os.path.join(data, "tasks.jsonl"),
-                                   "--num-tasks", str(wanted["tasks"])])
+                                   "--num-tasks", str(wanted["tasks"]), *family])
     tool("train_tokenizer").main(["--input", corpus, "--output-prefix",
-                                  os.path.join(data, "tokenizer"), "--vocab-size", "512"])
+                                  os.path.join(data, "tokenizer"), "--vocab-size",
+                                  str(wanted.get("vocab", 512))])
     code = tool("preprocess_data").main([
         "--input", corpus, "--output-prefix", os.path.join(data, "corpus"),
         "--tokenizer-type", "SentencePieceTokenizer",
@@ -269,6 +351,13 @@ def _make_data(corpus, data, wanted):
         "--workers", "1"])
     if code:
         raise RuntimeError(f"preprocess_data.py exited {code}")
+    if family:  # the question/answer pairs, loss on the answers
+        code = tool("preprocess_data").main([
+            "--input", pairs, "--output-prefix", os.path.join(data, "pairs"),
+            "--tokenizer-type", "SentencePieceTokenizer", "--data-format", "sft",
+            "--tokenizer-model", os.path.join(data, "tokenizer.model"), "--workers", "1"])
+        if code:
+            raise RuntimeError(f"preprocess_data.py --data-format sft exited {code}")
     return True
 
 
