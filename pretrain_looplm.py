@@ -58,15 +58,16 @@ def main(argv=None) -> int:
     try:
         trainer = Trainer(cfg, startup)
         trainer.train()  # writes --exit-status-file itself (before the ranks may leave)
-    except RunError as exc:
-        # Every rank raises the same error at the same point; one copy is enough.
+    except RunError as exc:  # exit 2 for a refusal before training (a checkpoint that does
+        # not fit the flags), else 1. Every rank raises the same error at the same point; one
+        # copy is enough.
         if runtime.is_rank_zero():
             print(f"error: {exc}", file=sys.stderr, flush=True)
             if cfg.checkpoint.exit_status_file:
                 write_exit_status(cfg.checkpoint.exit_status_file, "failed", str(exc),
                                   trainer.iteration if trainer else 0,
                                   trainer.last_saved if trainer else None)
-        return 1
+        return exc.exit_code
     finally:
         if cpu_shim.is_enabled() and cpu_shim.call_sites():
             runtime.print_rank_0("> CPU shim call sites:\n" + cpu_shim.format_call_sites())

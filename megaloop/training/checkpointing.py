@@ -43,7 +43,10 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.device import current_device
-from megaloop.training.exit_conditions import RunError
+from megaloop.training.checkpoint_fit import (CheckpointError, CheckpointMismatch,  # noqa: F401
+                                              compare_architecture, compare_optimizer_groups,
+                                              compare_schedule, schedule_bounds,
+                                              settle_schedule_bounds)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "megaloop_manifest.json"
@@ -54,11 +57,6 @@ FORMAT_VERSION = 1
 # when saving): it loads at any TP, PP and DP. 'dp_reshardable' saves faster but only reshards
 # over DP; 'fully_sharded_model_space' fails in megatron-core 0.16 (flattened_range).
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-class CheckpointError(RunError, ValueError):
-    """A checkpoint that cannot be written or read as asked; the message names the file and the
-    way out. (A ValueError too: before training starts it is a bad --load like a bad flag.)"""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -394,75 +392,6 @@ def _unreadable(path: str, detail: str) -> str:
     return f"cannot load checkpoint {path}: {detail}. {fallback_hint(root, below)}"
 
 
-# The flags a checkpoint's weights are tied to. A difference is refused by name on --load (also
-# with --finetune): some change no tensor shape (4 -> 2 attention heads over the same hidden
-# size, the norm scheme) and would load without an error into a different model.
-ARCHITECTURE = {
-    "model": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-              "num_query_groups", "kv_channels", "position_embedding_type", "rotary_percent",
-              "normalization", "apply_layernorm_1p", "swiglu", "disable_bias_linear",
-              "qk_layernorm",
-              "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
-              "norm_scheme"),
-    "loop": ("num_prelude_layers", "num_coda_layers", "step_norm_placement", "step_norm",
-             "input_injection", "injection_source", "history_injection", "history_window",
-             "timestep_conditioning", "loop_topology", "mesh_slots", "lora_rank",
-             "resolution_down", "resolution_up"),
-}
-
-
-def _gated(loop: dict) -> bool:
-    return loop.get("num_loops", 1) > 1 and loop.get("exit_loss") != "last"
-
-
-def compare_architecture(saved: dict, current: dict, path: str) -> list:
-    """Refuse (CheckpointError) a checkpoint whose architecture flags differ from this run's;
-    returns notes for the user (a changed loop count, which is allowed: Ouro lowers T between
-    stages). Sections a checkpoint does not record are not compared."""
-    diffs, notes = [], []
-
-    def differ(flag, was, now):
-        diffs.append(f"{flag} {was} in the checkpoint, {now} in this run")
-
-    for section, names in ARCHITECTURE.items():
-        was, now = saved.get(section), current.get(section)
-        if not isinstance(was, dict):
-            continue
-        for name in names:
-            if name in was and was[name] != now[name]:
-                differ("--" + name.replace("_", "-"), was[name], now[name])
-    m_was, m_now = saved.get("model") or {}, current["model"]
-    if m_now["position_embedding_type"] == "learned_absolute" and \
-            m_was.get("max_position_embeddings", m_now["max_position_embeddings"]) != \
-            m_now["max_position_embeddings"]:
-        differ("--max-position-embeddings", m_was["max_position_embeddings"],
-               m_now["max_position_embeddings"])
-    l_was, l_now = saved.get("loop"), current["loop"]
-    if isinstance(l_was, dict) and "num_loops" in l_was:
-        if _gated(l_was) != _gated(l_now):
-            diffs.append(f"the checkpoint {'has' if _gated(l_was) else 'has no'} exit gate, this "
-                         f"run {'needs one' if _gated(l_now) else 'has none'} (--num-loops "
-                         f"{l_was['num_loops']} -> {l_now['num_loops']}, --exit-loss "
-                         f"{l_was.get('exit_loss')} -> {l_now['exit_loss']})")
-        elif l_was["num_loops"] != l_now["num_loops"]:
-            per_step = [flag for flag, on in (
-                ("--lora-rank", l_now["lora_rank"] > 0),
-                ("--loop-topology mesh", l_now["loop_topology"] == "mesh"),
-                ("--loop-resolutions", bool(l_now["loop_resolutions"]))) if on]
-            if per_step:
-                differ("--num-loops", l_was["num_loops"], f"{l_now['num_loops']} (with "
-                       f"{', '.join(per_step)}, which keep parameters per loop step)")
-            else:
-                notes.append(f"> loop count changed on --load: the checkpoint {path} trained "
-                             f"--num-loops {l_was['num_loops']}, this run uses "
-                             f"{l_now['num_loops']}")
-    if diffs:
-        raise CheckpointError(
-            f"{path} was saved with another architecture: {'; '.join(diffs)}. Pass the "
-            f"checkpoint's values (architecture flags must match on --load, with --finetune too)")
-    return notes
-
-
 def check_resume(load_dir: Optional[str], iteration: Optional[int], run_config: dict) -> list:
     """Before any process group: the checkpoint a run would resume from is named correctly, its
     common part reads and its architecture is this run's. Returns notes (see
@@ -472,7 +401,12 @@ def check_resume(load_dir: Optional[str], iteration: Optional[int], run_config: 
     path = _resolve(load_dir, iteration)
     if path is None:
         return []
-    return compare_architecture(_read_common(path).get("run_config") or {}, run_config, path)
+    common = _read_common(path)
+    notes = compare_architecture(common.get("run_config") or {}, run_config, path)
+    ck = run_config["checkpoint"]
+    if common.get("has_optimizer", False) and not (ck["no_load_optim"] or ck["finetune"]):
+        compare_optimizer_groups(common.get("run_config") or {}, run_config, path)
+    return notes
 
 
 def apply_checkpoint_args(cfg) -> list[str]:
@@ -540,10 +474,16 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
         {k: _layout()[k] for k in ("tp", "pp")}
     load_rng = load_rng and same_layout and common.get("has_rng", True)  # --no-save-rng
     if load_optim and common.get("optimizer_kind") != _optimizer_kind(optimizer):
-        raise ValueError(
+        raise CheckpointMismatch(
             f"{path} holds a {common.get('optimizer_kind')} optimizer state but this run uses a "
             f"{_optimizer_kind(optimizer)} one: keep --use-distributed-optimizer as it was when "
             "saving, or pass --no-load-optim to start the optimizer afresh")
+
+    if load_optim:
+        if run_config is not None:
+            compare_optimizer_groups(common.get("run_config") or {}, run_config, path)
+        if scheduler is not None and "opt_param_scheduler" in common:
+            compare_schedule(common["opt_param_scheduler"], scheduler, path)
 
     state = {"model": module.sharded_state_dict()}
     if load_optim:
@@ -562,16 +502,12 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
         raise CheckpointError(_unreadable(path, failures))
     module.load_state_dict(loaded["model"], strict=True)
     if load_optim:
-        _load_optimizer(optimizer, loaded["optimizer"])
+        from_flags = schedule_bounds(optimizer)
+        _load_optimizer(optimizer, loaded["optimizer"], path)
         if scheduler is not None and "opt_param_scheduler" in common:
-            try:
-                scheduler.load_state_dict(common["opt_param_scheduler"])
-            except AssertionError as exc:  # megatron-core's check of each schedule value
-                raise ValueError(
-                    f"{path}: the checkpoint's LR / weight-decay schedule differs from this "
-                    f"run's flags ({exc}); pass --override-opt_param-scheduler to follow the new "
-                    f"flags or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
-                ) from None
+            # The groups' bounds first: the scheduler's load sets every group's LR from them.
+            notes += settle_schedule_bounds(optimizer, from_flags, scheduler, path)
+            scheduler.load_state_dict(common["opt_param_scheduler"])
     elif optimizer is not None:
         # The optimizer's fp32 main copies were made from the initial weights: refresh them.
         optimizer.reload_model_params()
@@ -618,7 +554,7 @@ def _init_torch_adam_state(optimizer) -> None:
                     state["step"] = torch.tensor(0.0)
 
 
-def _load_optimizer(optimizer, state: dict) -> None:
+def _load_optimizer(optimizer, state: dict, path: str) -> None:
     """``optimizer.load_state_dict`` plus a work-around for torch Adam under the distributed
     optimizer (no Apex/TE, i.e. CPU): megatron-core 0.16 re-creates a per-parameter ``step``
     and then copies every state key, ``step`` included, from the saved per-parameter state,
@@ -636,7 +572,14 @@ def _load_optimizer(optimizer, state: dict) -> None:
                 and st.get("param_state_sharding_type") == "fully_reshardable"):
             deferred = st.pop("param_state")
             st.pop("param_state_sharding_type")
-        opt.load_state_dict(st)
+        try:
+            opt.load_state_dict(st)
+        except (ValueError, KeyError) as exc:  # megatron-core matches the saved groups to ours
+            raise CheckpointMismatch(
+                f"{path}: the checkpoint's optimizer parameter groups are not this run's "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0]}); keep the optimizer flags "
+                f"it was saved with (--decoupled-lr, --optimizer), or pass --no-load-optim to "
+                f"start the optimizer afresh") from None
         if deferred is not None:
             inner = opt.optimizer.state
             steps = {p: inner[p].pop("step") for p in list(inner) if "step" in inner[p]}

@@ -35,7 +35,10 @@ from megaloop.training.config import CheckpointConfig
 class RunError(Exception):
     """A failure that ends the run with a message for the user (what happened, what is kept, what
     to do). Raised on every rank alike, so the ranks leave together; pretrain_looplm.py prints it
-    once and exits 1."""
+    once and exits with ``exit_code``: 1, or 2 for a refusal found before training (a checkpoint
+    that does not fit the flags, a --save folder another run holds)."""
+
+    exit_code = 1
 
 
 def write_exit_status(path: str, status: str, reason: str, iteration: int,

@@ -124,9 +124,12 @@ def is_muon_param(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def get_muon_optimizer(config, model_chunks: list, *, momentum: float, nesterov: bool,
-                       ns_steps: int, scale_mode: str, extra_scale_factor: float = 1.0):
+                       ns_steps: int, scale_mode: str, extra_scale_factor: float = 1.0,
+                       config_overrides=None):
     """megatron-core ``ChainedOptimizer`` of [Muon on the hidden matrices, megatron AdamW on
-    the rest], built like megatron-core's ``get_megatron_muon_optimizer``."""
+    the rest], built like megatron-core's ``get_megatron_muon_optimizer``.
+    ``config_overrides``: the AdamW part's parameter groups (megatron-core's ParamKey overrides;
+    the Muon part holds no embedding or output layer, so no decoupled LR)."""
     from megatron.core.optimizer import ChainedOptimizer, _get_param_groups, get_megatron_optimizer
     from megatron.core.optimizer.optimizer import (Float16OptimizerWithFloat16Params,
                                                    FP32Optimizer)
@@ -159,7 +162,7 @@ def get_muon_optimizer(config, model_chunks: list, *, momentum: float, nesterov:
             p.requires_grad = True
         for p in matrices:
             p.requires_grad = False
-        adam = get_megatron_optimizer(config, model_chunks)
+        adam = get_megatron_optimizer(config, model_chunks, config_overrides=config_overrides)
     finally:
         for p in others + matrices:
             p.requires_grad = True

@@ -30,7 +30,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (OptimizerConfig, get_megatron_optimizer,
+                                     get_standard_config_overrides)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -70,6 +71,7 @@ def build_optimizer(cfg: RunConfig, model):
                              params_dtype=torch.bfloat16 if cfg.training.bf16 else torch.float32,
                              use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
                              decoupled_lr=opt.decoupled_lr, decoupled_min_lr=opt.decoupled_min_lr)
+    overrides = param_group_overrides(config)
     if opt.optimizer == "muon":
         from megaloop.training.muon import get_muon_optimizer
 
@@ -77,11 +79,26 @@ def build_optimizer(cfg: RunConfig, model):
                                        nesterov=opt.muon_use_nesterov,
                                        ns_steps=opt.muon_num_ns_steps,
                                        scale_mode=opt.muon_scale_mode,
-                                       extra_scale_factor=opt.muon_extra_scale_factor)
+                                       extra_scale_factor=opt.muon_extra_scale_factor,
+                                       config_overrides=overrides)
     else:
-        optimizer = get_megatron_optimizer(config, [model])
+        optimizer = get_megatron_optimizer(config, [model], config_overrides=overrides)
     scheduler = build_scheduler(cfg, optimizer, parallel_state.get_data_parallel_world_size())
     return optimizer, scheduler
+
+
+def param_group_overrides(config: OptimizerConfig) -> dict:
+    """megatron-core's standard parameter groups (no weight decay on biases and 1-D parameters;
+    the embedding and output layer at --decoupled-lr / --decoupled-min-lr) with the decoupled
+    groups marked ``is_decoupled_lr``. megatron-core 0.16.1 leaves that mark False on every
+    group, yet matches a checkpoint's groups to this run's by (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr): a decoupled group and the default one then share a key
+    and a resume fails (or hands one group's LR bounds to the other)."""
+    overrides = get_standard_config_overrides(config)
+    for override in overrides.values():
+        if "max_lr" in override:  # the --decoupled-lr group's override
+            override["is_decoupled_lr"] = True
+    return overrides
 
 
 def build_scheduler(cfg: RunConfig, optimizer, dp_size: int) -> OptimizerParamScheduler:
@@ -309,7 +326,9 @@ class Trainer:
         self.optimizer.zero_grad()
         depth = self.depth(self.iteration + 1)
         reports = self._run(self.train_iter, forward_only=False, num_loops=depth)
-        self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
+        # The rate this step applies to the groups that follow --lr (megatron-core's
+        # "default_config" groups; the --decoupled-lr ones follow their own bounds).
+        self.lr = next(g["lr"] for g in self.optimizer.param_groups if g["default_config"])
         # The stats hold the step losses of this iteration's T (the same on every rank).
         stats = reduce_stats(reports, depth, device=current_device())
         # --check-for-nan-in-loss-and-grad: a non-finite step is skipped on every rank alike.
