@@ -51,6 +51,28 @@ class _DropRecords(logging.Filter):
         return self.substring not in record.getMessage()
 
 
+# --attention-backend -> Transformer Engine's switches (Megatron-LM's arguments.py does the
+# same). TE never reads TransformerConfig.attention_backend: it chooses its attention from these
+# variables, and reads NVTE_DEBUG / NVTE_DEBUG_LEVEL when it is imported, so they are set before
+# transformer_engine is imported, in every rank (a launcher's environment reaches its ranks, but
+# each rank sets them again: RunConfig.validate calls set_attention_backend_env first). `auto`
+# and `local` leave the environment as it is (TE then tries flash, fused and unfused in turn;
+# megatron-core's LanguageModule sets and checks the same values when the model is built).
+ATTENTION_BACKEND_ENV = {
+    "flash": {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"},
+    "fused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"},
+    "unfused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "1"},
+}
+
+
+def set_attention_backend_env(backend: str, environ=None) -> dict:
+    """Set TE's NVTE_* attention switches for ``--attention-backend backend`` in ``environ``
+    (default: this process's environment); returns the variables set (none for auto/local)."""
+    values = ATTENTION_BACKEND_ENV.get(str(backend), {})
+    (os.environ if environ is None else environ).update(values)
+    return dict(values)
+
+
 _quieted = False
 
 

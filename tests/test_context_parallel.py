@@ -259,11 +259,11 @@ def test_cp_with_te_unfused_attention_is_refused(monkeypatch):
         pytest.skip("no --attention-backend flag in this tree")
     # TE resolved as on a GPU machine (validation only; nothing is built).
     monkeypatch.setattr("megaloop.model.config.use_transformer_engine", lambda model: True)
-    _validate([])  # TE + CP passes
+    _validate(["--bf16"])  # TE + CP passes (TE's CP attention needs 16-bit inputs)
     for backend in ("unfused", "local"):
         with pytest.raises(ValueError, match=f"--attention-backend {backend}: TE runs "
                                              "context-parallel attention only"):
-            _validate(["--attention-backend", backend])
+            _validate(["--bf16", "--attention-backend", backend])
 
 
 def test_valid_cp_config_passes(monkeypatch):

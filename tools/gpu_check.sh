@@ -1,21 +1,23 @@
 #!/bin/bash
 # The one GPU check: every GPU-only path of megaloop in one run of at most ~10 minutes on one
-# H100/H200, one table, exit status non-zero if any check failed (tools/gpu_checks.py has the
-# list). On a machine without a GPU it runs the CPU-runnable checks and prints "no GPU: skipped"
-# rows (exit 0).
+# H100/H200 (megaloop/gpu_check/main.py has the rows). Each row's full log, the checkpoints,
+# summary.md and summary.json go to --output-dir (default gpu_check_<date>-<time>/): send that
+# directory back when a row fails. Exit status 1 if any row failed. Without a GPU it runs the
+# CPU rehearsal of every row (the same command lines, GPU-only flags swapped, tiny shapes).
 #
 #   bash tools/gpu_check.sh                                  # on a GPU node, in the repo root
 #   srun --gpus 1 --time 15 bash tools/gpu_check.sh          # on a SLURM cluster node
 #   docker run --gpus all --ipc=host --rm megaloop bash tools/gpu_check.sh   # in the image
 #
-# Environment: PYTHON (default: .venv/bin/python if present, else python), GPU_CHECK_BUDGET_S,
-# GPU_CHECK_PEAK_TFLOPS, GPU_CHECK_FP8_ARGS (see tools/gpu_checks.py).
+# Environment: PYTHON (the interpreter; default the python3 on PATH, i.e. the container's, never
+# the repository's CPU venv), GPU_CHECK_BUDGET_S (default 570), GPU_CHECK_PEAK_TFLOPS (the GPU's
+# dense BF16 peak, when its name is not in megaloop/gpu_check/rows.py's table).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python; fi
+    PYTHON="$(command -v python3 || command -v python)"
 fi
 export PYTHON
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 cd "$ROOT"
-exec "$PYTHON" tools/gpu_checks.py run "$@"
+exec "$PYTHON" -m megaloop.gpu_check "$@"

@@ -99,7 +99,13 @@ class RunConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
     def validate(self, world_size: int | None = None) -> None:
-        """Every check that needs no process group; raises ValueError with the flag to change."""
+        """Every check that needs no process group; raises ValueError with the flag to change.
+        First it sets Transformer Engine's attention switches for --attention-backend
+        (megaloop.runtime.set_attention_backend_env): the checks below may import TE, and TE
+        must see them from its import on."""
+        from megaloop import runtime
+
+        runtime.set_attention_backend_env(self.model.attention_backend)
         for name, limits in SIZE_LIMITS.items():  # first: the checks below divide by sizes
             check_ranges(getattr(self, name), limits)
         self.model.validate()
@@ -234,6 +240,11 @@ class RunConfig:
                 f"attention runs the CP ring; run on a GPU with --transformer-impl "
                 f"transformer_engine (or auto with TE installed), or use "
                 f"--context-parallel-size 1")
+        if te and not self.training.bf16:
+            raise ValueError(
+                f"--context-parallel-size {cp} needs --bf16: Transformer Engine runs "
+                f"context-parallel attention only in its flash and fused backends, which take "
+                f"16-bit inputs (fp32 would fail at the first forward); add --bf16")
         backend = getattr(self.model, "attention_backend", None)  # --attention-backend, if any
         if te and str(backend) in ("unfused", "local"):
             raise ValueError(

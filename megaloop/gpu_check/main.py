@@ -1,0 +1,442 @@
+"""The GPU check (``bash tools/gpu_check.sh`` = ``python -m megaloop.gpu_check``): every GPU-only
+path of megaloop in one run that fits 10 minutes on one H100/H200, most informative rows
+first, each row's full log kept in ``--output-dir``, a table and ``summary.json`` at the end;
+exit status 1 if any row failed.
+
+Rows, in order: environment (versions, the attention backend TE picks); TE vs local gradients
+at T = 3 in bf16 and in fp32; smoke (train 5 + save, resume to 7 under torchrun, equal to a
+straight 7-iteration run); FP8 (`delayed`, `tensorwise`) against bf16 on the ~1B looped model;
+throughput (looped `expected` / `last` vs the dense twin, BF16 / FP8); ``pytest -m gpu`` if time
+is left. Single-rank rows run in one long-lived worker (megaloop.gpu_check.worker); the resume
+runs under torchrun, as a user launches it.
+
+Without a GPU the same rows run as a rehearsal: the same command lines with the GPU-only flags
+swapped (megaloop.gpu_check.rows.cpu_flags), tiny shapes, fewer timed steps; each row prints
+what it runs on a GPU and why it is skipped here, and reads REHEARSED when its own checks passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shlex
+import subprocess
+import sys
+import time
+
+from megaloop import runtime
+from megaloop.gpu_check import procs, rows
+from megaloop.gpu_check.report import Report, Result, say
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = os.environ.get("PYTHON") or sys.executable
+DEFAULT_BUDGET_S = 570.0
+FIRST_CALL_S = 180.0  # a fresh worker's first row: imports, TE, cold compiles (>= 120 s)
+
+
+class Worker:
+    """The long-lived worker process and its two pipes; restarted after a crash or timeout."""
+
+    def __init__(self, out_dir: str, env: dict):
+        self.out_dir, self.env, self.proc, self.fresh = out_dir, env, None, True
+
+    def start(self):
+        cmd_r, self.cmd_w = os.pipe()
+        self.reply_r, reply_w = os.pipe()
+        self.tag = procs.new_tag("worker")
+        self.log = open(os.path.join(self.out_dir, "worker.log"), "ab")
+        self.proc = subprocess.Popen(
+            [PY, "-m", "megaloop.gpu_check.worker", str(cmd_r), str(reply_w)], cwd=ROOT,
+            env={**self.env, procs.TAG_ENV: self.tag}, pass_fds=(cmd_r, reply_w),
+            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        os.close(cmd_r)
+        os.close(reply_w)
+        self.buffer, self.fresh = b"", True
+
+    def call(self, fn: str, kwargs: dict, log_path: str, timeout: float):
+        """(reply or None, timed_out). None: the worker died or did not answer in time (it is
+        then killed with everything it started, and the next call starts a new one)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        self.fresh = False
+        request = {"call": fn, "kwargs": kwargs, "log": log_path}
+        os.write(self.cmd_w, (json.dumps(request) + "\n").encode())
+        deadline = time.time() + timeout
+        while b"\n" not in self.buffer:
+            wait = deadline - time.time()
+            if wait <= 0:
+                self.kill(f"timed out after {timeout:.0f} s", log_path)
+                return None, True
+            ready, _, _ = select.select([self.reply_r], [], [], min(wait, 1.0))
+            if ready:
+                chunk = os.read(self.reply_r, 1 << 20)
+                if not chunk:  # the worker died
+                    self.kill("the worker process died", log_path)
+                    return None, False
+                self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line), False
+
+    def kill(self, why: str, log_path: str):
+        pids = procs.kill_tagged(self.tag)
+        if self.proc is not None:
+            self.proc.wait()
+        with open(log_path, "a") as f:
+            f.write(f"\n[gpu_check] {why}: killed the worker and its processes {pids}; its own "
+                    f"output is in worker.log\n")
+        self.close()
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            os.close(self.cmd_w)  # EOF: the worker's loop ends
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            procs.kill_tagged(self.tag)
+        elif self.proc is not None:
+            os.close(self.cmd_w)
+        if self.proc is not None:
+            os.close(self.reply_r)
+            self.log.close()
+        self.proc = None
+
+
+class Check:
+    def __init__(self, out_dir: str, budget_s: float):
+        self.out, self.budget, self.t0 = out_dir, budget_s, time.time()
+        self.report = Report(out_dir)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1",
+                    # TE's attention logger reads these at import: the worker imports TE.
+                    "NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"}
+        self.worker = Worker(out_dir, self.env)
+        self.gpu = False
+        self.n = 0
+
+    # --- plumbing ------------------------------------------------------------------------------
+    def left(self) -> float:
+        return self.budget - (time.time() - self.t0)
+
+    def log_path(self, name: str) -> str:
+        self.n += 1
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+        return os.path.join(self.out, f"{self.n:02d}_{safe}.log")
+
+    def argv(self, flags: list) -> list:
+        return list(flags) if self.gpu else rows.cpu_flags(flags)
+
+    def status(self, ok: bool) -> str:
+        return ("PASS" if self.gpu else "REHEARSED") if ok else "FAIL"
+
+    def _time(self, cap: float):
+        cap = cap + (FIRST_CALL_S if self.worker.fresh else 0.0)
+        t = min(cap, self.left())
+        return t if t >= 20 else None
+
+    def show_gpu_command(self, name: str, command: str):
+        if not self.gpu:
+            say(f"{name}: on a GPU runs {command}\n[gpu_check]   skipped here: no CUDA device; "
+                f"rehearsed with the GPU-only flags swapped (local spec, fp32, gloo, no FP8) "
+                f"at tiny shapes")
+
+    def fail(self, name: str, why: str, log: str | None, secs: float | None = None, **kw):
+        text = why
+        if log and os.path.exists(log):
+            text = f"{why}\n{procs.failure_text(open(log, errors='replace').read())}"
+        print("\n".join("    " + line for line in text.splitlines()), flush=True)
+        if log:
+            print(f"    full log: {log}", flush=True)
+        self.report.add(Result(name, "FAIL", why, secs, log=log, **kw))
+
+    def in_worker(self, name: str, fn: str, kwargs: dict, cap: float, command: str = ""):
+        """Run ``fn(**kwargs)`` in the worker as row ``name``; its value, or None after a FAIL
+        row (with the traceback printed)."""
+        self.show_gpu_command(name, command) if command else None
+        log = self.log_path(name)
+        t = self._time(cap)
+        if t is None:
+            self.report.add(Result(name, "FAIL", f"not run: out of time (budget "
+                                                 f"{self.budget:.0f} s)", log=None))
+            return None
+        start = time.time()
+        reply, timed_out = self.worker.call(f"megaloop.gpu_check.probes:{fn}" if ":" not in fn
+                                            else fn, kwargs, log, t)
+        secs = time.time() - start
+        if reply is None:
+            self.fail(name, f"timed out after {t:.0f} s" if timed_out else "worker died", log,
+                      secs, gpu_command=command or None)
+            return None
+        if not reply["ok"]:
+            self.fail(name, reply["error"].strip().splitlines()[-1], log, secs,
+                      gpu_command=command or None)
+            return None
+        self.last_secs, self.last_log = secs, log
+        return reply["value"]
+
+    def torchrun(self, name: str, argv: list, cap: float) -> procs.Finished | None:
+        log = self.log_path(name)
+        t = min(cap, self.left())
+        if t < 20:
+            self.report.add(Result(name, "FAIL", f"not run: out of time (budget "
+                                                 f"{self.budget:.0f} s)"))
+            return None
+        cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               os.path.join(ROOT, "pretrain_looplm.py"), *argv]
+        env = dict(self.env)
+        if "--attention-backend" in argv:  # as each rank does: before TE is imported
+            runtime.set_attention_backend_env(argv[argv.index("--attention-backend") + 1], env)
+        return procs.run_logged(cmd, log, t, ROOT, env, name)
+
+    # --- the rows ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        say(f"output directory {self.out} (send it back whole if a row fails)")
+        info = self.environment()
+        self.grads()
+        self.smoke()
+        runs = self.fp8()
+        self.throughput(runs, info)
+        self.pytest()
+        self.worker.close()
+        where = f"{info.get('gpus', 0)} x {info.get('gpu')}" if self.gpu else \
+            "no GPU: CPU rehearsal of every GPU row"
+        print(f"\nmegaloop GPU check: {where}, {time.time() - self.t0:.0f} s, "
+              f"logs in {self.out}\n")
+        print(self.report.table())
+        print(f"\nsummary: {os.path.join(self.out, 'summary.json')}")
+        return 1 if self.report.failed else 0
+
+    def environment(self) -> dict:
+        shape = {"heads": 16, "head_dim": 128, "seq": 2048, "batch": 2}  # the BIG model's
+        info = self.in_worker("environment", "environment", {"attention_shape": shape}, 0)
+        if info is None:
+            return {}
+        self.gpu = bool(info["cuda"])
+        self.report.header = {"environment": info, "gpu": self.gpu, "budget_s": self.budget}
+        if self.gpu:
+            log = open(self.last_log, errors="replace").read()
+            picked = [line.strip() for line in log.splitlines()
+                      if "Running with" in line or "Selected backend" in line
+                      or "Available backends" in line]
+            info["attention_backend_log"] = picked
+            backend = picked[-1] if picked else "TE logged no backend choice (see the log)"
+        else:
+            say("environment: on a GPU also runs one causal bf16 attention forward+backward "
+                "through TE's DotProductAttention (16 heads x 128, seq 2048) with NVTE_DEBUG=1 "
+                "NVTE_DEBUG_LEVEL=2; skipped here: no CUDA device")
+            backend = "no GPU"
+        keys = ("torch", "cuda_runtime", "driver", "cudnn", "nccl", "transformer_engine",
+                "megatron_core", "flash_attn", "gpu", "capability", "memory_gib")
+        detail = ", ".join(f"{k} {info[k]}" for k in keys if k in info) + f"; TE attention: " \
+            f"{backend}"
+        self.report.add(Result("environment", "INFO", detail, self.last_secs, numbers=info,
+                               log=self.last_log))
+        return info
+
+    def grads(self):
+        for precision, variant, local, te in rows.grads_runs():
+            name = f"TE vs local grads {precision} T=3: {variant}"
+            command = (f"one step of pretrain_looplm.py {shlex.join(te)} against the same with "
+                       f"--transformer-impl local, the local weights copied in")
+            r = self.in_worker(name, "grads", {"argv_a": self.argv(local),
+                                               "argv_b": self.argv(te)}, 60, command)
+            if r is None:
+                continue
+            ok, detail, numbers = rows.grads_verdict(r, precision)
+            self.report.add(Result(name, self.status(ok), detail, self.last_secs,
+                                   numbers=numbers, log=self.last_log, gpu_command=command))
+
+    def smoke(self):
+        d = os.path.join(self.out, "smoke")
+        os.makedirs(d, exist_ok=True)
+        runs = rows.smoke_runs(d)
+        ckpt = runs["ckpt"]
+
+        name = "smoke: train 5 + eval + save (bf16 TE, T=3)"
+        rc = self.in_worker(name, "pretrain", {"argv": self.argv(runs["first"])}, 90,
+                            f"pretrain_looplm.py {shlex.join(runs['first'])} (in the worker)")
+        if rc is None:
+            return
+        first = rows.train_records(os.path.join(d, "first.jsonl"))
+        problems = rows.smoke_verdict(first, [1, 2, 3, 4, 5], rc, "train 5")
+        if not os.path.isdir(os.path.join(ckpt, "iter_0000005")):
+            problems.append("no checkpoint iter_0000005")
+        if not any(r["split"] == "valid" for r in first):
+            problems.append("no validation record")
+        if problems:
+            return self.fail(name, "; ".join(problems), self.last_log, self.last_secs)
+        train = [r for r in first if r["split"] == "train"]
+        self.report.add(Result(name, self.status(True), f"loss {train[0]['loss']:.4f} -> "
+                               f"{train[-1]['loss']:.4f}, saved iter_0000005", self.last_secs,
+                               log=self.last_log))
+
+        name = "smoke: resume 5 -> 7 under torchrun"
+        self.show_gpu_command(name, "torchrun --standalone --nproc_per_node 1 pretrain_looplm.py "
+                              + shlex.join(runs["resume"]))
+        done = self.torchrun(name, self.argv(runs["resume"]), 150)
+        if done is None:
+            return
+        text = open(done.log, errors="replace").read()
+        resumed = rows.train_records(os.path.join(d, "resume.jsonl"))
+        problems = rows.smoke_verdict(resumed, [6, 7], done.rc, "resume")
+        if done.timed_out:
+            problems.insert(0, f"timed out after {done.seconds:.0f} s")
+        if f"loaded {ckpt}/iter_0000005" not in text:
+            problems.append(f"no 'loaded {ckpt}/iter_0000005' line")
+        if problems:
+            return self.fail(name, "; ".join(problems), done.log, done.seconds)
+        self.report.add(Result(name, self.status(True), "loaded iter_0000005, trained 6-7",
+                               done.seconds, log=done.log))
+
+        name = "smoke: resumed 6-7 equal a straight 7-iteration run"
+        rc = self.in_worker(name, "pretrain", {"argv": self.argv(runs["straight"])}, 90,
+                            f"pretrain_looplm.py {shlex.join(runs['straight'])} (in the worker)")
+        if rc is None:
+            return
+        straight = rows.train_records(os.path.join(d, "straight.jsonl"))
+        problems = rows.smoke_verdict(straight, list(range(1, 8)), rc, "straight 7")
+        if problems:
+            return self.fail(name, "; ".join(problems), self.last_log, self.last_secs)
+        split = lambda recs, s: [r["loss"] for r in recs if r["split"] == s]  # noqa: E731
+        pairs = list(zip(split(resumed, "train"), split(straight, "train")[5:]))
+        pairs += list(zip(split(resumed, "valid")[-1:], split(straight, "valid")[-1:]))
+        diff = max(abs(a - b) for a, b in pairs)
+        # Bitwise without a GPU. On a GPU, TE's attention backward may accumulate in another
+        # order from one launch to the next (TE allows non-deterministic kernels by default),
+        # so the resumed losses may differ by rounding: up to the bf16 resolution of the loss.
+        tol = rows.bf16_resolution(pairs[0][1]) if self.gpu else 0.0
+        detail = (f"iterations 6, 7 and the final validation: max |resumed - straight| "
+                  f"{diff:.3g} ({'bitwise equal' if diff == 0 else 'not bitwise'}; tolerance "
+                  f"{f'{tol:.2g} (bf16 resolution)' if tol else 'bitwise'})")
+        self.report.add(Result(name, self.status(diff <= tol), detail, self.last_secs,
+                               numbers={"pairs": pairs, "max_diff": diff, "tolerance": tol},
+                               log=self.last_log))
+
+    def _train(self, name: str, argv: list, steps: int):
+        command = f"{steps} timed steps of pretrain_looplm.py {shlex.join(argv)} (in the worker)"
+        return self.in_worker(name, "train_steps", {"argv": self.argv(argv), "steps": steps},
+                              90, command)
+
+    def fp8(self) -> dict:
+        """The bf16 reference and the FP8 runs on the looped model; a row per recipe from their
+        first steps. Returns every run made (the throughput rows time their later steps)."""
+        compare = rows.STEPS[self.gpu][0]
+        runs = {}
+        for key, (argv, steps, _) in rows.timed_runs(self.gpu).items():
+            if not key.startswith("looped-expected"):
+                continue
+            recipe = key.rsplit("-", 1)[-1]
+            name = ("run: " + key) if recipe == "bf16" else \
+                f"FP8 {recipe}: {compare} steps vs bf16 (looped 6 x 4)"
+            r = runs[key] = self._train(name, argv, steps)
+            if r is None or recipe == "bf16":
+                continue
+            bf16 = runs["looped-expected-bf16"]
+            if bf16 is None:
+                self.report.add(Result(name, "FAIL", "no bf16 reference run"))
+                continue
+            ok, detail, numbers = rows.fp8_verdict(r, bf16, compare, recipe)
+            if not self.gpu:
+                detail = "FP8 flags dropped on CPU: " + detail
+            self.report.add(Result(name, self.status(ok), detail, self.last_secs,
+                                   numbers=numbers, log=self.last_log))
+        return runs
+
+    def throughput(self, runs: dict, info: dict):
+        planned = rows.timed_runs(self.gpu)
+        for key, (argv, steps, _) in planned.items():
+            if key not in runs:
+                runs[key] = self._train(f"run: {key}", argv, steps)
+        peak = rows.peak_flops(info.get("gpu", ""), os.environ.get("GPU_CHECK_PEAK_TFLOPS"))
+        measured = {}
+        for key, r in runs.items():
+            if r is None:
+                continue
+            name = f"throughput {key}"
+            problems = rows.steps_verdict(r, key)
+            if problems:
+                self.report.add(Result(name, "FAIL", "; ".join(problems)))
+                continue
+            m = measured[key] = rows.throughput(r, planned[key][2], peak)
+            mfu = "n/a (unknown GPU: set GPU_CHECK_PEAK_TFLOPS)" if m["mfu_fwd_bwd"] is None \
+                else f"{100 * m['mfu_fwd_bwd']:.1f}% of BF16 peak"
+            detail = (f"{m['tokens_per_s']:,.0f} tok/s; fwd+bwd {m['fwd_bwd_ms']:.1f} ms "
+                      f"({m['tflops_fwd_bwd']:.1f} TFLOP/s, MFU {mfu}), optimizer "
+                      f"{m['optim_ms']:.1f} ms, over {m['timed_steps']} steps; {m['layout']}"
+                      + (f"; {m['mem_gib']:.1f} GiB" if m["mem_gib"] else ""))
+            self.report.add(Result(name, "INFO" if self.gpu else "REHEARSED", detail,
+                                   numbers=m))
+        self._ratios(measured)
+
+    def _ratios(self, m: dict):
+        judged = "" if self.gpu else " (goal judged on a GPU only)"
+        for loop_key, goal in (("looped-last-bf16", rows.MFU_RATIO_GOAL),
+                              ("looped-expected-bf16", None)):
+            name = f"MFU {loop_key} / dense-bf16" + (f" (goal >= {goal})" if goal else "")
+            if loop_key not in m or "dense-bf16" not in m:
+                self.report.add(Result(name, "FAIL", "a throughput run is missing"))
+                continue
+            ratio = m[loop_key]["tflops_fwd_bwd"] / m["dense-bf16"]["tflops_fwd_bwd"]
+            status = ("INFO" if goal is None else self.status(ratio >= goal)) if self.gpu \
+                else "REHEARSED"
+            self.report.add(Result(name, status, f"{ratio:.3f} (forward+backward FLOP/s, one "
+                                   f"FLOP formula){judged}", numbers={"ratio": ratio}))
+        for fp8_key, bf16_key in (("looped-expected-fp8-tensorwise", "looped-expected-bf16"),
+                                  ("looped-expected-fp8-delayed", "looped-expected-bf16"),
+                                  ("dense-fp8-tensorwise", "dense-bf16")):
+            name = f"tokens/s {fp8_key} / {bf16_key} (goal >= {rows.FP8_SPEEDUP_GOAL})"
+            if fp8_key not in m or bf16_key not in m:
+                self.report.add(Result(name, "FAIL", "a throughput run is missing"))
+                continue
+            up = m[fp8_key]["tokens_per_s"] / m[bf16_key]["tokens_per_s"]
+            status = self.status(up >= rows.FP8_SPEEDUP_GOAL) if self.gpu else "REHEARSED"
+            self.report.add(Result(name, status, f"{up:.2f}x{judged}", numbers={"speedup": up}))
+
+    def pytest(self):
+        name = "pytest -m gpu tests"
+        cmd = [PY, "-m", "pytest", "-m", "gpu", "tests", "-q", "-rfEs", "-p", "no:cacheprovider"]
+        if not self.gpu:
+            say(f"{name}: on a GPU runs {shlex.join(cmd[1:])} if time is left; skipped here: "
+                f"no CUDA device (every gpu-marked test needs one)")
+            self.report.add(Result(name, "SKIP", "no GPU", gpu_command=shlex.join(cmd)))
+            return
+        self.worker.close()  # the tests need the GPU's memory
+        if self.left() < 60:
+            self.report.add(Result(name, "SKIP", f"out of time ({self.left():.0f} s left)"))
+            return
+        log = self.log_path(name)
+        done = procs.run_logged(cmd, log, self.left(), ROOT, self.env, name)
+        text = open(log, errors="replace").read()
+        summary = [line.strip("= ") for line in text.splitlines()
+                   if any(w in line for w in (" passed", " failed", " error", " skipped"))]
+        detail = summary[-1] if summary else f"rc {done.rc}"
+        if done.rc != 0:
+            return self.fail(name, f"rc {done.rc}{' (timed out)' if done.timed_out else ''}: "
+                             f"{detail}", log, done.seconds)
+        self.report.add(Result(name, "PASS", detail, done.seconds, log=log))
+
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/gpu_check.sh", description=__doc__.split("\n")[0])
+    parser.add_argument("--output-dir", default=None,
+                        help="where every row's log, the checkpoints, summary.md and "
+                             "summary.json go (default: gpu_check_<date>-<time> in the "
+                             "current directory); send it back whole when a row fails")
+    parser.add_argument("--budget-s", type=float,
+                        default=float(os.environ.get("GPU_CHECK_BUDGET_S", DEFAULT_BUDGET_S)),
+                        help="wall-clock budget for all rows (default 570, or "
+                             "$GPU_CHECK_BUDGET_S)")
+    args = parser.parse_args(argv)
+    out = os.path.abspath(args.output_dir or time.strftime("gpu_check_%Y%m%d-%H%M%S"))
+    if os.path.isdir(out) and os.listdir(out):
+        print(f"error: --output-dir {out} is not empty; name a new directory", file=sys.stderr)
+        return 2
+    os.makedirs(out, exist_ok=True)
+    check = Check(out, args.budget_s)
+    try:
+        return check.run()
+    finally:
+        check.worker.close()

@@ -1,0 +1,64 @@
+"""The GPU check's summary: one line per row as it finishes, a table at the end, and one JSON file
+with every number (``summary.json`` in the output directory, next to the rows' logs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+# PASS / FAIL: a check with a verdict. INFO: a measurement without a goal. SKIP: not run, with
+# the reason. REHEARSED: without a GPU, the row's command lines ran with the GPU-only flags
+# swapped for CPU ones and the row's own checks passed (the GPU verdict is still to come).
+STATUSES = ("PASS", "FAIL", "INFO", "SKIP", "REHEARSED")
+
+
+@dataclass
+class Result:
+    row: str
+    status: str
+    detail: str = ""
+    seconds: float | None = None
+    numbers: dict = field(default_factory=dict)
+    log: str | None = None
+    gpu_command: str | None = None
+    """What the row runs on a GPU (printed when it is skipped or rehearsed)."""
+
+
+@dataclass
+class Report:
+    out_dir: str
+    header: dict = field(default_factory=dict)
+    results: list = field(default_factory=list)
+
+    def add(self, result: Result) -> Result:
+        assert result.status in STATUSES, result.status
+        self.results.append(result)
+        secs = "" if result.seconds is None else f" ({result.seconds:.0f} s)"
+        print(f"[gpu_check] {result.status:9s} {result.row}: {result.detail}{secs}", flush=True)
+        self.write()  # after every row: a run killed halfway still leaves its numbers
+        return result
+
+    @property
+    def failed(self) -> list:
+        return [r for r in self.results if r.status == "FAIL"]
+
+    def table(self) -> str:
+        lines = ["| row | status | detail | s |", "|---|---|---|---|"]
+        for r in self.results:
+            secs = "" if r.seconds is None else f"{r.seconds:.0f}"
+            detail = r.detail.replace("|", "/").replace("\n", " ")
+            lines.append(f"| {r.row} | {r.status} | {detail} | {secs} |")
+        return "\n".join(lines)
+
+    def write(self) -> None:
+        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+            json.dump({"header": self.header, "rows": [asdict(r) for r in self.results]}, f,
+                      indent=1, default=str)
+        with open(os.path.join(self.out_dir, "summary.md"), "w") as f:
+            f.write(self.table() + "\n")
+
+
+def say(text: str) -> None:
+    print(f"[gpu_check] {text}", file=sys.stdout, flush=True)

@@ -1,0 +1,278 @@
+"""The GPU check's command lines and verdicts.
+
+Every row is a list of ``pretrain_looplm.py`` flags. On a GPU they run as written; without one
+``cpu_flags`` swaps the GPU-only flags (Transformer Engine spec -> local, bf16 -> fp32, FP8
+dropped, gloo) and shrinks the shapes, and nothing else: the schedule, checkpoint and loop
+flags a CPU rehearsal runs are the GPU run's, so a mistake in them fails on CPU first.
+The verdict functions read only what the run itself reported (losses, applied steps, times).
+"""
+
+from __future__ import annotations
+
+import math
+
+# --- the models -------------------------------------------------------------------------------
+# Small model of the gradient and smoke rows: T = 3, mock data.
+TINY = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+        "--disable-bias-linear", "--lr-decay-style", "cosine", "--num-workers", "0",
+        "--num-layers", "2", "--num-loops", "3", "--hidden-size", "128",
+        "--num-attention-heads", "4", "--ffn-hidden-size", "352", "--seq-length", "128",
+        "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+        "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--lr", "1e-3",
+        "--log-interval", "1", "--eval-iters", "0", "--seed", "1234"]
+TE = ["--transformer-impl", "transformer_engine"]
+LOCAL = ["--transformer-impl", "local"]
+BF16 = ["--bf16"]
+VARIANTS = {
+    "ouro": ["--norm-scheme", "ouro"],
+    "ouro+lora": ["--norm-scheme", "ouro", "--lora-rank", "4"],
+    "ouro+adaln": ["--norm-scheme", "ouro", "--timestep-conditioning", "adaln"],
+    "post": ["--norm-scheme", "post"],
+}
+# The ~1B shape of the FP8 and throughput rows: 6 layers x T = 4 against its dense twin of
+# equal effective depth, 24 layers.
+BIG = ["--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "5632",
+       "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+       "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+       "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "2",
+       "--global-batch-size", "8", "--mock-data", "--tokenizer-type", "NullTokenizer",
+       "--vocab-size", "32000", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+       "--lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+       "--num-workers", "0", "--eval-iters", "0", "--seed", "1234", *BF16, *TE]
+LOOPED = {"expected": ["--num-layers", "6", "--num-loops", "4", "--exit-loss", "expected"],
+          "last": ["--num-layers", "6", "--num-loops", "4", "--exit-loss", "last"]}
+DENSE = ["--num-layers", "24", "--num-loops", "1"]
+FP8 = {"delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],  # Megatron-LM's default
+       "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]}
+
+
+# --- the command lines of the rows (as on a GPU) -------------------------------------------------
+def grads_runs() -> list:
+    """(precision, variant, reference argv with the local spec, argv with TE) per gradient row."""
+    return [(precision, variant, [*TINY, *flags, *extra, "--train-iters", "2", *LOCAL],
+             [*TINY, *flags, *extra, "--train-iters", "2", *TE])
+            for precision, extra in (("bf16", BF16), ("fp32", []))
+            for variant, flags in VARIANTS.items()]
+
+
+def smoke_runs(d: str) -> dict:
+    """The smoke row's three launches, logging to ``d``. One schedule for all three:
+    --train-iters 7 (the LR decay and the weight-decay steps follow it) and --lr-decay-iters 7;
+    the first launch stops after saving at 5 (--exit-interval), so the resume continues the very
+    schedule it was saved with (a changed one is refused at load)."""
+    ckpt = f"{d}/ckpt"
+    base = [*TINY, *TE, *BF16, "--train-iters", "7", "--lr-warmup-iters", "1",
+            "--lr-decay-iters", "7", "--eval-interval", "5", "--eval-iters", "2"]
+    return {"ckpt": ckpt,
+            "first": [*base, "--save", ckpt, "--save-interval", "5", "--exit-interval", "5",
+                      "--log-jsonl", f"{d}/first.jsonl"],
+            "resume": [*base, "--load", ckpt, "--log-jsonl", f"{d}/resume.jsonl"],
+            "straight": [*base, "--log-jsonl", f"{d}/straight.jsonl"]}
+
+
+# (FP8 comparison steps, warm-up steps, timed steps) on a GPU; a CPU rehearsal takes fewer (the
+# flags, --train-iters included, are the same).
+STEPS = {True: (10, 10, 20), False: (2, 1, 2)}
+
+
+def timed_runs(gpu: bool) -> dict:
+    """name -> (argv, steps, warm-up steps before the timed ones) of the FP8 and throughput
+    runs, in the order they run: the bf16 reference and the FP8 recipes on the looped model
+    first (their first steps are the FP8 rows), then the throughput-only runs."""
+    compare, warmup, timed = STEPS[gpu]
+    long_warmup = max(compare, warmup)
+    looped = [*BIG, *LOOPED["expected"]]
+    runs = {"looped-expected-bf16": (looped, long_warmup + timed, long_warmup)}
+    for recipe, flags in FP8.items():
+        runs[f"looped-expected-fp8-{recipe}"] = ([*looped, *flags], long_warmup + timed,
+                                                 long_warmup)
+    runs["looped-last-bf16"] = ([*BIG, *LOOPED["last"]], warmup + timed, warmup)
+    runs["dense-bf16"] = ([*BIG, *DENSE], warmup + timed, warmup)
+    runs["dense-fp8-tensorwise"] = ([*BIG, *DENSE, *FP8["tensorwise"]], warmup + timed, warmup)
+    return {k: ([*argv, "--train-iters", str(steps)], steps, skip)
+            for k, (argv, steps, skip) in runs.items()}
+
+
+# --- tolerances ---------------------------------------------------------------------------------
+# fp32 TE vs local: TE runs fp32 GEMMs in TF32, the local spec in fp32. max |g_te - g_local| over
+# max |g_local| per tensor, and the loss relative. The hazard these rows guard (TE linears
+# overwriting instead of accumulating weight gradients across the T calls, Megatron-LM PR #6965)
+# leaves the core's weight gradients at one step's share: relative errors ~0.5, cosines ~0.6.
+GRAD_RTOL_FP32, LOSS_RTOL_FP32 = 3e-2, 5e-3
+# bf16 TE (flash/cuDNN attention, bf16 GEMMs) vs local bf16: per-parameter gradient cosine.
+GRAD_COS_BF16 = 0.999
+# FP8 against bf16 from the same weights and batches: every one of the first steps' losses
+# within this relative distance. E4M3 keeps 3 mantissa bits, but the GEMMs accumulate in fp32
+# and the scales are per tensor, so FP8 training tracks bf16 to well under 1% of the loss early
+# in training; 3% catches a broken recipe (NaN-free but wrong scales give tens of percent).
+FP8_LOSS_RTOL = 3e-2
+MFU_RATIO_GOAL = 0.98  # looped (`last`) / dense MFU: the loop itself should cost nothing
+FP8_SPEEDUP_GOAL = 1.3
+# Dense (no sparsity) BF16 tensor-core peak per GPU, FLOP/s; matched against the device name in
+# order (PCIe/NVL parts before the SXM default). GPU_CHECK_PEAK_TFLOPS overrides.
+PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989e12), ("H100", 989e12),
+             ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12)]
+
+# --- the CPU rehearsal's swap -------------------------------------------------------------------
+GPU_ONLY = {"--bf16": 0, "--fp8-format": 1, "--fp8-recipe": 1}  # flag: values it takes
+SHAPES = {"--hidden-size": {"2048": "64", "128": "64"}, "--ffn-hidden-size": {"5632": "176",
+                                                                               "352": "176"},
+          "--seq-length": {"2048": "64", "128": "64"},
+          "--max-position-embeddings": {"2048": "64", "128": "64"},
+          "--vocab-size": {"32000": "512", "1024": "512"},
+          "--global-batch-size": {"8": "4"},
+          "--num-layers": {"6": "2", "24": "8"}}  # 2 x 4 against 8: equal effective depth
+
+
+def cpu_flags(argv: list) -> list:
+    """``argv`` as a CPU machine runs it: GPU-only flags dropped, the local spec, gloo, tiny
+    shapes; every other flag (schedule, checkpoints, loop, objective) unchanged."""
+    out, i = [], 0
+    while i < len(argv):
+        flag = argv[i]
+        if flag in GPU_ONLY:
+            i += 1 + GPU_ONLY[flag]
+            continue
+        if flag == "--transformer-impl":
+            out += ["--transformer-impl", "local"]
+            i += 2
+            continue
+        if flag in SHAPES and i + 1 < len(argv):
+            out += [flag, SHAPES[flag].get(argv[i + 1], argv[i + 1])]
+            i += 2
+            continue
+        out.append(flag)
+        i += 1
+    return out + ["--distributed-backend", "gloo"]
+
+
+# --- verdicts -------------------------------------------------------------------------------------
+def bf16_resolution(x: float) -> float:
+    """The spacing of bf16 numbers at |x| (8 significant bits): a loss known to this."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 0.0
+
+
+def finite(values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def grads_verdict(r: dict, precision: str) -> tuple[bool, str, dict]:
+    """A TE-vs-local gradient row: both steps applied, losses finite, and per parameter the
+    bf16 cosine or fp32 relative-error tolerance; the loss to bf16 resolution / fp32 rtol."""
+    problems = []
+    if not all(r["applied"]):
+        problems.append(f"optimizer step skipped (applied {r['applied']})")
+    losses = [r["loss_a"], r["loss_b"], *r["step_losses_a"], *r["step_losses_b"]]
+    if not finite(losses):
+        problems.append(f"non-finite loss {losses}")
+        return False, "; ".join(problems), {}
+    params = r["params"]
+    worst_cos = min(params.items(), key=lambda kv: kv[1]["cos"])
+    worst_rel = max(params.items(), key=lambda kv: kv[1]["rel"])
+    dloss = abs(r["loss_a"] - r["loss_b"])
+    numbers = {"loss_local": r["loss_a"], "loss_te": r["loss_b"], "loss_diff": dloss,
+               "min_cos": worst_cos[1]["cos"], "min_cos_param": worst_cos[0],
+               "max_rel": worst_rel[1]["rel"], "max_rel_param": worst_rel[0],
+               "init_max_diff": r["init_max_diff"], "params": len(params)}
+    if precision == "bf16":
+        tol = bf16_resolution(r["loss_a"])
+        steps = max(abs(x - y) for x, y in zip(r["step_losses_a"], r["step_losses_b"]))
+        if dloss > tol or steps > 2 * tol:
+            problems.append(f"loss {r['loss_a']:.4f} vs {r['loss_b']:.4f}: |diff| {dloss:.2g} "
+                            f"(steps {steps:.2g}) > bf16 resolution {tol:.2g}")
+        bad = [k for k, v in params.items() if v["cos"] < GRAD_COS_BF16]
+        if bad:
+            problems.append(f"{len(bad)} gradients with cosine < {GRAD_COS_BF16}, worst "
+                            f"{worst_cos[0]} {worst_cos[1]['cos']:.4f}")
+        detail = (f"loss {r['loss_a']:.4f} vs {r['loss_b']:.4f} (|diff| {dloss:.1e}, bf16 "
+                  f"resolution {tol:.1e}); {len(params)} grads, min cosine "
+                  f"{worst_cos[1]['cos']:.5f} ({worst_cos[0]})")
+    else:
+        rel = dloss / abs(r["loss_a"])
+        steps = max(abs(x - y) / abs(x) for x, y in zip(r["step_losses_a"], r["step_losses_b"]))
+        if rel > LOSS_RTOL_FP32 or steps > LOSS_RTOL_FP32:
+            problems.append(f"loss rel diff {rel:.2g} (steps {steps:.2g}) > {LOSS_RTOL_FP32}")
+        if worst_rel[1]["rel"] > GRAD_RTOL_FP32:
+            problems.append(f"gradient rel err {worst_rel[1]['rel']:.2g} > {GRAD_RTOL_FP32} "
+                            f"({worst_rel[0]})")
+        detail = (f"loss {r['loss_a']:.4f} vs {r['loss_b']:.4f} (rel {rel:.1e}); {len(params)} "
+                  f"grads, worst rel {worst_rel[1]['rel']:.1e} ({worst_rel[0]}); tol "
+                  f"{GRAD_RTOL_FP32:g}/{LOSS_RTOL_FP32:g}")
+    return not problems, "; ".join(problems) or detail, numbers
+
+
+def train_records(path: str) -> list:
+    import json
+    import os
+
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def smoke_verdict(records: list, iterations: list, rc: int, what: str) -> list:
+    """Problems of one smoke launch from its own exit code and JSONL: the expected iterations,
+    each applied (no skipped steps) with a finite loss."""
+    train = [r for r in records if r["split"] == "train"]
+    problems = [] if rc == 0 else [f"{what} exited {rc}"]
+    if [r["iteration"] for r in train] != iterations:
+        problems.append(f"{what}: train iterations {[r['iteration'] for r in train]}, "
+                        f"expected {iterations}")
+    if any(r.get("skipped_iters") for r in train):
+        problems.append(f"{what}: skipped steps {[r.get('skipped_iters') for r in train]}")
+    if not finite(r["loss"] for r in train):
+        problems.append(f"{what}: non-finite loss {[r['loss'] for r in train]}")
+    return problems
+
+
+def steps_verdict(r: dict, what: str) -> list:
+    """Problems of a timed run: every step applied, every loss finite."""
+    problems = []
+    if not all(r["applied"]):
+        skipped = [i + 1 for i, a in enumerate(r["applied"]) if not a]
+        problems.append(f"{what}: steps not applied (skipped) at {skipped}")
+    if not finite(r["losses"]):
+        problems.append(f"{what}: non-finite losses {r['losses']}")
+    return problems
+
+
+def fp8_verdict(fp8: dict, bf16: dict, steps: int, recipe: str) -> tuple[bool, str, dict]:
+    problems = steps_verdict({"applied": fp8["applied"][:steps], "losses": fp8["losses"][:steps]},
+                             f"fp8 {recipe}")
+    problems += steps_verdict({"applied": bf16["applied"][:steps],
+                               "losses": bf16["losses"][:steps]}, "bf16 reference")
+    if problems:
+        return False, "; ".join(problems), {}
+    rel = [abs(a - b) / abs(b) for a, b in zip(fp8["losses"][:steps], bf16["losses"][:steps])]
+    worst = max(range(steps), key=lambda i: rel[i])
+    numbers = {"losses_fp8": fp8["losses"][:steps], "losses_bf16": bf16["losses"][:steps],
+               "max_rel_diff": rel[worst], "at_step": worst + 1}
+    ok = rel[worst] <= FP8_LOSS_RTOL
+    return ok, (f"{steps} steps all applied, losses finite; max |fp8 - bf16| / bf16 "
+                f"{rel[worst]:.2e} at step {worst + 1} (tol {FP8_LOSS_RTOL:g}); loss "
+                f"{fp8['losses'][0]:.3f} -> {fp8['losses'][steps - 1]:.3f} (bf16 "
+                f"{bf16['losses'][steps - 1]:.3f})"), numbers
+
+
+def throughput(r: dict, warmup: int, peak: float | None) -> dict:
+    """Means over the steps after ``warmup``: forward+backward (CUDA events) and optimizer
+    milliseconds, tokens/s over the whole step, and the achieved FLOP/s and MFU of the
+    forward+backward pass (FLOPs: megaloop.training.metrics.flops_per_iteration)."""
+    timed = r["ms"][warmup:]
+    mean = lambda key: sum(m[key] for m in timed) / len(timed)  # noqa: E731
+    fwd_bwd, optim, step = mean("fwd_bwd"), mean("optim"), mean("step")
+    flops = r["flops_per_iter"] / (fwd_bwd / 1e3)
+    return {"timed_steps": len(timed), "fwd_bwd_ms": fwd_bwd, "optim_ms": optim,
+            "step_ms": step, "tokens_per_s": r["tokens_per_iter"] / (step / 1e3),
+            "tflops_fwd_bwd": flops / 1e12, "mfu_fwd_bwd": flops / peak if peak else None,
+            "mem_gib": r["mem_gib"], "layout": r["layout"]}
+
+
+def peak_flops(device_name: str, override: str | None) -> float | None:
+    if override:
+        return float(override) * 1e12
+    for key, peak in PEAK_BF16:
+        if key in (device_name or ""):
+            return peak
+    return None
