@@ -4,9 +4,9 @@ step (no warmup) with a small KL weight, against a larger KL weight and against 
 After "Closing the Loop" (arXiv 2610.00673) section 3.3 and App. B: its no-warmup beta 0.05 run,
 at a constant LR at its peak, collapses onto step 1 (p0 -> 1.00, the model trains as a one-step
 transformer); warmup prevents it and a larger beta lets the gate recover. Arms: constant LR, no
-warmup, beta 0.05 (the collapse regime) and beta 0.5; warmup + cosine decay, beta 0.05. Every arm
-is pre-norm (it trains at this LR; the norm study compares schemes) over the size's seeds.
-Reported: p0 over iterations per seed against the collapse threshold, whether the trainer's
+warmup, beta 0.05 (the collapse regime) at the size's LR and at 3 times it, and beta 0.5; warmup +
+cosine decay, beta 0.05. Every arm is pre-norm (it trains at the size's LR; the norm study
+compares schemes) over the size's seeds. Reported: p0 over iterations per seed against the collapse threshold, whether the trainer's
 collapse alarm fired (p0 above the threshold for --p0-collapse-iters iterations in a row), the
 final p0 and per-step validation losses, and the final p0 against the warmup arm's with a verdict.
 
@@ -24,6 +24,9 @@ from study import Study, figure, md_table, spread, verdict_cell  # noqa: E402
 
 SHAPE = {"tiny": (1, 3), "cpu": (2, 3), "gpu": (4, 4)}  # (K, T)
 THRESHOLD = 0.95
+# The collapse needs an LR at which the gate saturates; the size's LR is the first arm's, this
+# multiple of it the second's.
+HIGH_LR = 3
 
 
 def main(argv=None) -> int:
@@ -36,7 +39,10 @@ def main(argv=None) -> int:
               "--norm-scheme", "pre",
               "--p0-collapse-threshold", str(THRESHOLD), "--p0-collapse-iters", str(patience)]
     constant = ["--lr-decay-style", "constant", "--lr-warmup-iters", "0"]
+    high = study.size["lr"] * HIGH_LR
     arms = {"constant LR, no warmup, beta 0.05": constant + ["--exit-kl-beta", "0.05"],
+            f"constant LR x{HIGH_LR}, no warmup, beta 0.05": constant + [
+                "--exit-kl-beta", "0.05", "--lr", str(high), "--min-lr", str(high / 10)],
             "constant LR, no warmup, beta 0.5": constant + ["--exit-kl-beta", "0.5"],
             "warmup + cosine, beta 0.05": ["--exit-kl-beta", "0.05"]}
     baseline = "warmup + cosine, beta 0.05"
@@ -82,8 +88,8 @@ def main(argv=None) -> int:
     study.write(
         "Gate collapse and its cures",
         f"python examples/studies/gate_collapse.py --size {study.size['name']}",
-        [f"Layout {K} x {T}, pre-norm, peak LR {study.size['lr']} ({study.size['iters']} "
-         f"iterations); alarm: p0 > {THRESHOLD} for {patience} iterations in a row "
+        [f"Layout {K} x {T}, pre-norm, peak LR {study.size['lr']} (x{HIGH_LR} in the second "
+         f"arm), {study.size['iters']} iterations; alarm: p0 > {THRESHOLD} for {patience} iterations in a row "
          f"(--p0-collapse-iters).",
          md_table(["arm", "final p0", "max p0", "longest run above threshold", "alarm fired",
                    "final validation objective", "per-step validation loss",
