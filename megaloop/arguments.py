@@ -85,13 +85,16 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per field of ``cls`` to ``parser``, in a group named after the class."""
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type,
+                       only: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of ``cls`` to ``parser``, in a group named after the class.
+    ``only``: just these fields (a tool that shares one flag with the trainer, e.g.
+    ``--ckpt-step``, takes its definition from the trainer's dataclass)."""
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().split("\n")[0])
     for f in dataclasses.fields(cls):
-        if not f.init or f.metadata.get("cli") is False:
+        if not f.init or f.metadata.get("cli") is False or (only and f.name not in only):
             continue
         tp = _unwrap_optional(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else (

@@ -205,11 +205,17 @@ def _adapter_checks(rank, world, ckpt):
                             ({"num_loops": -3}, "num_loops -3: the loop steps"),
                             ({"nmu_loops": 1}, "nmu_loops=1: unknown key (did you mean "
                                                "num_loops?); the megaloop model takes load, "
-                                               "num_loops, exit,"),
-                            ({"batch_size": "auto"}, "batch_size auto:")):
+                                               "ckpt_step, num_loops, exit,"),
+                            ({"batch_size": "auto"}, "batch_size auto:"),
+                            ({"ckpt_step": 2, "load": ckpt + "-none"}, "load " + ckpt + "-none")):
         with pytest.raises(ModelArgsError) as info:
-            MegaloopLM(load=ckpt, **kwargs)
+            MegaloopLM(**{"load": ckpt, **kwargs})
         assert str(info.value).startswith(message), info.value
+    # ckpt_step is the trainer's --ckpt-step: this run saved iteration 2 only.
+    with pytest.raises(ValueError, match="iter_0000001 does not exist"):
+        MegaloopLM(load=ckpt, ckpt_step=1)
+    assert MegaloopLM(load=ckpt, ckpt_step=2).loglikelihood(req, disable_tqdm=True)[0][0] == \
+        pytest.approx(full, abs=1e-6)
 
 
 def test_run_lm_eval_refuses_a_misspelt_model_arg_in_one_line(ckpt, tmp_path):

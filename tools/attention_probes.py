@@ -23,10 +23,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megaloop.inference.flags import add_ckpt_step_flag  # noqa: E402
+
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--load", required=True, help="checkpoint folder (its latest iteration)")
+    p.add_argument("--load", required=True,
+                   help="checkpoint folder (its latest iteration, or --ckpt-step's)")
+    add_ckpt_step_flag(p)
     p.add_argument("--data-path", required=True, help="indexed dataset prefix (.bin/.idx)")
     p.add_argument("--output", required=True, help="output prefix: writes .md and .png")
     p.add_argument("--num-batches", type=int, default=4)
@@ -49,7 +53,7 @@ def main(argv=None) -> None:
     from megaloop.parallel.initialize import initialize_single_process
 
     initialize_single_process()
-    model, _, _, run = load_model(args.load)
+    model, _, _, run = load_model(args.load, iteration=args.ckpt_step)
     model.eval()
     seq = args.seq_length or run["training"]["seq_length"]
     windows = torch.from_numpy(validation_windows(args.data_path,

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
 from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
+from megaloop.inference.flags import add_ckpt_step_flag  # noqa: E402
 from megaloop.model.config import LoopConfig  # noqa: E402
 
 
@@ -60,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export-hf", help="megaloop checkpoint -> Hugging Face folder",
                          allow_abbrev=False)
-    exp.add_argument("--load", required=True, help="checkpoint directory (its latest iteration)")
+    exp.add_argument("--load", required=True,
+                     help="checkpoint directory (its latest iteration, or --ckpt-step's)")
+    add_ckpt_step_flag(exp)
     exp.add_argument("--out", required=True, help="folder to write")
     exp.add_argument("--vocab-size", type=int, default=None,
                      help="trim the padded embedding table to the tokenizer's real vocabulary")
@@ -126,7 +129,7 @@ def _export(args) -> int:
     _world(0)
     try:
         cfg = export_hf(args.load, args.out, vocab_size=args.vocab_size, names=args.names,
-                        dtype=getattr(torch, args.dtype))
+                        dtype=getattr(torch, args.dtype), iteration=args.ckpt_step)
     finally:
         destroy()
     print(f"> wrote {args.out} ({cfg['architectures'][0]}, {cfg['total_ut_steps']} loops, vocab "

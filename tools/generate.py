@@ -28,13 +28,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
-from megaloop.inference.flags import add_generation_flags  # noqa: E402
+from megaloop.inference.flags import add_ckpt_step_flag, add_generation_flags  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True,
                    help="megaloop checkpoint directory, or a folder written by export-hf")
+    add_ckpt_step_flag(p)
     tok = p.add_argument_group("tokenizer of an exported folder without tokenizer.json")
     # Megatron-LM's name for the sentencepiece tokenizer is accepted as pretrain_looplm.py does.
     megatron_names = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
 
     try:
         check_sampling(args.temperature, args.top_k, args.top_p)
-        rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops)
+        rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
+                                      ckpt_step=args.ckpt_step)
         prompts_ids = [parse_prompt_ids(t) for t in args.prompt_ids] if args.prompt_ids else None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -107,7 +109,8 @@ def main(argv=None) -> int:
     tp = setup_processes(args.seed)
     try:
         try:
-            model, tokenizer, run = load_for_generation(args.load, tp, tokenizer=tokenizer_cfg)
+            model, tokenizer, run = load_for_generation(args.load, tp, tokenizer=tokenizer_cfg,
+                                                        ckpt_step=args.ckpt_step)
         except (ValueError, FileNotFoundError) as exc:
             print(f"error: --load {args.load}: {exc}", file=sys.stderr)
             return 2

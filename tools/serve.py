@@ -25,12 +25,14 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
-from megaloop.inference.flags import add_generation_flags  # noqa: E402
+from megaloop.inference.flags import add_ckpt_step_flag, add_generation_flags  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--load", required=True, help="megaloop checkpoint directory")
+    p.add_argument("--load", required=True,
+                   help="megaloop checkpoint directory, or a folder written by export-hf")
+    add_ckpt_step_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--model-name", default=None,
@@ -58,7 +60,8 @@ def main(argv=None) -> int:
     from megaloop.inference.loading import check_generation_flags
 
     try:
-        rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops)
+        rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
+                                      ckpt_step=args.ckpt_step)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -75,7 +78,11 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     setup_processes()
     try:
-        model, tokenizer, run = load_for_generation(args.load, 1)
+        try:
+            model, tokenizer, run = load_for_generation(args.load, 1, ckpt_step=args.ckpt_step)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"error: --load {args.load}: {exc}", file=sys.stderr)
+            return 2
         name = args.model_name or os.path.basename(os.path.normpath(args.load))
         try:
             engine = Engine(model, tokenizer, name, num_loops=args.num_loops,

@@ -182,9 +182,10 @@ def _copy_tokenizer(tokenizer_model: str | None, out_dir: str) -> None:
             shutil.copy(path, os.path.join(out_dir, name))
 
 
-def load_model(load_dir: str, tp_size: int = 1):
+def load_model(load_dir: str, tp_size: int = 1, iteration: int | None = None):
     """(model at TP = ``tp_size``, its ModelConfig, LoopConfig, saved run config) from
-    ``load_dir``'s latest checkpoint, whatever layout saved it (dist_checkpointing reshards).
+    ``load_dir``'s latest checkpoint (or that of ``iteration``: --ckpt-step), whatever layout
+    saved it (dist_checkpointing reshards).
     Collective: needs torch.distributed and megatron-core's parallel state at that TP size."""
     from megatron.core import dist_checkpointing
 
@@ -192,28 +193,30 @@ def load_model(load_dir: str, tp_size: int = 1):
     from megaloop.training.checkpointing import (checkpoint_dir, load_checkpoint,
                                                  read_run_config, read_tracker)
 
-    run = read_run_config(load_dir)
+    run = read_run_config(load_dir, iteration)
     model_cfg = config_from_dict(ModelConfig, run["model"])
     loop = config_from_dict(LoopConfig, run["loop"])
     # The padded table size is in the checkpoint itself; building with it reproduces the shape
     # whatever tokenizer files this machine has.
-    path = checkpoint_dir(load_dir, read_tracker(load_dir))
+    path = checkpoint_dir(load_dir, read_tracker(load_dir) if iteration is None else iteration)
     meta = dist_checkpointing.load_tensors_metadata(path)
     rows = meta["embedding.word_embeddings.weight"].global_shape[0]
     model = build_model(model_cfg, loop, rows, tp_size=tp_size)
-    load_checkpoint(load_dir, model, load_optim=False, load_rng=False)
+    load_checkpoint(load_dir, model, iteration=iteration, load_optim=False, load_rng=False)
     return model, model_cfg, loop, run
 
 
 def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
-              names: str = "auto", dtype: torch.dtype = torch.float32) -> dict:
-    """Write the Hugging Face folder of ``load_dir``'s latest checkpoint (see ``load_model``)."""
+              names: str = "auto", dtype: torch.dtype = torch.float32,
+              iteration: int | None = None) -> dict:
+    """Write the Hugging Face folder of ``load_dir``'s latest checkpoint, or that of
+    ``iteration`` (see ``load_model``)."""
     from megaloop.training.checkpointing import read_run_config
 
-    run = read_run_config(load_dir)
+    run = read_run_config(load_dir, iteration)
     check_exportable(config_from_dict(ModelConfig, run["model"]),  # before the slow load
                      config_from_dict(LoopConfig, run.get("loop", {})))
-    model, model_cfg, loop, run = load_model(load_dir)
+    model, model_cfg, loop, run = load_model(load_dir, iteration=iteration)
     tok = run.get("tokenizer", {})
     tokenizer_model = tok.get("tokenizer_model") if tok.get("tokenizer_type") == \
         "HuggingFaceTokenizer" else None

@@ -5,6 +5,8 @@ Importing this module registers the model (lm-eval registers models by import;
 (``--model_args key=value,...``):
 
 - ``load``: a megaloop checkpoint directory or an exported Hugging Face folder (required);
+- ``ckpt_step``: the checkpoint iteration to load (the trainer's ``--ckpt-step``; default: the
+  latest);
 - ``num_loops``: inference depth (default: the trained loop count);
 - ``exit``: early-exit rule, ``q:<q>`` | ``kl:<eps>`` | ``fixed:<n>`` (default: none, all steps):
   log-likelihoods read each token at its teacher-forced exit step, generation exits per token;
@@ -44,7 +46,7 @@ class ModelArgsError(ValueError):
 
 # The keys MegaloopLM takes (batch_size also arrives from lm-eval's --batch_size); a refused
 # key's message lists them.
-MODEL_ARGS = ("load", "num_loops", "exit", "kv_policy", "max_length", "max_gen_toks",
+MODEL_ARGS = ("load", "ckpt_step", "num_loops", "exit", "kv_policy", "max_length", "max_gen_toks",
               "tokenizer_type", "tokenizer_model", "vocab_size", "seed", "batch_size")
 
 
@@ -82,7 +84,8 @@ def check_model_args(unknown: dict, *, load, max_length, batch_size, max_gen_tok
 class MegaloopLM(TemplateLM):
     """A looped LM trained by megaloop, in lm-eval's interface."""
 
-    def __init__(self, load: Optional[str] = None, num_loops: Optional[int] = None,
+    def __init__(self, load: Optional[str] = None, ckpt_step: Optional[int] = None,
+                 num_loops: Optional[int] = None,
                  exit: Optional[str] = None, kv_policy: str = "full",
                  max_length: Optional[int] = None, batch_size=1, max_gen_toks: int = 256,
                  tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
@@ -100,7 +103,8 @@ class MegaloopLM(TemplateLM):
                          max_gen_toks=max_gen_toks, max_batch_size=max_batch_size,
                          device=device)
         try:
-            rule = check_generation_flags(load, kv_policy, exit, num_loops, spell=str)
+            rule = check_generation_flags(load, kv_policy, exit, num_loops, spell=str,
+                                          ckpt_step=ckpt_step)
         except ValueError as exc:
             raise ModelArgsError(str(exc)) from None
         tokenizer_cfg = None
@@ -115,7 +119,8 @@ class MegaloopLM(TemplateLM):
             if setup_processes(int(seed)) != 1:
                 raise ValueError("the megaloop lm-eval model runs in one process (TP = 1); "
                                  "launch without torchrun")
-        self.model, self.tokenizer_, run = load_for_generation(load, 1, tokenizer=tokenizer_cfg)
+        self.model, self.tokenizer_, run = load_for_generation(load, 1, tokenizer=tokenizer_cfg,
+                                                               ckpt_step=ckpt_step)
         self.vocab_size = self.tokenizer_.vocab_size
         self.num_loops = num_loops or self.model.loop.num_loops
         self.rule = rule

@@ -18,6 +18,15 @@ def cli_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def add_ckpt_step_flag(p: argparse.ArgumentParser) -> None:
+    """--ckpt-step, defined once for the trainer and every tool that takes --load (the field
+    CheckpointConfig.ckpt_step): the step a damaged checkpoint's error suggests loads with it."""
+    from megaloop.arguments import add_dataclass_args
+    from megaloop.training.config import CheckpointConfig
+
+    add_dataclass_args(p, CheckpointConfig, only=("ckpt_step",))
+
+
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
     """--num-loops, --kv-policy, --exit (checked by loading.check_generation_flags)."""
     p.add_argument("--num-loops", type=int, default=None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from megaloop.inference.flags import check_num_loops, cli_name
 
@@ -35,12 +36,14 @@ def is_hf_folder(path: str) -> bool:
             and not os.path.isfile(os.path.join(path, CHECKPOINT_TRACKER)))
 
 
-def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None):
+def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
+                        ckpt_step: Optional[int] = None):
     """(model in eval mode on this rank's device, tokenizer, run config dict) of ``load_dir``:
-    a megaloop checkpoint (its latest iteration; the saved run config names the model and the
-    tokenizer), or a folder written by export-hf (``is_hf_folder``; config.json names the model,
-    the folder's tokenizer.json the tokenizer, else ``tokenizer``, a TokenizerConfig, is used:
-    it is ignored for checkpoints and for folders that have their own)."""
+    a megaloop checkpoint (its latest iteration, or ``ckpt_step``; the saved run config names the
+    model and the tokenizer), or a folder written by export-hf (``is_hf_folder``; config.json
+    names the model, the folder's tokenizer.json the tokenizer, else ``tokenizer``, a
+    TokenizerConfig, is used: it is ignored for checkpoints and for folders that have their
+    own)."""
     from megaloop.convert.hf_export import config_from_dict, load_model
     from megaloop.data.config import TokenizerConfig
     from megaloop.data.tokenizers import build_tokenizer
@@ -51,7 +54,7 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None):
 
         model, _, _, run = load_exported(load_dir, tp_size=tp_size, tokenizer=tokenizer)
     else:
-        model, _, _, run = load_model(load_dir, tp_size=tp_size)
+        model, _, _, run = load_model(load_dir, tp_size=tp_size, iteration=ckpt_step)
     model.to(current_device()).eval()
     tokenizer = build_tokenizer(config_from_dict(TokenizerConfig, run.get("tokenizer", {})))
     return model, tokenizer, run
@@ -73,7 +76,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def check_generation_flags(load: str, kv_policy: str, exit_text, num_loops=None,
-                           spell=cli_name):
+                           spell=cli_name, ckpt_step: Optional[int] = None):
     """The flags generate.py, serve.py and the lm-eval adapter share, checked before any model is
     loaded: the early-exit rule (or None); ValueError naming the flag otherwise."""
     from megaloop.inference.early_exit import parse_exit
@@ -83,6 +86,16 @@ def check_generation_flags(load: str, kv_policy: str, exit_text, num_loops=None,
     if kv_policy != "none":
         parse_policy(kv_policy)
     rule = parse_exit(exit_text)
-    if not os.path.isdir(load):
-        raise ValueError(f"--load {load}: no such directory")
+    check_load(load, ckpt_step, spell)
     return rule
+
+
+def check_load(load: str, ckpt_step: Optional[int] = None, spell=cli_name) -> None:
+    """``load`` is a directory; ``ckpt_step`` (a step of a megaloop checkpoint directory, whose
+    folder the load itself checks, naming the steps there) is not given for an exported
+    folder, which holds one set of weights."""
+    if not os.path.isdir(load):
+        raise ValueError(f"{spell('load')} {load}: no such directory")
+    if ckpt_step is not None and is_hf_folder(load):
+        raise ValueError(f"{spell('ckpt_step')} {ckpt_step}: {load} is an exported folder (one "
+                         f"set of weights, no checkpoint steps); leave it out")
