@@ -24,6 +24,9 @@ def main(argv=None) -> int:
 
     startup = StartupTimer()  # the first phase counts from the process's start
     cfg = parse_args(argv)
+    # TE's attention switches for --attention-backend, before anything imports megatron-core
+    # (whose import imports Transformer Engine); validate() sets them again.
+    runtime.set_attention_backend_env(cfg.model.attention_backend)
     runtime.quiet_megatron()  # validate() may import megatron-core; filter its warnings first
     try:
         from megaloop.parallel.initialize import single_process_env

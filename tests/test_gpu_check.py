@@ -275,6 +275,32 @@ def test_attention_backend_environment_is_set_before_te_is_imported(monkeypatch)
     assert seen and seen[0] == ("0", "1", "0")
 
 
+def test_trainer_sets_the_attention_backend_before_megatron_core_imports_te():
+    """pretrain_looplm.py: ``import megatron.core`` imports Transformer Engine (its utils try
+    it), so the variables are set right after argument parsing. A fresh interpreter records them
+    at the first attempt to import TE."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        seen = []
+        class RecordTEImport:
+            def find_spec(self, name, path=None, target=None):
+                if name == "transformer_engine" and not seen:
+                    seen.append(tuple(os.environ.get(n) for n in {NVTE!r}))
+                return None
+        sys.meta_path.insert(0, RecordTEImport())
+        sys.path.insert(0, {ROOT!r})
+        import pretrain_looplm
+        rc = pretrain_looplm.main(["--attention-backend", "unfused", "--mock-data",
+                                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"])
+        print("RESULT", rc, seen)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in NVTE}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300).stdout
+    # On CPU the local spec refuses a TE backend (exit 2), after megatron-core was imported.
+    assert "RESULT 2 [('0', '0', '1')]" in out, out
+
+
 def test_context_parallel_without_bf16_is_refused(monkeypatch):
     from megaloop.training.run_config import parse_args
 
