@@ -1,8 +1,10 @@
 """tools/evaluate.py and tools/plot_run.py on a tiny trained checkpoint.
 
-The depth sweep at the training depth must give the trainer's own validation numbers for the same
-samples (its final evaluation, logged to --log-jsonl): per-step losses, the objective and the loop
-geometry; TP=2 must give the TP=1 numbers; the report must hold every depth with its regime.
+The depth sweep at the training depth must give the trainer's own validation numbers (logged to
+--log-jsonl) by default: per-step losses, the objective and the loop geometry of its final
+evaluation for the last checkpoint, of its evaluation at iteration N for --ckpt-step N (each
+evaluation reads the next samples of the validation split); TP=2 must give the TP=1 numbers; the
+report must hold every depth with its regime.
 """
 
 import json
@@ -23,7 +25,7 @@ TRAIN = [*TEST_FLAGS,
          "4", "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--log-interval", "1",
-         "--eval-iters", "2", "--eval-interval", "100", "--split", "70,30,0"]
+         "--eval-iters", "2", "--eval-interval", "1", "--split", "70,30,0"]
 
 
 def _write_dataset(prefix: str) -> None:
@@ -67,14 +69,15 @@ def _tool(rank, world, name, argv, out_path):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """(checkpoint, data prefix, JSONL log) of a 3-iteration run whose only validation is the
-    final one (--eval-interval > --train-iters): the first --eval-iters batches of its split."""
+    """(checkpoint, data prefix, JSONL log) of a 3-iteration run validated and saved at every
+    iteration: its evaluations at iterations 1, 2 and 3 (the final one) read the first, second
+    and third --eval-iters batches of its split."""
     tmp = tmp_path_factory.mktemp("evaluate")
     prefix = str(tmp / "data_text_document")
     run_distributed(lambda rank, world: _write_dataset(prefix), 1)
     ckpt, log = str(tmp / "ckpt"), str(tmp / "run.jsonl")
     run_distributed(_train, 1, TRAIN + ["--data-path", prefix, "--save", ckpt,
-                                        "--log-jsonl", log])
+                                        "--save-interval", "1", "--log-jsonl", log])
     return ckpt, prefix, log
 
 
@@ -90,11 +93,14 @@ def _sweep(tmp_path, ckpt, world, *extra):
 
 def test_training_depth_equals_trainer_validation(run, tmp_path):
     ckpt, _, log = run
-    valid = [json.loads(line) for line in open(log) if '"valid"' in line]
-    assert len(valid) == 1  # the final evaluation only
-    valid = valid[0]
+    valids = [json.loads(line) for line in open(log) if '"valid"' in line]
+    assert [v["iteration"] for v in valids] == [1, 2, 3]
+    # Each evaluation read other samples: a sweep of one fixed window cannot match them all.
+    assert len({round(v["loss"], 6) for v in valids}) == 3
+    valid = valids[-1]  # the run's final validation, of the weights in the latest checkpoint
     sweep, out, stdout = _sweep(tmp_path, ckpt, 1, "--num-loops", "1,3,6",
                                 "--exit-rules", "q:0.5,kl:0")
+    assert "samples 16-23 (window 3: the trainer's 3rd evaluation, at iteration 3;" in stdout
     by_depth = {d["depth"]: d for d in sweep["depths"]}
     assert [d["regime"] for d in sweep["depths"]] == \
         ["under-unrolling", "training horizon", "extrapolation"]
@@ -290,3 +296,24 @@ def test_task_accuracy_equals_greedy_decoding(run):
     # k = 1 items are the even ones (the model's own answers), k = 2 the altered ones.
     for family in acc["by_family"].values():
         assert family == {1: 1.0, 2: 0.0}
+
+
+def test_ckpt_step_scores_what_the_trainer_scored_then(run, tmp_path):
+    """--ckpt-step N loads iteration N, scored by default on the samples of the trainer's
+    evaluation at N: its logged validation loss; --valid-window picks another evaluation's."""
+    ckpt, _, log = run
+    valids = {v["iteration"]: v for v in map(json.loads, open(log)) if v.get("split") == "valid"}
+    for step in (1, 2):
+        (tmp_path / f"s{step}").mkdir()
+        sweep, _, stdout = _sweep(tmp_path / f"s{step}", ckpt, 1, "--ckpt-step", str(step),
+                                  "--num-loops", "3", "--plots", "false", "--exit-rules", "none")
+        np.testing.assert_allclose(sweep["depths"][0]["objective"], valids[step]["loss"],
+                                   rtol=1e-5)
+        assert f"the trainer's {['1st', '2nd'][step - 1]} evaluation, at iteration {step}" \
+            in stdout
+    # The latest weights on the first window are not what any evaluation of them scored.
+    (tmp_path / "w1").mkdir()
+    sweep, _, stdout = _sweep(tmp_path / "w1", ckpt, 1, "--valid-window", "1", "--num-loops",
+                              "3", "--plots", "false", "--exit-rules", "none")
+    assert "samples 0-7 (window 1" in stdout
+    assert sweep["depths"][0]["objective"] != pytest.approx(valids[3]["loss"], rel=1e-4)

@@ -5,11 +5,15 @@ rules and the recurrence's geometry, as a table, a JSON file and plots.
     python tools/evaluate.py --load CKPT --input-file heldout.jsonl --seq-length 256 --output-dir D
     torchrun --nproc_per_node 2 tools/evaluate.py --load CKPT ...        # tensor parallel
 
-Data: the checkpoint's validation split (its --data-path and --split, the trainer's sample order:
-the samples of its first evaluation), or ``--data-path``/``--split``, ``--mock-data``, or
-``--input-file`` (JSONL or text, tokenized on the fly). ``--task-file`` adds the accuracy on
-held-out problems (``tools/make_demo_corpus.py --tasks-output``) by family and k. ``--seq-length``, ``--micro-batch-size``,
-``--global-batch-size``, ``--eval-iters`` and the tokenizer flags default to the checkpoint's.
+Data: the checkpoint's validation split (its --data-path and --split, in the trainer's sample
+order: the samples the trainer's evaluation of these weights scored, so at a finished run's last
+checkpoint the loss at the trained depth is the run's final validation loss; ``--valid-window K``
+picks the K-th evaluation's; the report names the samples), or ``--data-path``/``--split``,
+``--mock-data``, or ``--input-file`` (JSONL or text, tokenized on the fly). ``--task-file`` adds
+the accuracy on held-out problems (``tools/make_demo_corpus.py --tasks-output``) by family and k.
+``--seq-length``, ``--micro-batch-size``, ``--global-batch-size``, ``--eval-iters`` and the
+tokenizer flags default to the checkpoint's. ``--ckpt-step N`` loads iteration N instead of the
+latest.
 Writes ``depth_sweep.md``, ``depth_sweep.json``, ``loss_vs_depth.png`` and
 ``exit_distribution.png`` (gated models) into ``--output-dir``.
 """
@@ -27,11 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megaloop import runtime  # noqa: E402
 from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
 from megaloop.eval.config import EvalConfig, parse_rules  # noqa: E402
+from megaloop.inference.flags import add_ckpt_step_flag  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     add_dataclass_args(p, EvalConfig)
+    add_ckpt_step_flag(p)
     return p
 
 
@@ -48,7 +54,9 @@ def _tokenizer_override(cfg: EvalConfig):
 
 
 def main(argv=None) -> int:
-    cfg = dataclass_from_args(EvalConfig, build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    cfg = dataclass_from_args(EvalConfig, args)
+    cfg.ckpt_step = args.ckpt_step
     try:
         cfg.validate()
         tokenizer_cfg = _tokenizer_override(cfg)
@@ -67,14 +75,16 @@ def main(argv=None) -> int:
     from megaloop.eval import report
     from megaloop.eval.data import held_out_batches
     from megaloop.eval.sweep import default_rules, sweep
-    from megaloop.inference.loading import load_for_generation, setup_processes
+    from megaloop.inference.loading import is_hf_folder, load_for_generation, setup_processes
+    from megaloop.training.checkpointing import read_tracker
     from megaloop.parallel import initialize
 
     tp = setup_processes(cfg.seed)
     try:
         start = time.time()
         try:
-            model, tokenizer, run = load_for_generation(cfg.load, tp, tokenizer=tokenizer_cfg)
+            model, tokenizer, run = load_for_generation(cfg.load, tp, tokenizer=tokenizer_cfg,
+                                                        ckpt_step=cfg.ckpt_step)
             if tokenizer_cfg is not None:
                 tokenizer = build_tokenizer(tokenizer_cfg)
                 run = {**run, "tokenizer": dataclasses.asdict(tokenizer_cfg)}
@@ -82,7 +92,11 @@ def main(argv=None) -> int:
             depths = cfg.depths or list(range(1, 2 * trained + 1))
             rules = parse_rules(cfg.exit_rules)
             rules = default_rules(model) if rules is None else rules
-            batches, shape, data = held_out_batches(cfg, run, tokenizer)
+            iteration = None
+            if not is_hf_folder(cfg.load):
+                iteration = cfg.ckpt_step if cfg.ckpt_step is not None else \
+                    read_tracker(cfg.load)
+            batches, shape, data = held_out_batches(cfg, run, tokenizer, iteration)
             tasks = None
             if cfg.task_file:
                 from megaloop.eval.tasks import encode, read_tasks

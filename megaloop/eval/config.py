@@ -37,9 +37,15 @@ class EvalConfig:
 
     data_path: Optional[list[str]] = None
     """Preprocessed dataset prefix(es) (Megatron blend syntax); default: the checkpoint's, whose
-    validation split is then scored in the trainer's sample order (the samples of its first
-    evaluation). Given here, the first samples of the split's own order are scored, the same
+    validation split is then scored in the trainer's sample order (the samples its evaluation of
+    the loaded weights scored: for a finished run's last checkpoint, those of its final
+    validation). Given here, the first samples of the split's own order are scored, the same
     whatever run trained the model."""
+
+    valid_window: Optional[int] = None
+    """Score the K-th window of --eval-iters x --global-batch-size validation samples (1-based;
+    the trainer's K-th evaluation read window K) instead of the default: the window of the
+    trainer's evaluation of the loaded weights (window 1 with --data-path or --mock-data)."""
 
     split: Optional[str] = None
     """Train/valid/test split of --data-path (default: the checkpoint's)."""
@@ -93,6 +99,10 @@ class EvalConfig:
     seed: int = 1234
     """Seed of megatron-core's model-parallel RNG (evaluation draws nothing at random)."""
 
+    ckpt_step: Optional[int] = field(default=None, metadata={"cli": False})
+    """(from --ckpt-step, the trainer's flag: megaloop.inference.flags.add_ckpt_step_flag) the
+    checkpoint iteration to load instead of the latest."""
+
     depths: list[int] = field(default_factory=list, metadata={"cli": False})
     """(derived) the parsed --num-loops; empty: 1..2T once T is known."""
 
@@ -100,8 +110,9 @@ class EvalConfig:
         """Raise ValueError naming the flag; touches the file system only."""
         if not self.load:
             raise ValueError("--load is required: a checkpoint directory or an exported folder")
-        if not os.path.isdir(self.load):
-            raise ValueError(f"--load {self.load}: no such directory")
+        from megaloop.inference.loading import check_load
+
+        check_load(self.load, self.ckpt_step)
         if not self.output_dir:
             raise ValueError("--output-dir is required: where the table and plots go")
         self.depths = parse_depths(self.num_loops)
@@ -115,7 +126,11 @@ class EvalConfig:
             raise ValueError(f"--task-file {self.task_file}: no such file")
         if self.input_file and not os.path.isfile(self.input_file):
             raise ValueError(f"--input-file {self.input_file}: no such file")
-        for flag, value in (("--seq-length", self.seq_length),
+        if self.valid_window is not None and self.input_file:
+            raise ValueError("--valid-window picks validation samples; --input-file is scored "
+                             "whole: choose one")
+        for flag, value in (("--valid-window", self.valid_window),
+                            ("--seq-length", self.seq_length),
                             ("--micro-batch-size", self.micro_batch_size),
                             ("--global-batch-size", self.global_batch_size),
                             ("--eval-iters", self.eval_iters)):

@@ -3,8 +3,8 @@ file tokenized on the fly.
 
 ``validation_batches`` builds the validation split exactly as the trainer does (the same dataset
 builder, seed, sequence length and number of requested samples, so megatron-core's sample index
-and shuffle are the same) and reads its first ``eval_iters x global_batch_size`` samples: the
-samples of the trainer's first evaluation. ``file_batches`` cuts the token stream of a file into
+and shuffle are the same) and reads the ``eval_iters x global_batch_size`` samples the trainer's
+evaluation of the loaded weights read (``trainer_window``). ``file_batches`` cuts the token stream of a file into
 windows of ``seq_length + 1`` tokens (inputs and shifted labels), as a GPT dataset sample.
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Optional
+
 import torch
 
 from megaloop.eval.config import EvalConfig
@@ -75,13 +77,38 @@ def data_config(cfg: EvalConfig, run: dict):
     return data
 
 
-def validation_batches(cfg: EvalConfig, run: dict, tokenizer, shape: Shape) -> list[dict]:
-    """The micro-batches of the trainer's first evaluation (on this rank's device)."""
+def trainer_window(training: dict, iteration: Optional[int]) -> int:
+    """0-based index of the validation window (``eval_iters x global_batch_size`` samples) the
+    trainer scored with the weights of ``iteration``. The trainer evaluates after every multiple
+    of --eval-interval below --train-iters and once at the end, each evaluation reading the next
+    window of one cyclic stream (megaloop/training/trainer.py, ``valid_consumed``); so the
+    evaluation at iteration S is preceded by (S - 1) // interval others. For an S at which it
+    did not evaluate, this is the window its next evaluation would have read."""
+    interval = int(training.get("eval_interval") or 0)
+    if not iteration or interval < 1:
+        return 0
+    return (iteration - 1) // interval
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def validation_batches(cfg: EvalConfig, run: dict, tokenizer, shape: Shape,
+                       iteration: Optional[int] = None) -> tuple[list[dict], str]:
+    """(the micro-batches of window ``cfg.valid_window`` (1-based), default the window of the
+    trainer's evaluation of ``iteration``'s weights, on this rank's device; which samples they
+    are, in words)."""
     from megaloop.data.datasets import build_data_iterator, build_train_valid_test_datasets
 
     data = data_config(cfg, run)
     training = run.get("training", {})
     wanted = shape.eval_iters * shape.global_batch_size
+    own_data = not (cfg.data_path or cfg.mock_data)
+    if cfg.valid_window is not None:
+        window = cfg.valid_window - 1
+    else:
+        window = trainer_window(training, iteration) if own_data else 0
     # The trainer asks for this many validation samples; asking for the same number keeps
     # megatron-core's sample index (epochs, shuffle) and so the samples themselves identical.
     # (A converted checkpoint's run config has no schedule: its fields are None.)
@@ -95,12 +122,26 @@ def validation_batches(cfg: EvalConfig, run: dict, tokenizer, shape: Shape) -> l
         trainer_count = 0
     seed = int(training.get("seed") or cfg.seed)
     _, valid, _ = build_train_valid_test_datasets(
-        data, tokenizer, shape.seq_length, seed, (0, max(trainer_count, wanted), 0))
+        data, tokenizer, shape.seq_length, seed,
+        (0, max(trainer_count, (window + 1) * wanted), 0))
     if valid is None or len(valid) == 0:
         raise ValueError("the data has no validation split: pass --split with a non-zero "
                          "valid part (e.g. --split 98,2,0) or --input-file")
-    it = build_data_iterator(valid, 0, shape.micro_batch_size, 0, 1, cyclic=True)
-    return [next(it) for _ in range(wanted // shape.micro_batch_size)]
+    # The trainer's stream is cyclic: a window past the end wraps to the start, as there.
+    it = build_data_iterator(valid, window * wanted, shape.micro_batch_size, 0, 1, cyclic=True)
+    batches = [next(it) for _ in range(wanted // shape.micro_batch_size)]
+    which = f"samples {window * wanted}-{(window + 1) * wanted - 1} (window {window + 1}"
+    interval = int(training.get("eval_interval") or 0)
+    end = int(training.get("train_iters") or 0)
+    if own_data and interval >= 1 and training.get("eval_iters") and end:
+        evaluations = (end - 1) // interval + 1  # every multiple below the end, then the end
+        if window < evaluations:
+            at = min((window + 1) * interval, end)
+            which += f": the trainer's {_ordinal(window + 1)} evaluation, at iteration {at}"
+        else:
+            which += f": past the trainer's {evaluations} evaluations"
+    which += "; --valid-window K scores another)"
+    return batches, which
 
 
 def read_documents(path: str, json_key: str) -> list[str]:
@@ -151,17 +192,21 @@ def file_batches(cfg: EvalConfig, tokenizer, shape: Shape) -> list[dict]:
     return batches
 
 
-def held_out_batches(cfg: EvalConfig, run: dict, tokenizer) -> tuple[list[dict], Shape, str]:
-    """(micro-batches, their shape, a one-line description of the data)."""
+def held_out_batches(cfg: EvalConfig, run: dict, tokenizer, iteration: Optional[int] = None
+                     ) -> tuple[list[dict], Shape, str]:
+    """(micro-batches, their shape, a one-line description of the data). ``iteration``: that of
+    the loaded checkpoint (None for an exported folder)."""
     shape = resolve_shape(cfg, run)
+    which = ""
     if cfg.input_file:
         batches = file_batches(cfg, tokenizer, shape)
         what = f"{cfg.input_file}"
     else:
-        batches = validation_batches(cfg, run, tokenizer, shape)
+        batches, which = validation_batches(cfg, run, tokenizer, shape, iteration)
+        which = f", {which}"
         data = data_config(cfg, run)
         what = "mock data" if data.mock_data else \
             f"validation split {data.split} of {' '.join(data.data_path or data.valid_data_path)}"
     n = sum(b["tokens"].size(0) for b in batches)
-    return batches, shape, f"{what}: {n} sequences of {shape.seq_length} tokens"
+    return batches, shape, f"{what}: {n} sequences of {shape.seq_length} tokens{which}"
 

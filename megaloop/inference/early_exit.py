@@ -55,6 +55,13 @@ def parse_exit(text: Optional[str]) -> Optional[ExitRule]:
     return rule
 
 
+def successive_kl(logp: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """KL(p_t || p_{t-1}) over the last dimension, from log-probs. Clamped at 0: where two steps
+    agree to rounding (a recurrence at its fixed point) the sum can come out at -1e-9, and
+    ``kl:0`` ("never exit early") must not then exit."""
+    return (logp.exp() * (logp - previous)).sum(-1).clamp_min(0)
+
+
 def full_vocab_log_probs(logits: torch.Tensor) -> torch.Tensor:
     """Vocab-parallel logits [..., v/tp] -> full log-probabilities [..., V] (fp32)."""
     from megatron.core import tensor_parallel
@@ -87,8 +94,7 @@ class _Decision:
                                         device=logp.device)
             stop = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
         else:
-            kl = (logp.exp() * (logp - self.previous[rows])).sum(-1)
-            stop = kl < value
+            stop = successive_kl(logp, self.previous[rows]) < value
         self.previous[rows] = logp
         return stop
 
@@ -175,7 +181,7 @@ class _TeacherForced:
         if logp is None:
             logp = full_vocab_log_probs(out.logits).transpose(0, 1)
         stop = torch.zeros(shape, dtype=torch.bool, device=logp.device) \
-            if self.previous is None else (logp.exp() * (logp - self.previous)).sum(-1) < rule.value
+            if self.previous is None else successive_kl(logp, self.previous) < rule.value
         self.previous = logp
         return stop
 
