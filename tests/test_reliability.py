@@ -112,10 +112,11 @@ def test_diverged_run_stops_after_skipped_steps_in_a_row(tmp_path):
     assert [r["grad_norm"] is None for r in train] == [False, True, True, True]  # NaN: null
     result = json.loads(status.read_text())
     assert result["status"] == "failed" and "--max-skipped-steps-in-a-row 3" in result["reason"]
-    # The weights saved at iterations 2 and 3 are iteration 1's (skipped steps change nothing):
-    # finite; iteration 4 was not saved.
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert not (ckpt / "iter_0000004").exists()
+    # Nothing was saved while skipping; the checkpoint of iteration 1, whose weights every
+    # skipped step started from, is set aside: no checkpoint is left to resume from.
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001.diverged"]
+    assert "set aside" in result["reason"] and "No checkpoint was saved before them" in \
+        result["reason"] and result["checkpoint_iteration"] is None
 
 
 def test_nonfinite_weights_are_never_saved(tmp_path):

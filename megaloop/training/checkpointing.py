@@ -271,6 +271,41 @@ def remove_stale_saves(save_dir: str) -> list:
     return removed
 
 
+def set_aside_diverged(save_dir: str, iteration: int) -> Optional[int]:
+    """Collective, when a run stops because the steps right after checkpoint ``iteration`` were
+    all non-finite: those weights are what diverged, so rank 0 renames the folder to
+    ``iter_XXXXXXX.diverged`` (kept for inspection, never loaded) and names the newest earlier
+    checkpoint in the tracker (or removes the tracker when there is none). Returns the
+    iteration ``latest`` names now, or None."""
+    earlier = [i for i in available_iterations(save_dir) if i < iteration]
+    error = None
+    if torch.distributed.get_rank() == 0:
+        try:
+            folder = checkpoint_dir(save_dir, iteration)
+            shutil.rmtree(folder + ".diverged", ignore_errors=True)
+            os.rename(folder, folder + ".diverged")
+            if earlier:
+                _write_tracker(save_dir, earlier[-1])
+            elif os.path.exists(os.path.join(save_dir, TRACKER)):
+                os.remove(os.path.join(save_dir, TRACKER))
+        except OSError as exc:
+            error = exc
+    failures = _agree(error)
+    if failures:
+        raise CheckpointError(f"setting the diverged {checkpoint_dir(save_dir, iteration)} aside "
+                              f"failed ({failures}); do not resume from it")
+    return earlier[-1] if earlier else None
+
+
+def _write_tracker(save_dir: str, iteration: int) -> None:
+    tracker = os.path.join(save_dir, TRACKER)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker + ".tmp", tracker)  # atomic: readers see the old or the new name
+
+
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
                     run_config: dict, consumed_samples: int = 0, extra: Optional[dict] = None,
                     checksums: bool = True, save_rng: bool = True) -> str:
@@ -331,12 +366,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, schedu
             os.rename(tmp, final)
             if os.path.isdir(old):
                 shutil.rmtree(old)
-            tracker = os.path.join(save_dir, TRACKER)
-            with open(tracker + ".tmp", "w") as f:
-                f.write(str(iteration))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tracker + ".tmp", tracker)  # atomic: readers see the old or the new name
+            _write_tracker(save_dir, iteration)
         except OSError as exc:
             error = exc
     _fail_save_if_any(error, save_dir, iteration, tmp)

@@ -42,7 +42,6 @@ from megatron.core import parallel_state
 
 from megaloop.device import current_device
 from megaloop.model.recurrence import LoopVariant
-from megaloop.training.exit_conditions import RunError
 
 
 GEOMETRY_KEYS = ("angular_distance", "relative_update_norm", "state_variance")
@@ -295,23 +294,20 @@ class NonFiniteGuard:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return flag.item() == 0
 
-    def record(self, applied: bool, iteration: int, latest: Optional[int]) -> None:
-        """After each iteration: raises RunError once ``max_in_a_row`` steps in a row were skipped
-        (the same on every rank: the skip decision was collective)."""
+    def record(self, applied: bool, iteration: int) -> Optional[str]:
+        """After each iteration: once ``max_in_a_row`` steps in a row were skipped, what happened
+        (the trainer adds what is kept and how to resume, and stops the run); else None. The
+        same on every rank: the skip decision was collective."""
         if applied:
             self.in_a_row, self.first = 0, None
-            return
+            return None
         self.in_a_row += 1
         self.first = self.first or iteration
-        if self.in_a_row >= self.max_in_a_row:
-            kept = ("no checkpoint was saved" if latest is None else
-                    f"the last checkpoint is iteration {latest}")
-            raise RunError(
-                f"iterations {self.first}..{iteration}: {self.in_a_row} steps in a row were "
+        if self.in_a_row < self.max_in_a_row:
+            return None
+        return (f"iterations {self.first}..{iteration}: {self.in_a_row} steps in a row were "
                 f"skipped (non-finite loss or gradients; --max-skipped-steps-in-a-row "
-                f"{self.max_in_a_row}): the run has diverged. Stopped without saving; {kept}. "
-                "Resume from a checkpoint with a lower --lr, a longer --lr-warmup-iters or a "
-                "smaller --clip-grad")
+                f"{self.max_in_a_row}): the run has diverged")
 
 
 class LoopDiagnostics:

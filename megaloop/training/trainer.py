@@ -22,6 +22,7 @@ size and rank here exclude CP.
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
 from typing import Optional
@@ -43,7 +44,7 @@ from megaloop.model.looped_gpt import build_model
 from megaloop.model.loss import loss_func, reduce_stats
 from megaloop.training import checkpointing
 from megaloop.training.random_depth import draw_depth, no_grad_steps
-from megaloop.training.exit_conditions import ExitConditions, write_exit_status
+from megaloop.training.exit_conditions import ExitConditions, RunError, write_exit_status
 from megaloop.training.diagnostics import (GEOMETRY_KEYS, LoopDiagnostics, NonFiniteGuard,
                                            describe_samples)
 from megaloop.training.startup import StartupTimer
@@ -182,6 +183,7 @@ class Trainer:
         self.startup.mark("optimizer")
         self.iteration, self.consumed_samples, self.skipped = 0, 0, 0
         self.last_saved = None
+        self.save_due = False  # a --save-interval save that fell on skipped steps
         self.logger = MetricsLogger(cfg.logging, cfg.to_dict(),
                                     is_writer=torch.distributed.get_rank() == 0)
         self.forward_backward = get_forward_backward_func()
@@ -378,8 +380,16 @@ class Trainer:
         finally:
             exits.uninstall()
         ck = self.cfg.checkpoint
-        if ck.save and self.last_saved != self.iteration:
-            self.save()
+        saved = bool(ck.save) and self.last_saved == self.iteration
+        if ck.save and not saved:
+            if self.guard.in_a_row:  # the run ends on skipped steps: nothing saved (see above)
+                self.logger.print(
+                    f"> not saving iteration {self.iteration}: its last {self.guard.in_a_row} "
+                    f"steps were skipped (non-finite loss or gradients); {checkpointing.TRACKER} "
+                    f"names {self.last_saved}")
+            else:
+                self.save()
+                saved = True
         if reason is None:
             self.log_eval()
         else:
@@ -389,12 +399,37 @@ class Trainer:
             # --kill-on-bad-exit) may kill the others, rank 0 included.
             if torch.distributed.get_rank() == 0:
                 status = "completed" if reason is None else (
-                    "saved-and-stopped" if ck.save else "stopped")
+                    "saved-and-stopped" if saved else "stopped")
                 write_exit_status(ck.exit_status_file, status, reason or "trained to "
                                   "--train-iters", self.iteration, self.last_saved)
             torch.distributed.barrier()
         self.logger.close()
         return reason
+
+    def _after_divergence(self) -> str:
+        """The second half of the stop message of a diverged run: what is kept, how to resume.
+        Collective (all ranks stop at the same step). When the skipped steps began right after a
+        checkpoint, that checkpoint's weights are the ones that diverged: it is set aside and
+        `latest` goes back to the one before (``checkpointing.set_aside_diverged``)."""
+        ck, lr = self.cfg.checkpoint, self.cfg.optim.lr
+        lower = f"--lr {lr / 10:g} --override-opt_param-scheduler"
+        text = "Nothing was saved while steps were skipped"
+        if ck.save and self.last_saved is not None and self.last_saved == self.guard.first - 1:
+            was = checkpointing.checkpoint_dir(ck.save, self.last_saved)
+            self.last_saved = checkpointing.set_aside_diverged(ck.save, self.last_saved)
+            text += (f"; {was}, saved right before them from the weights that gave them, is set "
+                     f"aside as {os.path.basename(was)}.diverged")
+        if self.last_saved is not None:
+            return (f"{text}. {checkpointing.TRACKER} in {ck.save} names iteration "
+                    f"{self.last_saved}, from before the skipped steps: resume from it with a "
+                    f"lower LR, e.g. --load {ck.save} {lower} (or a longer --lr-warmup-iters, a "
+                    f"smaller --clip-grad)")
+        if self.load_info is not None and ck.load != ck.save:
+            return (f"{text}. This run saved no checkpoint before them: resume from --load "
+                    f"{ck.load} (iteration {self.load_info['iteration']}) with a lower LR, e.g. "
+                    f"{lower}")
+        return (f"{text}. No checkpoint was saved before them: start again with a lower LR "
+                f"(e.g. --lr {lr / 10:g}), a longer --lr-warmup-iters or a smaller --clip-grad")
 
     def _train_loop(self, exits: ExitConditions) -> Optional[str]:
         tr, log, ck = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
@@ -453,11 +488,19 @@ class Trainer:
                 self.logger.log(record, line=line)
                 window_start, window_iters, window_flops, window_samples = time.time(), 0, 0.0, 0
             # After the log line, so the skipped steps show before the run stops.
-            self.guard.record(applied, self.iteration, self.last_saved)
+            diverged = self.guard.record(applied, self.iteration)
+            if diverged:
+                raise RunError(f"{diverged}. {self._after_divergence()}")
             if self.iteration % tr.eval_interval == 0 and self.iteration < tr.train_iters:
                 self.log_eval()
-            if ck.save and ck.save_interval and self.iteration % ck.save_interval == 0:
-                self.save()
+            if ck.save and ck.save_interval and (self.iteration % ck.save_interval == 0
+                                                 or self.save_due):
+                # Nothing is saved while steps are being skipped (`latest` stays on the weights
+                # from before them); a save that falls there is made after the first step
+                # applied again.
+                self.save_due = not applied
+                if applied:
+                    self.save()
             reason = exits.reason(self.iteration)
             if reason is not None:
                 return reason
