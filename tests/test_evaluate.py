@@ -317,3 +317,41 @@ def test_ckpt_step_scores_what_the_trainer_scored_then(run, tmp_path):
                               "3", "--plots", "false", "--exit-rules", "none")
     assert "samples 0-7 (window 1" in stdout
     assert sweep["depths"][0]["objective"] != pytest.approx(valids[3]["loss"], rel=1e-4)
+
+
+def test_plot_of_a_diverged_run_marks_non_finite_points_and_labels_every_line(tmp_path):
+    """A run whose loss turned NaN, then infinite, then was logged as null (the trainer writes
+    non-finite values as null): the loss and gradient-norm panels mark those iterations at their
+    top edge, and every line of every panel is labelled in its panel's legend."""
+    from megaloop.eval.run_plot import draw_run, read_run
+
+    nan, inf = float("nan"), float("inf")
+    losses = [3.0, 2.9, nan, inf, None, None]
+    grads = [1.0, 1.1, nan, None, None, None]
+    lines = []
+    for i, (loss, grad) in enumerate(zip(losses, grads), start=1):
+        lines.append({"iteration": i, "split": "train", "loss": loss,
+                      "step_losses": [loss, loss], "exit_probs": [0.5, 0.5], "p0": 0.5,
+                      "p0_collapse_iters": 0, "grad_norm": grad, "skipped_iters": max(i - 2, 0),
+                      "lr": 1e-3, "tokens_per_sec": 100.0, "mem_gib": 1.0, "loss_spikes": 0})
+    lines.append({"iteration": 4, "split": "valid", "loss": None, "step_losses": [None, None]})
+    log = tmp_path / "diverged.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in lines) + "\n")  # NaN and Infinity as json
+    fig, _ = draw_run(read_run(str(log)))
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    for ax in fig.axes:
+        owner = next(p for p in panels.values() if p.bbox.bounds == ax.bbox.bounds)
+        legend = owner.get_legend()
+        shown = [t.get_text() for t in legend.get_texts()] if legend else []
+        for line in ax.get_lines():
+            assert not line.get_label().startswith("_"), (owner.get_title(), line.get_label())
+            assert line.get_label() in shown, (owner.get_title(), line.get_label(), shown)
+
+    def marks(panel, label):
+        (line,) = [x for x in panels[panel].get_lines() if x.get_label() == label]
+        return list(line.get_xdata())
+
+    assert marks("loss", "train loss non-finite (4)") == [3, 4, 5, 6]
+    assert marks("loss", "valid loss non-finite (1)") == [4]
+    assert marks("gradient norm", "grad norm non-finite (4)") == [3, 4, 5, 6]
+    assert marks("loss", "train objective") == [1, 2]  # the finite points stay a line

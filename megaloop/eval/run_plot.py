@@ -6,6 +6,10 @@ over time, p0 against the collapse threshold, the gradient norm, per-step gradie
 passes, throughput and memory, and the stability counters. Every key the trainer logs is either
 drawn or listed in ``NOT_DRAWN`` with the reason; a key this module does not know is reported, so
 a new logged field cannot go unseen.
+
+A diverged run logs NaN and infinity as null (megaloop/training/metrics.py): such points of the
+loss and the gradient norm are marked at the top edge of their panel ("non-finite"), so a run that
+diverged at once does not draw an empty panel. Every line has a label in its panel's legend.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ NOT_DRAWN = {
     "ms_per_iter": "the inverse of tokens_per_sec (drawn)",
     "tflops_per_gpu": "proportional to tokens_per_sec at a fixed depth",
     "depth": "the loop count of the step (constant unless random depth is on)",
+    "startup_s": "start-up seconds of a process (its first record): printed in the log",
 }
 
 
@@ -71,10 +76,42 @@ def unknown_keys(records: list[dict]) -> list[str]:
     return sorted(keys - set(DRAWN) - set(NOT_DRAWN))
 
 
+def _finite(value) -> bool:
+    """A drawable value: a finite number, or a list (per-step values, checked one by one)."""
+    if isinstance(value, list):
+        return True
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _series(records, key):
-    """(iterations, values) of the records holding a non-null ``key``."""
-    pairs = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
+    """(iterations, values) of the records holding a finite ``key``."""
+    pairs = [(r["iteration"], r[key]) for r in records if key in r and _finite(r[key])]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _non_finite(records, key) -> list:
+    """Iterations whose record has ``key`` without a finite value (NaN and infinity are logged as
+    null; a hand-written file may hold NaN or Infinity)."""
+    return [r["iteration"] for r in records if key in r and not _finite(r[key])]
+
+
+def _mark_non_finite(ax, iterations: list, what: str, color: str, marker: str = "v") -> None:
+    """Markers at the top edge of ``ax`` (x: iteration, y: the axes' height), labelled."""
+    if iterations:
+        ax.plot(iterations, [0.97] * len(iterations), marker, color=color, ms=6, ls="none",
+                clip_on=False, transform=ax.get_xaxis_transform(),
+                label=f"{what} non-finite ({len(iterations)})")
+
+
+def _legend(ax, *twins, **kw) -> None:
+    """One legend on ``ax`` for its lines and those of its twin axes."""
+    handles, labels = [], []
+    for a in (ax, *twins):
+        h, lab = a.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    if handles:
+        ax.legend(handles, labels, **kw)
 
 
 def _per_step(values):
@@ -87,6 +124,16 @@ def _per_step(values):
 def plot_run(records: list[dict], output: str, p0_threshold: float = 0.95,
              title: Optional[str] = None) -> list[str]:
     """Draw the run into ``output`` (PNG); returns the panels drawn."""
+    import matplotlib.pyplot as plt
+
+    fig, drawn = draw_run(records, p0_threshold, title)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return drawn
+
+
+def draw_run(records: list[dict], p0_threshold: float = 0.95, title: Optional[str] = None):
+    """(the matplotlib figure of the run, the panels drawn)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,7 +161,9 @@ def plot_run(records: list[dict], output: str, p0_threshold: float = 0.95,
         x, steps = _series(recs, "step_losses")
         for t, ys in enumerate(_per_step(steps) if x else []):
             ax.plot(x, ys, style, color=f"C{t}", lw=0.8, alpha=0.8, label=f"{tag} step {t + 1}")
-    ax.legend(fontsize=6, ncol=2)
+        _mark_non_finite(ax, _non_finite(recs, "loss"), f"{tag} loss", "red",
+                         "v" if tag == "train" else "s")
+    _legend(ax, fontsize=6, ncol=2)
 
     ax = panel(1, "exit distribution", "p_t (train)")
     x, probs = _series(train, "exit_probs")
@@ -133,11 +182,12 @@ def plot_run(records: list[dict], output: str, p0_threshold: float = 0.95,
         ax.axhline(p0_threshold, color="grey", ls=":", label=f"collapse threshold {p0_threshold}")
         ax.set_ylim(0, 1.02)
         xc, run = _series(train, "p0_collapse_iters")
+        twins = []
         if xc and max(run) > 0:
-            twin = ax.twinx()
-            twin.plot(xc, run, color="tab:purple", lw=0.8, label="iterations above")
-            twin.set_ylabel("iterations in a row above the threshold")
-        ax.legend(fontsize=7)
+            twins.append(ax.twinx())
+            twins[0].plot(xc, run, color="tab:purple", lw=0.8, label="iterations above")
+            twins[0].set_ylabel("iterations in a row above the threshold")
+        _legend(ax, *twins, fontsize=7)
 
     ax = panel(3, "gradient norm", "global gradient norm")
     x, g = _series(train, "grad_norm")
@@ -146,10 +196,14 @@ def plot_run(records: list[dict], output: str, p0_threshold: float = 0.95,
     xp, params = _series(train, "params_norm")  # --log-params-norm
     if xp:
         ax.plot(xp, params, color="tab:gray", label="params norm")
+    _mark_non_finite(ax, _non_finite(train, "grad_norm"), "grad norm", "red")
     xs, skipped = _series(train, "skipped_iters")
+    twins = []
     if xs and max(skipped) > 0:
-        ax.twinx().plot(xs, skipped, color="tab:orange", label="skipped steps (total)")
-    ax.legend(fontsize=7)
+        twins.append(ax.twinx())
+        twins[0].plot(xs, skipped, color="tab:orange", label="skipped steps (total)")
+        twins[0].set_ylabel("skipped steps (total)")
+    _legend(ax, *twins, fontsize=7)
 
     ax = panel(4, "per-step gradient norm", "norm over core layers")
     x, per = _series(train, "grad_norm_per_step")  # [layer][step] per record
@@ -165,7 +219,8 @@ def plot_run(records: list[dict], output: str, p0_threshold: float = 0.95,
                 transform=ax.transAxes)
 
     ax = panel(5, "learning rate", "lr")
-    ax.plot(*_series(train, "lr"), color="tab:green")
+    ax.plot(*_series(train, "lr"), color="tab:green", label="lr")
+    _legend(ax, fontsize=7)
 
     ax = panel(6, "geometry", "validation, per step")
     styles = {"angular_distance": "-", "relative_update_norm": "--", "state_variance": ":"}
@@ -182,16 +237,18 @@ def plot_run(records: list[dict], output: str, p0_threshold: float = 0.95,
     ax = panel(7, "throughput", "tokens/s")
     ax.plot(*_series(train, "tokens_per_sec"), color="tab:cyan", label="tokens/s")
     xm, mem = _series(train, "mem_gib")
+    twins = []
     if xm:
-        twin = ax.twinx()
-        twin.plot(xm, mem, color="tab:brown", label="peak memory (GiB)")
-        twin.set_ylabel("peak memory (GiB)")
+        twins.append(ax.twinx())
+        twins[0].plot(xm, mem, color="tab:brown", label="peak memory (GiB)")
+        twins[0].set_ylabel("peak memory (GiB)")
+    _legend(ax, *twins, fontsize=7)
 
     ax = panel(8, "stability", "loss spikes (total)")
-    ax.step(*_series(train, "loss_spikes"), where="post", color="tab:red")
+    ax.step(*_series(train, "loss_spikes"), where="post", color="tab:red",
+            label="loss spikes (total)")
+    _legend(ax, fontsize=7)
 
     fig.suptitle(title or "megaloop run")
     fig.tight_layout()
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
-    return drawn
+    return fig, drawn
