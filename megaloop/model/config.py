@@ -615,11 +615,12 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        # On CPU and GPU alike, every rank builds the full master weight from the seed and keeps
-        # its slice (the trainer then moves the module to its GPU): the same seed gives the same
-        # weights at any TP degree, which TP/SP/PP equivalence tests and runs resumed at another
-        # layout rely on. On GPU, per-device initialisation would draw each slice from that
-        # rank's own RNG stream, so the weights would depend on the TP degree.
+        # On CPU and GPU alike, every rank draws its slice of each weight on the host from the
+        # seed (megaloop.model.sharded_init: entry (i, j) of a weight is the same number at any
+        # TP degree, and a rank draws only its shard; the trainer then moves the module to its
+        # GPU), which TP/SP/PP equivalence tests and runs resumed at another layout rely on. On
+        # GPU, per-device initialisation would draw each slice from that rank's own RNG stream,
+        # so the weights would depend on the TP degree.
         use_cpu_initialization=True,
         # Fusions (off on CPU: no CPU kernel, or a slow torch.compile), attention backend, FP8.
         **kernels,

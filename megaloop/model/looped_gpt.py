@@ -32,6 +32,7 @@ from megaloop.model.injection import build_history_injection, build_injection
 from megaloop.model import recurrence
 from megaloop.model.lora import StepwiseLoRA
 from megaloop.model.readout import chunked_language_model_loss
+from megaloop.model.sharded_init import shard_only_initialization
 from megaloop.model.loss import LoopOutput  # noqa: F401  (the forward's return type)
 from megaloop.model.specs import build_norm, layer_spec
 from megaloop.model.spiral import build_spiral
@@ -66,6 +67,8 @@ class ExitGate(MegatronModule):
 class LoopedGPTModel(LanguageModule):
     """A looped decoder-only LM with layout P + K x T + C and a per-token exit gate."""
 
+    # Each rank draws only its shards, the same numbers at any TP degree (sharded_init).
+    @shard_only_initialization()
     def __init__(self, config, model_cfg: ModelConfig, loop: LoopConfig, vocab_size: int,
                  use_te: bool = False, pre_process: bool = True, post_process: bool = True):
         super().__init__(config=config)
