@@ -69,3 +69,40 @@ def test_context_parallel_equals_cp1():
         for k in g1:
             a, b = g1[k].float().cpu(), g2[k].float().cpu()
             assert (a - b).norm() <= 3e-2 * a.norm() + 1e-6, k
+
+
+_PROBE = """
+import torch, transformer_engine.pytorch as te
+attn = te.DotProductAttention(8, 64, attn_mask_type="causal")
+q, k, v = (torch.randn(256, 2, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+attn(q, k, v).float().sum().backward()
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize("backend,name", [("flash", "FlashAttention"),
+                                          ("fused", "FusedAttention"),
+                                          ("unfused", "UnfusedDotProductAttention")])
+def test_attention_backend_environment_selects_te_backend(backend, name):
+    """The NVTE_* values --attention-backend sets (megaloop.runtime) make TE run that backend:
+    a fresh interpreter with them (and TE's debug log on) names it."""
+    import os
+    import subprocess
+    import sys
+
+    from megaloop.runtime import set_attention_backend_env
+
+    pytest.importorskip("transformer_engine")
+    if backend == "flash":
+        pytest.importorskip("flash_attn")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    set_attention_backend_env(backend, env)
+    env.update(NVTE_DEBUG="1", NVTE_DEBUG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    chosen = [line for line in log.splitlines() if "Running with" in line
+              or "Selected backend" in line]
+    assert chosen and all(name in line for line in chosen), chosen or log[-3000:]

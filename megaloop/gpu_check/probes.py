@@ -52,15 +52,22 @@ def environment(attention_shape: dict | None = None) -> dict:
     except Exception as exc:
         info["driver"] = f"unknown (nvidia-smi: {exc})"
     if attention_shape and info["transformer_engine"]:
-        import transformer_engine.pytorch as te
+        try:  # a failure here is a finding, not the end of the row: the versions still count
+            import transformer_engine.pytorch as te
 
-        s = attention_shape
-        attn = te.DotProductAttention(s["heads"], s["head_dim"], attn_mask_type="causal")
-        q, k, v = (torch.randn(s["seq"], s["batch"], s["heads"], s["head_dim"], device="cuda",
-                               dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        attn(q, k, v).float().sum().backward()
-        torch.cuda.synchronize()
-        print("[gpu_check] attention probe done", flush=True)
+            s = attention_shape
+            attn = te.DotProductAttention(s["heads"], s["head_dim"], attn_mask_type="causal")
+            q, k, v = (torch.randn(s["seq"], s["batch"], s["heads"], s["head_dim"],
+                                   device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            attn(q, k, v).float().sum().backward()
+            torch.cuda.synchronize()
+            print("[gpu_check] attention probe done", flush=True)
+        except Exception:
+            import traceback
+
+            info["attention_probe_error"] = traceback.format_exc()
+            print(info["attention_probe_error"], flush=True)
     return info
 
 
