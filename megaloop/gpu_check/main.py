@@ -431,7 +431,8 @@ class Check:
         name = "pytest -m gpu tests"
         cmd = [PY, "-m", "pytest", "-m", "gpu", "tests", "-q", "-rfEs", "-p", "no:cacheprovider"]
         if not self.gpu:
-            say(f"{name}: on a GPU runs {shlex.join(cmd[1:])} if time is left; skipped here: "
+            say(f"{name}: on a GPU runs {shlex.join(['python', *cmd[1:]])} if time is left; "
+                f"skipped here: "
                 f"no CUDA device (every gpu-marked test needs one)")
             self.report.add(Result(name, "SKIP", "no GPU", gpu_command=shlex.join(cmd)))
             return

@@ -45,15 +45,16 @@ def tagged_pids(tag: str) -> list[int]:
 def kill_tagged(tag: str, grace_s: float = 5.0) -> list[int]:
     """SIGTERM every process carrying ``tag`` (and its process group), SIGKILL what is left after
     ``grace_s``; returns the pids it found."""
-    found = tagged_pids(tag)
+    found, own_group = tagged_pids(tag), os.getpgid(0)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = tagged_pids(tag)
-        for pid in pids:
-            for kill in (lambda p: os.killpg(os.getpgid(p), sig), lambda p: os.kill(p, sig)):
-                try:
-                    kill(pid)
-                except (OSError, ProcessLookupError):
-                    pass
+        for pid in tagged_pids(tag):
+            try:
+                group = os.getpgid(pid)
+                if group != own_group:  # never the check's own process group
+                    os.killpg(group, sig)
+                os.kill(pid, sig)
+            except OSError:  # gone meanwhile
+                pass
         deadline = time.time() + (grace_s if sig == signal.SIGTERM else 2.0)
         while time.time() < deadline and tagged_pids(tag):
             time.sleep(0.1)
@@ -80,9 +81,13 @@ def run_logged(cmd: list, log_path: str, timeout: float, cwd: str, env: dict,
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=cwd, env={**env, TAG_ENV: tag}, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        try:
+            proc = subprocess.Popen(cmd, cwd=cwd, env={**env, TAG_ENV: tag}, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as exc:  # e.g. $PYTHON does not exist: the row fails, the check goes on
+            log.write(f"[gpu_check] could not start: {exc}\n".encode())
+            return Finished(127, time.time() - start, False, log_path)
         try:
             rc, timed_out = proc.wait(timeout=max(timeout, 1)), False
         except subprocess.TimeoutExpired:

@@ -112,7 +112,7 @@ FP8_SPEEDUP_GOAL = 1.3
 # Dense (no sparsity) BF16 tensor-core peak per GPU, FLOP/s; matched against the device name in
 # order (PCIe/NVL parts before the SXM default). GPU_CHECK_PEAK_TFLOPS overrides.
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989e12), ("H100", 989e12),
-             ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12)]
+             ("H200 NVL", 835e12), ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12)]
 
 # --- the CPU rehearsal's swap -------------------------------------------------------------------
 GPU_ONLY = {"--bf16": 0, "--fp8-format": 1, "--fp8-recipe": 1}  # flag: values it takes
