@@ -129,11 +129,29 @@ def test_startup_imports_neither_torch_nor_megatron(tmp_path, sp_model):
     assert [m for m in imported if m.split(".")[0] in ("torch", "megatron")] == []
 
 
-def test_ctrl_c_at_random_moments_stops_fast_and_leaves_no_temporaries(tmp_path, sp_model):
-    """20 runs, each interrupted at a random moment of its ~1 s (start-up, encoding, joining
-    the parts, publishing): every run ends within 2 s of the SIGINT, leaves no temporary file,
-    and leaves either no output or the complete one (a Ctrl-C that lands after publishing can
-    still end the process with a non-zero code; it never leaves half a dataset)."""
+def _session_processes(sid: int) -> list:
+    """Live (not zombie) processes of session ``sid``: a run's workers keep its session."""
+    alive = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if os.getsid(int(name)) == sid and state != "Z":
+                alive.append(int(name))
+        except OSError:  # ended meanwhile
+            pass
+    return alive
+
+
+def test_ctrl_c_and_sigterm_at_random_moments_stop_fast_and_leave_nothing(tmp_path, sp_model):
+    """24 runs, each interrupted at a random moment of its ~1 s (start-up, encoding, joining
+    the parts, publishing) by SIGINT (Ctrl-C) or SIGTERM (SLURM, `timeout`), sent to the whole
+    process group or to the main process only: every run ends within 2 s of the signal, leaves
+    no worker process and no temporary file, and leaves either no output or the complete one (a
+    signal that lands after publishing can still end the process with a non-zero code; it never
+    leaves half a dataset)."""
     rows = [{"text": t} for t in corpus(6000, seed=9)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out_dir = tmp_path / "out"
@@ -149,33 +167,47 @@ def test_ctrl_c_at_random_moments_stops_fast_and_leaves_no_temporaries(tmp_path,
     complete = {p: open(out_dir / p, "rb").read() for p in os.listdir(out_dir)}
     rng = random.Random(0)
     outcomes = []
-    for trial in range(20):
+    for trial in range(24):
         for p in os.listdir(out_dir):
             os.remove(out_dir / p)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
         time.sleep(rng.uniform(0.05, 0.75 * whole))
-        # Half the time as a terminal does (the whole process group), else the main process.
+        signum = signal.SIGINT if trial % 4 < 2 else signal.SIGTERM
+        # Half the time to the whole process group (a terminal's Ctrl-C, `timeout`, SLURM),
+        # else to the main process alone (`kill PID`).
         if trial % 2:
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(proc.pid, signum)
         else:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
         sent = time.perf_counter()
         try:
             _, err = proc.communicate(timeout=2.0)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            pytest.fail(f"trial {trial}: still running 2 s after SIGINT")
+            pytest.fail(f"trial {trial}: still running 2 s after {signum.name}")
         took = time.perf_counter() - sent
+        survivors = _session_processes(proc.pid)
+        if survivors:
+            os.killpg(proc.pid, signal.SIGKILL)
+        assert not survivors, (trial, signum.name, survivors, err[-1500:])
         left = sorted(os.listdir(out_dir))
-        assert not [p for p in left if ".tmp" in p], (trial, left, proc.returncode, err[-1500:])
-        # 130: the tool's clean-up ran; -SIGINT: before its handler or after its end; a
-        # KeyboardInterrupt inside Python's own start-up (site import) exits 1.
-        assert (proc.returncode in (0, 130, -signal.SIGINT)
-                or b"KeyboardInterrupt" in err), (trial, proc.returncode, err)
+        assert not [p for p in left if ".tmp" in p], (trial, signum.name, left, proc.returncode,
+                                                      err[-1500:])
+        # 130 / 143: the tool's clean-up ran; -SIGINT / -SIGTERM: before its handler or after
+        # its end; a KeyboardInterrupt inside Python's own start-up (site import) exits 1.
+        assert (proc.returncode in (0, 128 + signum, -signum)
+                or b"KeyboardInterrupt" in err), (trial, signum.name, proc.returncode, err)
         if proc.returncode == 0 or left:
-            assert {p: open(out_dir / p, "rb").read() for p in left} == complete, trial
+            # The .idx digest is written after publishing and records the .idx's mtime: its
+            # hash must match, when it was written at all.
+            data = [p for p in left if not p.endswith(".digest")]
+            assert {p: open(out_dir / p, "rb").read() for p in data} == \
+                {p: v for p, v in complete.items() if not p.endswith(".digest")}, trial
+            for p in set(left) - set(data):
+                assert json.loads(open(out_dir / p).read())["sha1"] == \
+                    json.loads(complete[p])["sha1"], trial
         outcomes.append((proc.returncode, bool(left), round(took, 2)))
     interrupted = sum(rc != 0 and not published for rc, published, _ in outcomes)
     assert interrupted >= 8, outcomes  # the trials did hit running work

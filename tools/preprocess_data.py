@@ -20,18 +20,20 @@ import os
 import signal
 import sys
 
-INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT (128 + 2)
+TERMINATED = 143  # ... and by SIGTERM (128 + 15), what SLURM and `timeout` send
 
 
 def _exit_at_once(signum, frame):
-    os._exit(INTERRUPTED)
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":
     # A Ctrl-C must end the run within moments; unwinding an interrupted import or tearing down
     # the interpreter (garbage-collecting numpy, the tokenizer) took up to 2 s on a loaded
-    # machine. Until preprocessing starts nothing is written, so SIGINT exits at once.
+    # machine. Until preprocessing starts nothing is written, so SIGINT and SIGTERM exit at once.
     signal.signal(signal.SIGINT, _exit_at_once)
+    signal.signal(signal.SIGTERM, _exit_at_once)
 
 import argparse  # noqa: E402
 
@@ -172,10 +174,12 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from megaloop.data.preprocess import preprocess  # numpy: not needed for --help
+    from megaloop.data.preprocess import Terminated, preprocess, raise_terminated  # numpy
 
     if signal.getsignal(signal.SIGINT) is _exit_at_once:  # run as a script (below)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # now there is clean-up to do
+        # Now there is clean-up to do (also between the partitions of --partitions N).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, raise_terminated)
     def run(input_path, output_prefix):
         return preprocess(input_path, output_prefix, tok_cfg, json_keys=args.json_keys,
                           data_format=args.data_format, workers=args.workers,
@@ -191,6 +195,9 @@ def main(argv=None) -> int:
     except (BadInputError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("terminated (SIGTERM): temporary files removed", file=sys.stderr)
+        return TERMINATED
     except KeyboardInterrupt:
         print("interrupted: temporary files removed", file=sys.stderr)
         return INTERRUPTED

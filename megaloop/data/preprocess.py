@@ -22,7 +22,9 @@ Every output goes to a temporary name (``*.bin.tmp<pid>``, parts ``*.tmp<pid>.<k
 only when the whole input succeeded. On any failure, Ctrl-C included, the main process kills its
 workers (they ignore SIGINT and never hold anything the main process waits on) and removes every
 temporary file before the exception propagates, so an interrupt ends the run at once and leaves
-nothing behind. With ``workers=0`` everything runs in the calling process (debugging): there an
+nothing behind. SIGTERM (what SLURM, ``timeout`` and ``kill`` send) is treated the same way: it
+raises ``Terminated``, a KeyboardInterrupt, in the main process; its default action would end
+the main process alone, orphaning the workers and leaving every temporary file. With ``workers=0`` everything runs in the calling process (debugging): there an
 interrupt waits for the batch being encoded.
 """
 
@@ -148,9 +150,23 @@ def encode_ranges(job: Job, queue: RangeQueue, emit: Callable[[tuple], None]) ->
                           for k, v in lengths.items()}))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that the same
+    clean-up runs (``except KeyboardInterrupt`` catches both)."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _worker(conn, job: Job, queue: RangeQueue) -> None:
-    # Ctrl-C reaches the whole process group; the main process alone decides (it kills us).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the whole process group, SLURM's SIGTERM every process of the job: the
+    # main process alone decides (it kills us).
+    for signum in INTERRUPTS:
+        signal.signal(signum, signal.SIG_IGN)
     try:
         encode_ranges(job, queue, conn.send)
     except BaseException:
@@ -238,7 +254,8 @@ class _Progress:
 
 @contextlib.contextmanager
 def _interrupts_deferred(drop: bool):
-    """A Ctrl-C inside the block is recorded and, when the block ends, raised (or dropped).
+    """A Ctrl-C or SIGTERM inside the block is recorded and, when the block ends, raised (or
+    dropped).
 
     A handler that records, not a signal mask: a SIGINT that arrived just before the block
     still runs its Python handler at the next bytecode, inside the block, which a mask cannot
@@ -249,13 +266,31 @@ def _interrupts_deferred(drop: bool):
         yield  # signals reach the main thread only
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in INTERRUPTS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught and not drop and callable(previous):
-            previous(signal.SIGINT, None)  # default_int_handler: raises KeyboardInterrupt
+        for s in INTERRUPTS:
+            signal.signal(s, previous[s])
+        if caught and not drop and callable(previous[caught[0]]):
+            # default_int_handler / raise_terminated: raises KeyboardInterrupt / Terminated
+            previous[caught[0]](caught[0], None)
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises Terminated inside the block (main thread; a caller's own handler is
+    kept), so a terminated run cleans up as an interrupted one does."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _join_parts(target: str, parts: list[str]) -> None:
@@ -276,8 +311,16 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
     """Tokenize ``input_path`` (JSONL or JSONL.gz) into ``<output_prefix>_<key>_document``.
 
     Raises BadInputError on the first bad line unless ``skip_bad_lines``, and when no document
-    is left to write (an empty input, or every line blank, bad or empty).
+    is left to write (an empty input, or every line blank, bad or empty); KeyboardInterrupt
+    (Terminated for SIGTERM) after removing every temporary file.
     """
+    with _sigterm_raises():
+        return _preprocess(input_path, output_prefix, tok_cfg, json_keys, data_format, workers,
+                           append_eod, skip_bad_lines, batch_bytes, log_interval, progress)
+
+
+def _preprocess(input_path, output_prefix, tok_cfg, json_keys, data_format, workers,
+                append_eod, skip_bad_lines, batch_bytes, log_interval, progress):
     tokenizer = build_tokenizer(tok_cfg)  # in this process too: a bad model fails here, once
     keys = SFT_KEYS if data_format == "sft" else tuple(json_keys)
     dtypes = {k: numpy.uint8 if k == "lossmask" else optimal_dtype(tokenizer.vocab_size)
