@@ -50,6 +50,7 @@ def _start(rank, world, flags):
         trainer = Trainer(cfg)
     except CheckpointError as exc:
         return str(exc), lines
+    trainer.save_lock.release()  # what the process's exit does (atexit, which forked ranks skip)
     return None, lines + [f"iteration {trainer.iteration}"]
 
 

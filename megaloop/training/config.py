@@ -512,6 +512,11 @@ class CheckpointConfig:
     failed, the reason, the iteration): for launchers whose own exit code hides the run's
     (torchrun exits 1 whenever it is signalled). examples/slurm/pretrain_looplm.sbatch reads it."""
 
+    save_lock_timeout: float = 60.0
+    """Minutes after which the lock file of --save (megaloop_run.lock: one run per folder) that a
+    run on another host took counts as stale and is taken over: its holder refreshes it about
+    once a minute while it trains. On this host a lock is stale as soon as its pid is gone."""
+
     def validate(self) -> None:
         if self.ckpt_format != "torch_dist":
             raise ValueError(f"--ckpt-format {self.ckpt_format}: megaloop writes and reads "
@@ -526,6 +531,8 @@ class CheckpointConfig:
             raise ValueError("--save-interval needs --save DIR (where to write the checkpoints)")
         if self.exit_interval is not None and self.exit_interval < 1:
             raise ValueError(f"--exit-interval {self.exit_interval} must be >= 1")
+        if self.save_lock_timeout <= 0:
+            raise ValueError(f"--save-lock-timeout {self.save_lock_timeout} must be > 0 (minutes)")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ValueError(f"--exit-duration-in-mins {self.exit_duration_in_mins} must be > 0")
         if self.ckpt_step is not None and not self.load:

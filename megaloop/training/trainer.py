@@ -50,6 +50,7 @@ from megaloop.training.diagnostics import (GEOMETRY_KEYS, LoopDiagnostics, NonFi
 from megaloop.training.startup import StartupTimer
 from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_geometry,
                                        format_train_line, peak_memory_gib)
+from megaloop.training.save_lock import SaveLock
 from megaloop.training.step_hooks import StepHooks, params_norm
 from megaloop.training.run_config import RunConfig
 
@@ -197,11 +198,19 @@ class Trainer:
                                     tr.max_skipped_steps_in_a_row)
         self.hooks = StepHooks(tr, cfg.logging, torch.distributed.get_rank(),
                                cfg.checkpoint.save)
-        self._remove_stale_saves()
-        self.load_info = self._load()
-        self.startup.mark("checkpoint load")
-        self._build_data()
-        self.startup.mark("data index")
+        # One run per --save folder: the lock is taken before anything there is removed or
+        # written (megaloop.training.save_lock), and released if the start-up fails.
+        self.save_lock = SaveLock.acquire(cfg.checkpoint.save, cfg.checkpoint.save_lock_timeout,
+                                          self.logger.print)
+        try:
+            self._remove_stale_saves()
+            self.load_info = self._load()
+            self.startup.mark("checkpoint load")
+            self._build_data()
+            self.startup.mark("data index")
+        except BaseException:
+            self.save_lock.release()
+            raise
 
     def _remove_stale_saves(self) -> None:
         """Saves that never finished (killed, disk full) left iter_*.tmp folders: rank 0 removes
@@ -372,7 +381,14 @@ class Trainer:
                              f"| step losses [{steps}]{format_geometry(geometry)}")
 
     def train(self) -> Optional[str]:
-        """Train to --train-iters; returns why it stopped early (a save was made), else None."""
+        """Train to --train-iters; returns why it stopped early (a save was made), else None.
+        The --save folder's lock is released at the end, however the run ends."""
+        try:
+            return self._train()
+        finally:
+            self.save_lock.release()
+
+    def _train(self) -> Optional[str]:
         exits = ExitConditions(self.cfg.checkpoint)
         exits.install()
         try:
@@ -449,6 +465,7 @@ class Trainer:
                 self.logger.print(self.startup.line())
             self.iteration += 1
             self.hooks.after_step(self.iteration)
+            self.save_lock.refresh()
             gbs = self.step_gbs
             diagnostics = self.diagnostics.after_step(
                 stats, self.iteration, describe_batch=lambda: describe_samples(

@@ -1,0 +1,147 @@
+"""One run per --save folder: the lock file taken at start-up (megaloop/training/save_lock.py).
+
+Holders are real processes: two training runs started together, a subprocess that took the lock
+(alive, then killed), a lock written by hand for another host; the checks read the refusal, the
+exit code, and what is left in the folder.
+"""
+
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distributed import run_distributed
+from test_reliability import _main
+from test_training import BASE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = BASE + ["--micro-batch-size", "2"]
+LOCK = "megaloop_run.lock"
+
+
+def _slow_main(rank, world, flags):
+    """pretrain_looplm.main whose steps take 0.5 s each (a run that is still training when the
+    other one starts)."""
+    from megaloop.training import trainer as trainer_mod
+
+    step = trainer_mod.Trainer.train_step
+
+    def slow_step(self):
+        time.sleep(0.5)
+        return step(self)
+
+    trainer_mod.Trainer.train_step = slow_step
+    return _main(rank, world, flags, set())
+
+
+def _run_when_set(start, flags, results, name):
+    start.wait()
+    results.put((name, run_distributed(_slow_main, 1, flags, timeout=180)[0]))
+
+
+def test_two_runs_started_together_one_refuses(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    flags = TINY + ["--train-iters", "6", "--save", ckpt, "--save-interval", "2"]
+    ctx = mp.get_context("fork")
+    start, results = ctx.Event(), ctx.Queue()
+    runs = [ctx.Process(target=_run_when_set, args=(start, flags + ["--log-jsonl", str(
+        tmp_path / f"{name}.jsonl")], results, name)) for name in ("a", "b")]
+    for p in runs:
+        p.start()
+    start.set()
+    codes = dict(results.get(timeout=300) for _ in runs)
+    for p in runs:
+        p.join(timeout=10)
+    assert sorted(codes.values()) == [0, 2], codes
+    winner = next(name for name, code in codes.items() if code == 0)
+    loser = next(name for name, code in codes.items() if code == 2)
+    loser_log = tmp_path / f"{loser}.jsonl"  # refused before its first step
+    assert not loser_log.exists() or loser_log.read_text() == ""
+    # Only the winner's checkpoints, complete, and the lock released.
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                        "latest_checkpointed_iteration.txt"]
+    assert [json.loads(line)["iteration"] for line in open(tmp_path / f"{winner}.jsonl")] == \
+        [1, 2, 3, 4, 5, 6]
+
+
+HOLDER = """
+import sys, time
+from megaloop.training.save_lock import SaveLock, _take
+refusal, notes, token = _take(sys.argv[1], 60.0)
+lock = SaveLock(sys.argv[1] + "/megaloop_run.lock", token)  # releases at exit and on SIGTERM
+print("held" if refusal is None else refusal, flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(save_dir):
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, save_dir], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, env=dict(os.environ, SLURM_JOB_ID="4242"))
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_live_holder_is_named_and_a_dead_one_taken_over(tmp_path, capfd):
+    ckpt = str(tmp_path / "ckpt")
+    holder = _holder(ckpt)
+    try:
+        flags = TINY + ["--train-iters", "1", "--save", ckpt]
+        assert run_distributed(_main, 1, flags, set())[0] == 2
+        err = capfd.readouterr().err
+        line = [x for x in err.splitlines() if x.startswith("error:")]
+        assert len(line) == 1 and f"pid {holder.pid} on host {socket.gethostname()}" in line[0] \
+            and "SLURM job 4242" in line[0] and os.path.join(ckpt, LOCK) in line[0], err
+        assert os.listdir(ckpt) == [LOCK]  # nothing removed or written
+        # --load of the held folder needs no lock.
+        assert run_distributed(_main, 1, TINY + ["--train-iters", "1", "--load", ckpt,
+                                                 "--save", str(tmp_path / "other")],
+                               set())[0] == 0
+    finally:
+        holder.kill()  # SIGKILL: the lock stays behind, stale
+        holder.wait()
+    assert os.listdir(ckpt) == [LOCK]
+    capfd.readouterr()
+    assert run_distributed(_main, 1, flags, set())[0] == 0
+    out = capfd.readouterr().out
+    assert f"took over the stale lock {os.path.join(ckpt, LOCK)} of pid {holder.pid}" in out \
+        and "no longer runs" in out, out
+    assert LOCK not in os.listdir(ckpt)  # released at the end
+
+
+def _write_lock(save_dir, age_s):
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, LOCK)
+    with open(path, "w") as f:
+        json.dump({"host": "node-elsewhere", "pid": 1, "slurm_job_id": None,
+                   "started": "then", "token": "x"}, f)
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+
+
+@pytest.mark.parametrize("age_min,code", [(20, 2), (90, 0)])
+def test_another_hosts_lock_is_stale_after_the_timeout(tmp_path, capfd, age_min, code):
+    ckpt = str(tmp_path / "ckpt")
+    _write_lock(ckpt, age_min * 60)
+    flags = TINY + ["--train-iters", "1", "--save", ckpt, "--save-lock-timeout", "60"]
+    assert run_distributed(_main, 1, flags, set())[0] == code
+    captured = capfd.readouterr()
+    if code == 2:
+        assert "in use by another run: pid 1 on host node-elsewhere" in captured.err
+    else:
+        assert re.search(r"took over the stale lock .* of pid 1 on host node-elsewhere, started "
+                         r"then: not refreshed for 9\d\.\d min, more than --save-lock-timeout 60",
+                         captured.out), captured.out
+
+
+def test_sigterm_releases_the_lock(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    holder = _holder(ckpt)
+    holder.send_signal(signal.SIGTERM)
+    assert holder.wait(timeout=30) == -signal.SIGTERM  # still dies of the signal
+    assert os.listdir(ckpt) == []
