@@ -23,3 +23,17 @@ cpu_shim.enable()
 torch.set_num_threads(1)
 
 import megatron.core  # noqa: E402,F401  (import once, before any fork)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_te_attention_env():
+    """Validation sets Transformer Engine's NVTE_* attention switches for --attention-backend
+    (and megatron-core's LanguageModule sets them for `auto` when a model is built); it asserts
+    that they agree with its backend, so one test's choice must not reach the next test."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}
+    yield
+    for name in [k for k in os.environ if k.startswith("NVTE_")]:
+        del os.environ[name]
+    os.environ.update(saved)

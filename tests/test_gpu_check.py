@@ -200,7 +200,7 @@ def test_refusal_without_traceback_shows_the_error_line_not_the_banner():
 
 
 def test_failing_worker_row_shows_the_traceback(tmp_path):
-    from megaloop.gpu_check.main import Worker
+    from megaloop.gpu_check.worker import Worker
 
     worker = Worker(str(tmp_path), dict(os.environ))
     try:
@@ -215,6 +215,22 @@ def test_failing_worker_row_shows_the_traceback(tmp_path):
         assert reply == {"ok": True, "value": [1, 2]}
     finally:
         worker.close()
+
+
+def test_failing_row_prints_the_traceback_and_records_a_fail(tmp_path, capsys):
+    from megaloop.gpu_check.main import Check
+
+    check = Check(str(tmp_path), budget_s=300)
+    try:
+        assert check.in_worker("a row that fails", "json:loads", {"s": "{not json"}, 60) is None
+    finally:
+        check.worker.close()
+    out = capsys.readouterr().out
+    assert "Traceback (most recent call last):" in out and "JSONDecodeError" in out
+    assert "full log: " in out
+    row = json.load(open(tmp_path / "summary.json"))["rows"][-1]
+    assert row["row"] == "a row that fails" and row["status"] == "FAIL"
+    assert "JSONDecodeError" in open(row["log"]).read()
 
 
 def test_timed_out_row_leaves_no_process_behind(tmp_path):
@@ -246,7 +262,7 @@ def test_timed_out_row_leaves_no_process_behind(tmp_path):
 
 
 def test_timed_out_worker_row_kills_the_worker_and_its_children(tmp_path):
-    from megaloop.gpu_check.main import Worker
+    from megaloop.gpu_check.worker import Worker
 
     worker = Worker(str(tmp_path), dict(os.environ))
     log = str(tmp_path / "row.log")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import shlex
 import subprocess
 import sys
@@ -29,80 +28,10 @@ import time
 from megaloop import runtime
 from megaloop.gpu_check import procs, rows
 from megaloop.gpu_check.report import Report, Result, say
+from megaloop.gpu_check.worker import PY, ROOT, Worker
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PY = os.environ.get("PYTHON") or sys.executable
 DEFAULT_BUDGET_S = 570.0
 FIRST_CALL_S = 180.0  # a fresh worker's first row: imports, TE, cold compiles (>= 120 s)
-
-
-class Worker:
-    """The long-lived worker process and its two pipes; restarted after a crash or timeout."""
-
-    def __init__(self, out_dir: str, env: dict):
-        self.out_dir, self.env, self.proc, self.fresh = out_dir, env, None, True
-
-    def start(self):
-        cmd_r, self.cmd_w = os.pipe()
-        self.reply_r, reply_w = os.pipe()
-        self.tag = procs.new_tag("worker")
-        self.log = open(os.path.join(self.out_dir, "worker.log"), "ab")
-        self.proc = subprocess.Popen(
-            [PY, "-m", "megaloop.gpu_check.worker", str(cmd_r), str(reply_w)], cwd=ROOT,
-            env={**self.env, procs.TAG_ENV: self.tag}, pass_fds=(cmd_r, reply_w),
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True)
-        os.close(cmd_r)
-        os.close(reply_w)
-        self.buffer, self.fresh = b"", True
-
-    def call(self, fn: str, kwargs: dict, log_path: str, timeout: float):
-        """(reply or None, timed_out). None: the worker died or did not answer in time (it is
-        then killed with everything it started, and the next call starts a new one)."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.start()
-        self.fresh = False
-        request = {"call": fn, "kwargs": kwargs, "log": log_path}
-        os.write(self.cmd_w, (json.dumps(request) + "\n").encode())
-        deadline = time.time() + timeout
-        while b"\n" not in self.buffer:
-            wait = deadline - time.time()
-            if wait <= 0:
-                self.kill(f"timed out after {timeout:.0f} s", log_path)
-                return None, True
-            ready, _, _ = select.select([self.reply_r], [], [], min(wait, 1.0))
-            if ready:
-                chunk = os.read(self.reply_r, 1 << 20)
-                if not chunk:  # the worker died
-                    self.kill("the worker process died", log_path)
-                    return None, False
-                self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        return json.loads(line), False
-
-    def kill(self, why: str, log_path: str):
-        pids = procs.kill_tagged(self.tag)
-        if self.proc is not None:
-            self.proc.wait()
-        with open(log_path, "a") as f:
-            f.write(f"\n[gpu_check] {why}: killed the worker and its processes {pids}; its own "
-                    f"output is in worker.log\n")
-        self.close()
-
-    def close(self):
-        if self.proc is not None and self.proc.poll() is None:
-            os.close(self.cmd_w)  # EOF: the worker's loop ends
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            procs.kill_tagged(self.tag)
-        elif self.proc is not None:
-            os.close(self.cmd_w)
-        if self.proc is not None:
-            os.close(self.reply_r)
-            self.log.close()
-        self.proc, self.fresh = None, True  # the next call starts a new worker: its imports
 
 
 class Check:
