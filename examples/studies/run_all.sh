@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run the six studies one after another; each writes OUTPUT/studies/<name>.md and .png.
-#   bash examples/studies/run_all.sh --size cpu --output-dir studies_out      (20 min or less each)
+#   bash examples/studies/run_all.sh --size cpu --output-dir studies_out   (3 seeds per arm: about
+#       20-60 min per study on 2 shared cores; the reasoning studies train 400 iterations)
 #   bash examples/studies/run_all.sh --size tiny --output-dir /tmp/studies    (the test's size)
-# Extra flags go to every study (--data-path/--tokenizer-model, --task-file, --seed).
+# Extra flags go to every study (--data-path/--tokenizer-model, --task-file, --seed, --seeds).
 # Threads per run: STUDY_THREADS (torch) and OMP_NUM_THREADS. With other CPU jobs beside the
 # studies set both to 1: oversubscribed OpenMP threads made one run 15x slower on 2 cores.
 set -euo pipefail
