@@ -80,7 +80,7 @@ def test_megatron_and_megaloop_spellings_parse_alike():
     (["--fp16"], "--fp16 is not supported: fp16 training with loss scaling"),
     (["--num-experts", "8"], "--num-experts is not supported: mixture-of-experts"),
     (["--num-layers-per-virtual-pipeline-stage", "2"], "virtual pipeline chunks are its loop"),
-    (["--async-save"], "--async-save is not supported"),
+    (["--use-legacy-models"], "--use-legacy-models is not supported"),
     (["--moe-router-topk", "2", "--num-layers", "2"], "--moe-router-topk is not supported"),
 ])
 def test_missing_features_refused_by_name(argv, fragment, capsys):

@@ -220,14 +220,29 @@ def _write_manifest(path: str) -> None:
     shares = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(shares, _hash_share(path, files))
     if torch.distributed.get_rank() == 0:
-        entries = {k: v for share in shares for k, v in share.items()}
-        manifest = {"format": 1, "algorithm": "sha256",
-                    "files": {k: {"size": size, "sha256": digest}
-                              for k, (size, digest) in sorted(entries.items())}}
-        with open(os.path.join(path, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_manifest_file(path, {k: v for share in shares for k, v in share.items()})
+
+
+def _write_manifest_from(path: str, hashed: Optional[dict]) -> None:
+    """Rank 0: the manifest from the hashes the async writers took (``hashed``: relpath ->
+    [size, sha256]), hashing only the files they did not write (megatron-core's metadata)."""
+    if torch.distributed.get_rank() == 0:
+        entries = dict(hashed)
+        for rel in _checkpoint_files(path):
+            if rel not in entries:
+                full = os.path.join(path, rel)
+                entries[rel] = [os.path.getsize(full), _sha256(full)]
+        _write_manifest_file(path, entries)
+
+
+def _write_manifest_file(path: str, entries: dict) -> None:
+    manifest = {"format": 1, "algorithm": "sha256",
+                "files": {k: {"size": size, "sha256": digest}
+                          for k, (size, digest) in sorted(entries.items())}}
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _verify_manifest(path: str) -> Optional[str]:
@@ -308,8 +323,15 @@ def _write_tracker(save_dir: str, iteration: int) -> None:
 
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
                     run_config: dict, consumed_samples: int = 0, extra: Optional[dict] = None,
-                    checksums: bool = True, save_rng: bool = True) -> str:
+                    checksums: bool = True, save_rng: bool = True, saver=None,
+                    strategy=None) -> str:
     """Write ``save_dir/iter_XXXXXXX`` (collective over all ranks) and name it in the tracker.
+
+    ``saver``: a megaloop.training.async_checkpointing.AsyncSaver (--async-save): the shards are
+    written in the background and the checkpoint is published (manifest, rename, tracker) when
+    the saver finalises it; the returned path exists from then on. ``strategy``: megatron-core's
+    save strategy (megaloop.training.async_checkpointing.checkpoint_save_strategy; kept by the
+    trainer from save to save, so a cached plan is reused), its default torch_dist one if None.
 
     ``extra`` is a small dict of trainer counters stored in the common part of the checkpoint.
     ``checksums``: write the per-file manifest (verified by ``load_checkpoint``). Raises
@@ -344,21 +366,48 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, schedu
                  has_rng=save_rng,
                  layout=_layout(), format_version=FORMAT_VERSION, extra=extra or {},
                  has_optimizer=optimizer is not None, optimizer_kind=_optimizer_kind(optimizer))
-    _use_in_process_results_queue()
+    if saver is None:
+        _use_in_process_results_queue()
+    request = None
     try:
-        dist_checkpointing.save(state, tmp, sharded_strategy=get_default_save_sharded_strategy())
+        request = dist_checkpointing.save(state, tmp,
+                                          sharded_strategy=strategy
+                                          or get_default_save_sharded_strategy(),
+                                          async_sharded_save=saver is not None)
     except _READ_WRITE_ERRORS as exc:  # disk full, quota, I/O error: every rank reports below
         error = exc
     # (the agreement is also the barrier: every rank's shards are on disk before going on)
     _fail_save_if_any(error, save_dir, iteration, tmp)
+    if saver is not None:
+        def publish():  # the finalisation, once every rank's writer has finished
+            failed = None
+            if checksums:
+                from megaloop.training.async_checkpointing import collect_sidecars
+
+                try:
+                    _write_manifest_from(tmp, collect_sidecars(tmp))
+                except (OSError, ValueError) as exc:
+                    failed = exc
+                _fail_save_if_any(failed, save_dir, iteration, tmp)
+            _publish(save_dir, iteration, tmp, final)
+
+        saver.schedule(request, iteration, tmp, final, checksums, publish)
+        return final
     if checksums:
         try:
             _write_manifest(tmp)
         except OSError as exc:
             error = exc
         _fail_save_if_any(error, save_dir, iteration, tmp)
+    _publish(save_dir, iteration, tmp, final)
+    return final
 
-    if rank == 0:
+
+def _publish(save_dir: str, iteration: int, tmp: str, final: str) -> None:
+    """Collective: rank 0 renames the complete ``tmp`` to ``final`` and names it in the
+    tracker (the last step of a save: a crash before it leaves the previous checkpoint)."""
+    error = None
+    if torch.distributed.get_rank() == 0:
         try:
             old = final + ".old"
             if os.path.isdir(final):  # saving the same iteration again: keep it until replaced
@@ -370,7 +419,6 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, schedu
         except OSError as exc:
             error = exc
     _fail_save_if_any(error, save_dir, iteration, tmp)
-    return final
 
 
 def _fail_save_if_any(error, save_dir: str, iteration: int, tmp: str) -> None:

@@ -507,6 +507,30 @@ class CheckpointConfig:
     it at load, naming the file that is missing, cut short or changed; `false` skips both (for
     checkpoints too large to read twice)."""
 
+    async_save: bool = False
+    """Write checkpoints in the background (megatron-core's asynchronous torch_dist save): the
+    loop blocks for the save's planning and a fork, each rank's writer process writes and hashes
+    its shards while training goes on, and the checkpoint is published (manifest, rename,
+    latest_checkpointed_iteration.txt) once every rank's writer has finished. The end of
+    training and a SIGTERM exit wait for a pending save; a crash during one leaves the previous
+    checkpoint named."""
+
+    ckpt_fully_parallel_save: bool = field(
+        default=True, metadata={"set_flags": {"--no-ckpt-fully-parallel-save": False}})
+    """Megatron-LM's default: the data-parallel replicas of the model and optimizer split the
+    writing of replicated tensors between them (megatron-core's FullyParallelSaveStrategyWrapper)
+    instead of data-parallel rank 0 writing all of it."""
+
+    ckpt_fully_parallel_load: bool = False
+    """Megatron-LM's flag (off by default there too): data-parallel ranks each read a share and
+    exchange it (megatron-core's FullyParallelLoadStrategyWrapper). Refused when on: the wrapper
+    fails on CPU and is not verified on GPU here; every rank reads its own shards."""
+
+    ckpt_assume_constant_structure: bool = False
+    """Megatron-LM's flag: the checkpoint's structure (which tensors, which shards) is the same
+    at every save, so megatron-core plans the save once and reuses the plan (less blocking
+    time per save)."""
+
     exit_status_file: Optional[str] = None
     """Rank 0 writes how the run ended here (one JSON line: status completed, saved-and-stopped or
     failed, the reason, the iteration): for launchers whose own exit code hides the run's
@@ -539,6 +563,12 @@ class CheckpointConfig:
             raise ValueError("--ckpt-step needs --load DIR")
         if self.finetune and not self.load:
             raise ValueError("--finetune needs --load DIR (the checkpoint to start from)")
+        if self.async_save and not self.save:
+            raise ValueError("--async-save needs --save DIR (where to write the checkpoints)")
+        if self.ckpt_fully_parallel_load:
+            raise ValueError("--ckpt-fully-parallel-load is not supported: megatron-core's "
+                             "FullyParallelLoadStrategyWrapper fails on CPU and is not verified "
+                             "on GPU here; drop it (every rank reads its own shards)")
         if self.save:
             check_writable_dir(self.save, "--save")
         if self.exit_status_file:

@@ -65,8 +65,6 @@ REFUSED_MEGATRON_FLAGS = {
         "stage has no meaning; drop it"),
     "--num-virtual-stages-per-pipeline-rank": (
         "the virtual stages per pipeline rank are the --num-loops loop steps; drop it"),
-    "--async-save": ("megaloop saves synchronously (into iter_N.tmp, renamed when complete, so "
-                     "a crash never leaves half a checkpoint); drop it"),
     "--use-legacy-models": "megaloop builds megatron-core models only; drop it",
     "--multi-latent-attention": "multi-latent attention is not implemented in megaloop",
 }

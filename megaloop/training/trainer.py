@@ -47,6 +47,7 @@ from megaloop.training.random_depth import draw_depth, no_grad_steps
 from megaloop.training.exit_conditions import ExitConditions, RunError, write_exit_status
 from megaloop.training.diagnostics import (GEOMETRY_KEYS, LoopDiagnostics, NonFiniteGuard,
                                            describe_samples)
+from megaloop.training.async_checkpointing import AsyncSaver, checkpoint_save_strategy
 from megaloop.training.startup import StartupTimer
 from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_geometry,
                                        format_train_line, peak_memory_gib)
@@ -198,6 +199,10 @@ class Trainer:
                                     tr.max_skipped_steps_in_a_row)
         self.hooks = StepHooks(tr, cfg.logging, torch.distributed.get_rank(),
                                cfg.checkpoint.save)
+        ck = cfg.checkpoint
+        self.save_strategy = checkpoint_save_strategy(ck.ckpt_fully_parallel_save,
+                                                      ck.ckpt_assume_constant_structure)
+        self.async_saver = AsyncSaver() if ck.async_save else None
         # One run per --save folder: the lock is taken before anything there is removed or
         # written (megaloop.training.save_lock), and released if the start-up fails.
         self.save_lock = SaveLock.acquire(cfg.checkpoint.save, cfg.checkpoint.save_lock_timeout,
@@ -261,9 +266,20 @@ class Trainer:
             ck.save, self.iteration, self.model, *optim,
             run_config=self.cfg.to_dict(), consumed_samples=self.consumed_samples,
             extra={"skipped_iters": self.skipped}, checksums=ck.ckpt_checksums,
-            save_rng=not ck.no_save_rng)
+            save_rng=not ck.no_save_rng, saver=self.async_saver, strategy=self.save_strategy)
         self.last_saved = self.iteration
-        self.logger.print(f"> saved {path} in {time.time() - start:.2f} s")
+        if self.async_saver is None:
+            self.logger.print(f"> saved {path} in {time.time() - start:.2f} s")
+        else:
+            self.logger.print(f"> saving {path} in the background (the loop waited "
+                              f"{time.time() - start:.2f} s)")
+
+    def finalize_saves(self, blocking: bool) -> None:
+        """--async-save: publish the pending save once every rank's writer is done (collective
+        while one is pending); ``blocking`` waits for it (end of training, exit)."""
+        done = self.async_saver.maybe_finalize(blocking) if self.async_saver else None
+        if done is not None:
+            self.logger.print(f"> saved {done[1]} ({done[2]:.2f} s after it started)")
 
     def _build_data(self):
         """Datasets and batch streams. Only the first tensor-parallel rank of the first and last
@@ -406,6 +422,7 @@ class Trainer:
             else:
                 self.save()
                 saved = True
+        self.finalize_saves(blocking=True)  # a pending --async-save is published before exit
         if reason is None:
             self.log_eval()
         else:
@@ -460,6 +477,7 @@ class Trainer:
             consumed_before = self.consumed_samples
             self.hooks.before_step(self.iteration)
             stats, grad_norm, applied = self.train_step()
+            self.finalize_saves(blocking=False)
             if not self.startup.done:
                 startup = self.startup.finish("first step")
                 self.logger.print(self.startup.line())
