@@ -8,6 +8,7 @@ tracker overwritten); every failure must be one message that names the file and 
 import errno
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -152,8 +153,15 @@ def test_unwritable_save_folder_is_found_at_start_up(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def _disk_full_main(rank, world, flags):
-    """pretrain_looplm.main whose save of iteration 2 writes part of a shard, then hits ENOSPC."""
+def _disk_full_main(rank, world, flags, wrapped):
+    """pretrain_looplm.main whose save of iteration 2 writes part of a shard, then hits ENOSPC
+    (``wrapped``: inside torch DCP's CheckpointException, as its writer reports it); the file
+    system then has 123456789 bytes free."""
+    import collections
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from megaloop.training import checkpointing
 
     save = checkpointing.dist_checkpointing.save
@@ -162,22 +170,52 @@ def _disk_full_main(rank, world, flags):
         if state["iteration"] == 2:
             with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
                 f.write(b"\0" * 1000)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if wrapped:
+                raise CheckpointException("write failed", {0: (full, traceback.StackSummary())})
+            raise full
         return save(state, path, **kw)
 
+    usage = collections.namedtuple("usage", "total used free")
     checkpointing.dist_checkpointing.save = save_until_full
+    checkpointing.shutil.disk_usage = lambda path: usage(10**10, 10**10 - 123456789, 123456789)
     return _main(rank, world, flags, set())
 
 
-def test_failed_save_leaves_nothing_partial_and_exits_nonzero(tmp_path):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["oserror", "dcp-wrapped"])
+def test_failed_save_leaves_nothing_partial_and_exits_nonzero(tmp_path, wrapped):
     ckpt, status = tmp_path / "ckpt", tmp_path / "status.json"
     flags = TINY + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
                     "--exit-status-file", str(status)]
-    assert run_distributed(_disk_full_main, 1, flags)[0] == 1
+    assert run_distributed(_disk_full_main, 1, flags, wrapped)[0] == 1
     assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     reason = json.loads(status.read_text())["reason"]
     assert "saving iteration 2" in reason and "No space left on device" in reason \
         and "still names iteration 1" in reason
+    # It says the disk is full, how full, and which one.
+    assert f"the disk is full: 123,456,789 bytes free on the file system of {ckpt}" in reason, \
+        reason
+
+
+def test_shards_of_another_model_name_the_tensor_and_both_shapes(tmp_path):
+    """A checkpoint folder whose shards (and .metadata) were copied from a model with another FFN
+    size, without a manifest: its common.pt says this architecture, its tensors do not."""
+    ckpt, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    run_distributed(_train, 1, TINY + ["--save", ckpt, "--train-iters", "1"])
+    run_distributed(_train, 1, TINY + ["--save", other, "--train-iters", "1",
+                                       "--ffn-hidden-size", "64"])
+    mine, theirs = os.path.join(ckpt, "iter_0000001"), os.path.join(other, "iter_0000001")
+    for name in os.listdir(mine):
+        if name.endswith(".distcp") or name in (".metadata", "megaloop_manifest.json"):
+            os.remove(os.path.join(mine, name))
+    for name in os.listdir(theirs):
+        if name.endswith(".distcp") or name == ".metadata":
+            shutil.copy(os.path.join(theirs, name), mine)
+    error, _ = run_distributed(_start, 1, TINY + ["--load", ckpt, "--train-iters", "1"])[0]
+    # FFN 64 vs this model's default 4 x hidden = 128: linear_fc2 is [hidden, ffn] per layer.
+    assert error is not None and "core.layers.mlp.linear_fc2.weight (2, 32, 64) in the " \
+        "checkpoint, (2, 32, 128) in this model" in error, error
+    assert "\n" not in error
 
 
 def test_stale_partial_saves_are_removed_at_the_next_start(tmp_path):

@@ -180,3 +180,19 @@ def settle_schedule_bounds(optimizer, from_flags: list, scheduler, path: str) ->
         f"{path}: the checkpoint's LR bounds differ from this run's flags: {'; '.join(diffs)}. "
         f"Pass --override-opt_param-scheduler to follow the flags or "
         f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+def compare_tensor_shapes(expected: dict, saved: dict, path: str) -> None:
+    """Refuse shards of another model: ``expected`` maps this model's tensor keys to their
+    global shapes, ``saved`` the checkpoint's (its .metadata). A checkpoint without a manifest
+    whose shards were copied from another run passes the architecture check (its common.pt is
+    this model's) and would fail deep in torch's reader naming only ranks."""
+    diffs = [f"{key} {tuple(saved[key])} in the checkpoint, {tuple(shape)} in this model"
+             for key, shape in expected.items() if key in saved and tuple(saved[key]) != tuple(shape)]
+    if diffs:
+        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+        raise CheckpointMismatch(
+            f"{path} holds tensors of another model: {'; '.join(diffs[:3])}{more}. Its shards do "
+            f"not match the architecture its common.pt records (copied from another run?): load "
+            f"a checkpoint this model saved, or pass the flags of the model that wrote them")
+

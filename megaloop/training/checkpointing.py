@@ -27,6 +27,7 @@ every rank alike so no rank waits in a collective the others left):
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -38,14 +39,16 @@ from typing import Optional
 import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.device import current_device
 from megaloop.training.checkpoint_fit import (CheckpointError, CheckpointMismatch,  # noqa: F401
                                               compare_architecture, compare_optimizer_groups,
-                                              compare_schedule, schedule_bounds,
+                                              compare_schedule, compare_tensor_shapes,
+                                              schedule_bounds,
                                               settle_schedule_bounds)
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -168,10 +171,18 @@ def _agree(error: Optional[BaseException]) -> Optional[str]:
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     if flag.item() == 0:
         return None
-    text = None if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
+    text = None if error is None else _first_lines(error)
     messages = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(messages, text)
     return "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+
+
+def _first_lines(error: BaseException) -> str:
+    """``Type: message`` in one line; for torch DCP's CheckpointException, whose own first line
+    names only the failing ranks, the first line of each rank's exception."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return "; ".join(_first_lines(inner) for inner, _ in error.failures.values())
+    return f"{type(error).__name__}: {error}".splitlines()[0]
 
 
 def _check_finite_parameters(module, iteration: int, save_dir: str) -> None:
@@ -421,10 +432,30 @@ def _publish(save_dir: str, iteration: int, tmp: str, final: str) -> None:
     _fail_save_if_any(error, save_dir, iteration, tmp)
 
 
+def _disk_full(error: Optional[BaseException], save_dir: str) -> Optional[BaseException]:
+    """A failure that is (or wraps, as torch DCP's writer does) running out of disk space or
+    quota, restated to say so with the free bytes of ``save_dir``'s file system; else ``error``."""
+    inner = [error] + ([e for e, _ in error.failures.values()]
+                       if isinstance(error, CheckpointException) else [])
+    for exc in inner:
+        while exc is not None:
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                try:
+                    free = f"{shutil.disk_usage(save_dir).free:,} bytes free"
+                except OSError:
+                    free = "free space unknown"
+                what = "the disk is full" if exc.errno == errno.ENOSPC else \
+                    "the disk quota is exceeded"
+                return OSError(exc.errno, f"{what}: {free} on the file system of {save_dir} "
+                                          f"({exc.strerror})")
+            exc = exc.__cause__ or exc.__context__
+    return error
+
+
 def _fail_save_if_any(error, save_dir: str, iteration: int, tmp: str) -> None:
     """Collective: when any rank's part of the save failed, rank 0 removes the partial folder and
     every rank raises the same CheckpointError."""
-    failures = _agree(error)
+    failures = _agree(_disk_full(error, save_dir))
     if failures is None:
         return
     if torch.distributed.get_rank() == 0:
@@ -570,6 +601,7 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
                                                           metadata=OPTIM_METADATA)
     if load_rng:
         state["rng_state"] = _rng_sharded_object(None)
+    _compare_shapes(state["model"], path)
     error = loaded = None
     try:
         loaded = dist_checkpointing.load(state, path)
@@ -595,6 +627,19 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
             "consumed_samples": 0 if finetune else common["consumed_samples"],
             "run_config": common["run_config"], "extra": {} if finetune else common["extra"],
             "path": path, "loaded_rng": load_rng, "loaded_optim": load_optim, "notes": notes}
+
+
+def _compare_shapes(model_state: dict, path: str) -> None:
+    """The checkpoint's tensor shapes (its .metadata, read by every rank alike) against this
+    model's, before torch's reader meets them (``compare_tensor_shapes``)."""
+    expected = {t.key: t.global_shape for t in nested_values(model_state)
+                if isinstance(t, ShardedTensor)}
+    try:
+        saved = {k: v.global_shape for k, v in
+                 dist_checkpointing.load_tensors_metadata(path).items()}
+    except _READ_WRITE_ERRORS:
+        return  # unreadable metadata: the load names the file
+    compare_tensor_shapes(expected, saved, path)
 
 
 def _optimizer_kind(optimizer) -> Optional[str]:
