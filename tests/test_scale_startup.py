@@ -141,7 +141,7 @@ def _build_and_count(rank, world_size, prefix, cache):
         first = train[0]["tokens"]  # usable: a sample comes out of the mmapped indices
         assert first.shape == (1024,)
         del train
-    return counts
+    return counts, content_key([prefix])
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -150,6 +150,9 @@ def test_bytes_read_per_rank_do_not_grow_with_the_data(tmp_path, world_size):
     idx_bytes = _large(prefix, 200_000)  # ~4 MB of .idx, 2e7 tokens
     results = run_distributed(_build_and_count, world_size, prefix, str(tmp_path / "cache"),
                               timeout=180)
+    assert len({key for _, key in results}) == 1  # every rank keys the cache alike
+    assert results[0][1] == content_key([prefix])  # and so does this process, later
+    results = [counts for counts, _ in results]
     for rank, counts in enumerate(results):
         for run, (read, mapped_kib) in enumerate(counts):
             # Reads: headers, sampled bytes, digests, .npy headers (tens of KiB), never the .idx.
