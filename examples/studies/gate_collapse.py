@@ -4,11 +4,13 @@ step (no warmup) with a small KL weight, against a larger KL weight and against 
 After "Closing the Loop" (arXiv 2610.00673) section 3.3 and App. B: its no-warmup beta 0.05 run,
 at a constant LR at its peak, collapses onto step 1 (p0 -> 1.00, the model trains as a one-step
 transformer); warmup prevents it and a larger beta lets the gate recover. Arms: constant LR, no
-warmup, beta 0.05 (the collapse regime) at the size's LR and at 3 times it, and beta 0.5; warmup +
-cosine decay, beta 0.05. Every arm is pre-norm (it trains at the size's LR; the norm study
-compares schemes) over the size's seeds. Reported: p0 over iterations per seed against the collapse threshold, whether the trainer's
-collapse alarm fired (p0 above the threshold for --p0-collapse-iters iterations in a row), the
-final p0 and per-step validation losses, and the final p0 against the warmup arm's with a verdict.
+warmup, beta 0.05 (the collapse regime) and beta 0.5 (the larger KL weight), and warmup + cosine
+decay with beta 0.05, each at the size's LR and at 3 times it (the gate saturates only at the
+higher one here). Every arm is pre-norm (it trains at the size's LR; the norm study compares
+schemes) over the size's seeds. Reported: p0 over iterations per seed against the collapse
+threshold, whether the trainer's collapse alarm fired (p0 above the threshold for
+--p0-collapse-iters iterations in a row), the final p0 and per-step validation losses, and the
+final p0 against the warmup arm's at the same peak LR with a verdict.
 
     python examples/studies/gate_collapse.py --size cpu --output-dir studies_out
 """
@@ -40,12 +42,18 @@ def main(argv=None) -> int:
               "--p0-collapse-threshold", str(THRESHOLD), "--p0-collapse-iters", str(patience)]
     constant = ["--lr-decay-style", "constant", "--lr-warmup-iters", "0"]
     high = study.size["lr"] * HIGH_LR
+    at_high = ["--lr", str(high), "--min-lr", str(high / 10)]
     arms = {"constant LR, no warmup, beta 0.05": constant + ["--exit-kl-beta", "0.05"],
             f"constant LR x{HIGH_LR}, no warmup, beta 0.05": constant + [
-                "--exit-kl-beta", "0.05", "--lr", str(high), "--min-lr", str(high / 10)],
+                "--exit-kl-beta", "0.05"] + at_high,
             "constant LR, no warmup, beta 0.5": constant + ["--exit-kl-beta", "0.5"],
-            "warmup + cosine, beta 0.05": ["--exit-kl-beta", "0.05"]}
-    baseline = "warmup + cosine, beta 0.05"
+            f"constant LR x{HIGH_LR}, no warmup, beta 0.5": constant + [
+                "--exit-kl-beta", "0.5"] + at_high,
+            "warmup + cosine, beta 0.05": ["--exit-kl-beta", "0.05"],
+            f"warmup + cosine, LR x{HIGH_LR}, beta 0.05": ["--exit-kl-beta", "0.05"] + at_high}
+    # each arm against the warmup arm at its own peak LR
+    baselines = {arm: f"warmup + cosine, LR x{HIGH_LR}, beta 0.05" if f"x{HIGH_LR}" in arm
+                 else "warmup + cosine, beta 0.05" for arm in arms}
     runs = {arm: study.train_seeds(arm, common + flags) for arm, flags in arms.items()}
 
     def train_records(run):
@@ -68,8 +76,8 @@ def main(argv=None) -> int:
                      spread([v["loss"] for v in valid]),
                      " / ".join(spread([v["step_losses"][t] for v in valid])
                                 for t in range(T)),
-                     "-" if arm == baseline else verdict_cell(final_p0[arm],
-                                                              final_p0[baseline])])
+                     "-" if arm == baselines[arm] else
+                     verdict_cell(final_p0[arm], final_p0[baselines[arm]])])
         for j, run in enumerate(arm_runs):
             train = train_records(run)
             axes[0].plot([r["iteration"] for r in train], [r["p0"] for r in train],
@@ -88,12 +96,12 @@ def main(argv=None) -> int:
     study.write(
         "Gate collapse and its cures",
         f"python examples/studies/gate_collapse.py --size {study.size['name']}",
-        [f"Layout {K} x {T}, pre-norm, peak LR {study.size['lr']} (x{HIGH_LR} in the second "
-         f"arm), {study.size['iters']} iterations; alarm: p0 > {THRESHOLD} for {patience} iterations in a row "
+        [f"Layout {K} x {T}, pre-norm, peak LR {study.size['lr']} (x{HIGH_LR}: {high:g}), "
+         f"{study.size['iters']} iterations; alarm: p0 > {THRESHOLD} for {patience} iterations in a row "
          f"(--p0-collapse-iters).",
          md_table(["arm", "final p0", "max p0", "longest run above threshold", "alarm fired",
                    "final validation objective", "per-step validation loss",
-                   f"final p0 vs {baseline}"], rows)],
+                   "final p0 vs warmup + cosine at the same peak LR"], rows)],
         figure=fig)
     return 0
 
