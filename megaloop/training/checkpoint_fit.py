@@ -188,7 +188,8 @@ def compare_tensor_shapes(expected: dict, saved: dict, path: str) -> None:
     whose shards were copied from another run passes the architecture check (its common.pt is
     this model's) and would fail deep in torch's reader naming only ranks."""
     diffs = [f"{key} {tuple(saved[key])} in the checkpoint, {tuple(shape)} in this model"
-             for key, shape in expected.items() if key in saved and tuple(saved[key]) != tuple(shape)]
+             for key, shape in expected.items()
+             if key in saved and tuple(saved[key]) != tuple(shape)]
     if diffs:
         more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
         raise CheckpointMismatch(
