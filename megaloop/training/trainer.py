@@ -51,6 +51,7 @@ from megaloop.training.async_checkpointing import AsyncSaver, checkpoint_save_st
 from megaloop.training.startup import StartupTimer
 from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_geometry,
                                        format_train_line, peak_memory_gib)
+from megaloop.runtime import print_rank_0
 from megaloop.training.save_lock import SaveLock
 from megaloop.training.step_hooks import StepHooks, params_norm
 from megaloop.training.run_config import RunConfig
@@ -173,6 +174,11 @@ class Trainer:
         # Phases so far (imports, process groups) come from the entry point; the trainer marks
         # the rest up to the end of the first step (megaloop.training.startup).
         self.startup = startup or StartupTimer(from_process_start=False)
+        # One run per --save folder: the lock comes first (a refused run builds nothing, opens no
+        # log) and before anything in the folder is removed or written
+        # (megaloop.training.save_lock); released if the start-up fails.
+        self.save_lock = SaveLock.acquire(cfg.checkpoint.save, cfg.checkpoint.save_lock_timeout,
+                                          print_rank_0)
         tr = cfg.training
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -203,10 +209,6 @@ class Trainer:
         self.save_strategy = checkpoint_save_strategy(ck.ckpt_fully_parallel_save,
                                                       ck.ckpt_assume_constant_structure)
         self.async_saver = AsyncSaver() if ck.async_save else None
-        # One run per --save folder: the lock is taken before anything there is removed or
-        # written (megaloop.training.save_lock), and released if the start-up fails.
-        self.save_lock = SaveLock.acquire(cfg.checkpoint.save, cfg.checkpoint.save_lock_timeout,
-                                          self.logger.print)
         try:
             self._remove_stale_saves()
             self.load_info = self._load()
