@@ -170,7 +170,8 @@ class Check:
                       if "Running with" in line or "Selected backend" in line
                       or "Available backends" in line]
             info["attention_backend_log"] = picked
-            backend = picked[-1] if picked else "TE logged no backend choice (see the log)"
+            backend = "; ".join(list(dict.fromkeys(picked))[-3:]) or \
+                "TE logged no backend choice (see the log)"
         else:
             say("environment: on a GPU also runs one causal bf16 attention forward+backward "
                 "through TE's DotProductAttention (16 heads x 128, seq 2048) with NVTE_DEBUG=1 "
@@ -181,8 +182,11 @@ class Check:
         detail = ", ".join(f"{k} {info[k]}" for k in keys if k in info) + f"; TE attention: " \
             f"{backend}"
         probe_error = info.get("attention_probe_error")
+        if self.gpu and not info.get("transformer_engine"):
+            probe_error = ("Transformer Engine does not import: "
+                           f"{info.get('transformer_engine_import_error', 'not installed')}")
         if probe_error:
-            self.fail("environment", f"TE attention probe failed: "
+            self.fail("environment", f"TE attention probe: "
                       f"{probe_error.strip().splitlines()[-1]}; {detail}", self.last_log,
                       self.last_secs, numbers=info)
         else:

@@ -37,6 +37,13 @@ def environment(attention_shape: dict | None = None) -> dict:
             "nvte_env": {k: v for k, v in os.environ.items() if k.startswith("NVTE_")}}
     if not info["cuda"]:
         return info
+    if info["transformer_engine"] is None:  # installed without package metadata (some images)
+        try:
+            import transformer_engine
+
+            info["transformer_engine"] = getattr(transformer_engine, "__version__", "unknown")
+        except Exception as exc:
+            info["transformer_engine_import_error"] = repr(exc)
     props = torch.cuda.get_device_properties(0)
     info.update(gpu=props.name, gpus=torch.cuda.device_count(),
                 capability=list(torch.cuda.get_device_capability(0)),
