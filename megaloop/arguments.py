@@ -28,6 +28,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -99,8 +100,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type,
         tp = _unwrap_optional(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        kwargs: dict[str, Any] = {"dest": f.name, "default": default,
-                                  "help": docs.get(f.name, "") + f" (default: {default})"}
+        doc = docs.get(f.name, "")
+        # A docstring that says its default in words ("default: the checkpoint's") is not
+        # followed by a second, literal one ("(default: None)").
+        shown = doc if re.search(r"\(default\b|\bdefault:", doc) else \
+            doc + f" (default: {default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": shown}
         if tp is bool:
             # A bare flag switches the default on, as Megatron-LM's store_true flags do;
             # `--flag false` is accepted so a script can pass an explicit value.

@@ -32,6 +32,11 @@ KNOWN_WARNINGS = (
     # deprecated DCP entry point and ShardedTensor on every --load: nothing a user can change.
     (r"`load_state_dict` is deprecated", FutureWarning),
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
+    # megatron-core 0.16.1's tensor-parallel gathers and scatters (logits at TP > 1 in
+    # tools/generate.py, sequence parallelism, the distributed optimizer) call the collectives
+    # torch 2.13 renamed: one FutureWarning per rank, nothing a user can change.
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+     FutureWarning),
 )
 
 # megatron-core logging records (logger name, message substring) dropped the same way. GPTDataset
@@ -39,6 +44,15 @@ KNOWN_WARNINGS = (
 # yet logs that at WARNING on every rank.
 KNOWN_LOG_RECORDS = (
     ("megatron.core.datasets.gpt_dataset", "indexes because path_to_cache is None"),
+    # Importing megatron-core's Megatron-FSDP package (pulled in by megatron.core.distributed,
+    # which megaloop uses for DDP, not FSDP) logs at INFO which FSDP backend it would use;
+    # a tool that configures logging at INFO (tools/serve.py) printed three such lines.
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
+     "Using Megatron-FSDP without Transformer Engine"),
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+     "using Megatron-FSDP with Megatron"),
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+     "using Megatron-FSDP with Megatron"),
 )
 
 

@@ -217,3 +217,13 @@ def test_out_of_range_requests_are_refused_as_generate_refuses_them(server):
         r = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, **body})
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["message"].startswith(start), r.text
+
+
+def test_startup_log_holds_no_megatron_noise(server):
+    """The server's log is its own: megatron-core's Megatron-FSDP INFO lines (three at import)
+    are filtered as the other entry points filter megatron-core's noise."""
+    _, log_path = server
+    text = open(log_path).read()
+    assert "megaloop.serve: serving" in text, text
+    noise = [line for line in text.splitlines() if "megatron" in line or "Warning" in line]
+    assert noise == [], noise

@@ -129,3 +129,110 @@ def test_every_tool_that_loads_takes_the_trainers_ckpt_step(tool, argv):
         module.main(argv + ["--help"])
     text = " ".join(out.getvalue().split())
     assert "--ckpt-step CKPT_STEP " + field_docs(CheckpointConfig)["ckpt_step"] in text, text
+
+
+# --- what the tools print ---------------------------------------------------------------------
+def _warnings_of_tool(rank, world, name, argv):
+    """(exit code, the messages of the warnings the tool let through the filters it sets)."""
+    import warnings
+
+    from megaloop import runtime
+
+    with warnings.catch_warnings(record=True) as caught:
+        # pytest's own "always" filters come first in the test process: the tool's filters go
+        # in front of them again, as in a run of the tool (quiet_megatron runs once otherwise).
+        runtime._quieted = False
+        runtime.quiet_megatron()
+        code = _tool_io(rank, world, name, argv)[0]
+    return code, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_generate_at_tp2_prints_no_warning(ckpt):
+    for code, caught in run_distributed(_warnings_of_tool, 2, "generate",
+                                        ["--load", ckpt, "--prompt-ids", "5,6,7",
+                                         "--max-tokens", "3"]):
+        assert code == 0 and caught == [], caught
+
+
+def test_evaluate_help_states_each_default_once():
+    import re
+
+    spec = importlib.util.spec_from_file_location("evaluate",
+                                                  os.path.join(ROOT, "tools", "evaluate.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for action in tool.build_parser()._actions:
+        said = re.findall(r"\(default\b|\bdefault:", action.help or "")
+        assert len(said) <= 1, (action.option_strings, action.help)
+
+
+@pytest.fixture(scope="module")
+def sp_ckpt(tmp_path_factory):
+    """(checkpoint, sentencepiece model) of a tiny model whose tokenizer has punctuation pieces."""
+    import random
+
+    from megaloop.data.tokenizers import train_sentencepiece
+
+    tmp = tmp_path_factory.mktemp("sp_generate")
+    spec = importlib.util.spec_from_file_location(
+        "make_demo_corpus", os.path.join(ROOT, "tools", "make_demo_corpus.py"))
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    rng = random.Random(0)
+    model = train_sentencepiece([corpus.document(rng, 6) for _ in range(300)], str(tmp / "sp"),
+                                vocab_size=400)
+    from test_training import BASE
+
+    flags = BASE[:BASE.index("--tokenizer-type")] + BASE[BASE.index("--vocab-size") + 2:]
+    path = str(tmp / "ckpt")
+    run_distributed(_train_sp, 1, flags + ["--tokenizer-type", "SentencePieceTokenizer",
+                                           "--tokenizer-model", model, "--save", path])
+    return path, model
+
+
+def _train_sp(rank, world, argv):
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+
+    cfg = parse_args(argv + ["--micro-batch-size", "2"])
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    Trainer(cfg).train()
+    return True
+
+
+def test_generated_text_is_sentencepieces_own_decoding(sp_ckpt):
+    """--prompt prints the prompt and the continuation decoded as sentencepiece decodes their
+    ids (no space added before a piece that carries none, e.g. punctuation)."""
+    import sentencepiece
+
+    ckpt, model = sp_ckpt
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    prompts = ["the quiet robot", "x=7. y=x. what is y", "the bridge near the har"]
+    argv = ["--load", ckpt, "--max-tokens", "6", "--no-stop-at-eod"]
+    code, text, err = _generate(argv + [a for p in prompts for a in ("--prompt", p)])
+    assert code == 0, err
+    ids = [sp.encode(p) for p in prompts]
+    code, out, err = _generate(argv + [a for p in ids for a in ("--prompt-ids",
+                                                                 ",".join(map(str, p)))])
+    assert code == 0, err
+    generated = [[int(t) for t in line.split(",")] for line in out.split("\n")[:-1]]
+    # split("\n"), not strip() / splitlines(): byte-fallback pieces such as \x1c are
+    # whitespace and line breaks to Python.
+    assert text.split("\n")[:-1] == [sp.decode(p + g) for p, g in zip(ids, generated)], \
+        [sp.id_to_piece(g) for g in generated]
+
+
+def test_readme_setup_names_every_extra():
+    import ast
+
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        call = next(n for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.Call)
+                    and getattr(n.func, "id", "") == "setup")
+    extras = next(k.value for k in call.keywords if k.arg == "extras_require")
+    names = [key.value for key in extras.keys]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    setup = readme.split("\n## Setup\n", 1)[1].split("\n## ", 1)[0]
+    assert "serve" in names and [n for n in names if f"`{n}`" not in setup] == [], names

@@ -35,7 +35,8 @@ from megaloop.inference.flags import add_ckpt_step_flag  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                allow_abbrev=False)
     add_dataclass_args(p, EvalConfig)
     add_ckpt_step_flag(p)
     return p

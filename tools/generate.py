@@ -9,7 +9,9 @@ model and the tokenizer; any TP size that saved it), or a folder written by
 ``tools/convert_checkpoint.py export-hf`` (config.json names the model; its tokenizer.json, or
 where it has none ``--tokenizer-type`` / ``--tokenizer-model`` / ``--vocab-size``, the tokenizer).
 ``--prompt-ids`` prints the generated ids as
-comma-separated integers on stdout (one line per prompt); ``--prompt`` prints the decoded text.
+comma-separated integers on stdout (one line per prompt); ``--prompt`` prints the prompt and its
+continuation decoded together (the prompt as the model read it: its last tokens with
+``--keep-prompt-tail``).
 ``--num-loops`` may differ from the trained value (fewer: under-unrolling, more: extrapolation).
 ``--kv-policy``: ``full`` (a KV cache per loop step, exact), ``last-step``, ``first-step``,
 ``shared-mod-<k>`` (smaller caches, approximate), ``none`` (no cache: recompute every token).
@@ -144,8 +146,10 @@ def main(argv=None) -> int:
             for i, out in enumerate(outputs):
                 if prompts_ids is not None:
                     print(",".join(str(t) for t in out), flush=True)
-                else:  # the prompt, then its continuation
-                    print(f"{args.prompt[i]} {tokenizer.detokenize(out)}", flush=True)
+                else:  # the prompt and its continuation, decoded together: the tokenizer
+                    # puts a word boundary's space where a piece carries one (joining two
+                    # decoded strings with a space gave "robot ." for "robot.")
+                    print(tokenizer.detokenize(list(prompts[i]) + out), flush=True)
             if gen.depths:
                 print(f"mean executed depth {sum(gen.depths) / len(gen.depths):.2f} of "
                       f"{gen.num_loops} over {len(gen.depths)} decoded tokens", file=sys.stderr)
