@@ -91,8 +91,11 @@ class SaveLock:
         self._previous_sigterm = None
         if token is not None:
             atexit.register(self.release)
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            try:
+                if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                    self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            except ValueError:  # not the main thread: no handler (atexit still releases)
+                pass
 
     @classmethod
     def acquire(cls, save_dir: Optional[str], timeout_min: float, print_fn=print) -> "SaveLock":
