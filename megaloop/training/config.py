@@ -457,7 +457,9 @@ class CheckpointConfig:
     """Directory to save checkpoints to (iter_XXXXXXX/ + latest_checkpointed_iteration.txt)."""
 
     save_interval: Optional[int] = None
-    """Save every this many iterations (and at the end of training, and on exit)."""
+    """Save every this many iterations (and at the end of training, and on exit). Nothing is
+    saved while steps are being skipped (--check-for-nan-in-loss-and-grad): a save that falls on
+    a skipped step is made after the next applied one, and none at the end or on exit."""
 
     load: Optional[str] = None
     """Directory to resume from (its latest checkpoint); a directory without one starts fresh."""
