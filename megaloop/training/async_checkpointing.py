@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import multiprocessing.queues  # noqa: F401  (mp.queues.Queue below)
 import os
 import time
 from typing import Callable, Optional
@@ -80,7 +81,7 @@ class AsyncSaver:
         # The writer's results travel from the forked writer back to this process: a fork-context
         # queue (megatron-core's default, a spawn-context Manager, starts a server process that
         # re-imports __main__; megaloop's synchronous path uses an in-process queue).
-        if not isinstance(filesystem_async._results_queue, type(mp.get_context("fork").Queue())):
+        if not isinstance(filesystem_async._results_queue, mp.queues.Queue):
             filesystem_async._results_queue = mp.get_context("fork").Queue()
 
     def schedule(self, request, iteration: int, tmp: str, final: str, checksums: bool,
