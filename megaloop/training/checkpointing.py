@@ -17,8 +17,8 @@ every rank alike so no rank waits in a collective the others left):
 
 - save: every parameter is finite (a diverged model is never written, ``latest`` never names
   one); a save that fails (disk full: said so, with the free bytes) removes its ``.tmp`` and
-  says which checkpoint ``latest`` still names; a manifest with every file's size and SHA-256 (``megaloop_manifest.json``, hashed
-  by all ranks, a share each) is written before the rename;
+  says which checkpoint ``latest`` still names; a manifest with every file's size and SHA-256
+  (``megaloop_manifest.json``, hashed by all ranks, a share each) is written before the rename;
 - load (``check_resume`` also before any process group): ``latest`` holds an iteration number;
   the checkpoint fits this run (``megaloop.training.checkpoint_fit``: architecture flags, a
   changed loop count allowed and announced, --finetune relaxing nothing; optimizer groups; LR
