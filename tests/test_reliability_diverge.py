@@ -9,6 +9,7 @@ NaN), and for real with --lr 1e10 (the first step is applied, every later one is
 import json
 import os
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -73,13 +74,15 @@ def test_a_save_on_a_skipped_step_is_made_after_the_next_applied_one(tmp_path):
     assert result["status"] == "completed" and result["checkpoint_iteration"] == 6
 
 
-def test_lr_1e10_leaves_no_checkpoint_and_says_so(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--async-save"]], ids=["sync", "async-save"])
+def test_lr_1e10_leaves_no_checkpoint_and_says_so(tmp_path, extra):
     """The issue's run: the first step (finite gradients) takes the weights to ~1e10, every later
-    step is NaN. Iteration 1's checkpoint holds the weights that diverge: set aside."""
+    step is NaN. Iteration 1's checkpoint holds the weights that diverge: set aside (with
+    --async-save once its background save is published)."""
     ckpt, status = tmp_path / "ckpt", tmp_path / "status.json"
-    flags = TINY + ["--train-iters", "10", "--lr", "1e10", "--save", str(ckpt),
-                    "--save-interval", "1", "--max-skipped-steps-in-a-row", "3",
-                    "--exit-status-file", str(status)]
+    flags = TINY + extra + ["--train-iters", "10", "--lr", "1e10", "--save", str(ckpt),
+                            "--save-interval", "1", "--max-skipped-steps-in-a-row", "3",
+                            "--exit-status-file", str(status)]
     assert run_distributed(_main, 1, flags, set())[0] == 1
     assert sorted(os.listdir(ckpt)) == ["iter_0000001.diverged"]
     reason = json.loads(status.read_text())["reason"]

@@ -446,6 +446,7 @@ class Trainer:
         Collective (all ranks stop at the same step). When the skipped steps began right after a
         checkpoint, that checkpoint's weights are the ones that diverged: it is set aside and
         `latest` goes back to the one before (``checkpointing.set_aside_diverged``)."""
+        self.finalize_saves(blocking=True)  # an --async-save in flight is published first
         ck, lr = self.cfg.checkpoint, self.cfg.optim.lr
         lower = f"--lr {lr / 10:g} --override-opt_param-scheduler"
         text = "Nothing was saved while steps were skipped"
