@@ -129,3 +129,22 @@ def test_sigterm_exit_waits_for_the_pending_async_save(tmp_path):
     # The exit save was scheduled in the background and published before the process left.
     assert sorted(os.listdir(ckpt)) == ["iter_0000004", TRACKER]
     assert open(os.path.join(ckpt, TRACKER)).read() == "4"
+
+
+def test_async_flags_refused_where_they_cannot_work(tmp_path):
+    import pytest
+
+    from megaloop.training.run_config import parse_args
+
+    for flags, needle in ((["--async-save"], "--async-save needs --save DIR"),
+                          (["--ckpt-fully-parallel-load"], "--ckpt-fully-parallel-load is not "
+                                                           "supported")):
+        cfg = parse_args(["--mock-data"] + flags)
+        with pytest.raises(ValueError, match=needle):
+            cfg.checkpoint.validate()
+    # Megatron-LM's defaults and spellings
+    ck = parse_args(["--mock-data"]).checkpoint
+    assert (ck.async_save, ck.ckpt_fully_parallel_save, ck.ckpt_fully_parallel_load,
+            ck.ckpt_assume_constant_structure) == (False, True, False, False)
+    assert not parse_args(["--mock-data", "--no-ckpt-fully-parallel-save"]).checkpoint \
+        .ckpt_fully_parallel_save
