@@ -97,8 +97,8 @@ def main(argv=None) -> int:
         "Gate collapse and its cures",
         f"python examples/studies/gate_collapse.py --size {study.size['name']}",
         [f"Layout {K} x {T}, pre-norm, peak LR {study.size['lr']} (x{HIGH_LR}: {high:g}), "
-         f"{study.size['iters']} iterations; alarm: p0 > {THRESHOLD} for {patience} iterations in a row "
-         f"(--p0-collapse-iters).",
+         f"{study.size['iters']} iterations; alarm: p0 > {THRESHOLD} for {patience} iterations "
+         f"in a row (--p0-collapse-iters).",
          md_table(["arm", "final p0", "max p0", "longest run above threshold", "alarm fired",
                    "final validation objective", "per-step validation loss",
                    "final p0 vs warmup + cosine at the same peak LR"], rows)],

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     axes[0].set_ylabel("held-out accuracy (mean ± sd over seeds)")
     axes[0].set_ylim(0, 1.02)
     axes[0].legend(fontsize=8)
-    for depth_row, depth in zip(sweep, depths[looped]):
+    for depth in depths[looped]:
         per_seed = [accuracy_by_k(at(ev, depth)["tasks"]) for ev in evals[looped]]
         axes[1].plot(ks, [mean_sd([s[k] for s in per_seed])[0] for k in ks], "o-",
                      label=f"looped at depth {depth}", alpha=1.0 if depth == T else 0.5)
