@@ -15,8 +15,8 @@ Reasoning data (``corpus="hops"``): only the 8-node pointer-chasing problems of
 ``make_demo_corpus.py --families hops`` (a 400-piece tokenizer: every arrow one piece, so a hop
 is one attention look-up), the task family where depth is needed, as question/answer pairs
 trained with the loss on the answers only (``--sft``: in the plain corpus the answer is one token
-in 35, and with arrows of three pieces neither a 2- nor an 8-layer model left chance in 300-600
-iterations); held-out problems for k = 1..6.
+in 35); held-out problems for k = 1..6. How long models take to leave chance on it at each size is
+a measurement, in the README's Studies section.
 
 Seeds: every arm trains ``seeds`` times (``cpu``/``gpu``: 3, ``tiny``: 1) with --seed, --seed+1,
 ...; tables give mean and sample standard deviation over the seeds, and a difference between two
