@@ -47,7 +47,8 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megaloop.device import current_device
-from megaloop.training.checkpoint_fit import (CheckpointError, CheckpointMismatch,  # noqa: F401
+from megaloop.training.checkpoint_fit import (ARCHITECTURE, CheckpointError,  # noqa: F401
+                                              CheckpointMismatch,
                                               compare_architecture, compare_optimizer_groups,
                                               compare_schedule, compare_tensor_shapes,
                                               schedule_bounds,
