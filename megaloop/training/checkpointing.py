@@ -635,8 +635,10 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
 def _compare_shapes(model_state: dict, path: str) -> None:
     """The checkpoint's tensor shapes (its .metadata, read by every rank alike) against this
     model's, before torch's reader meets them (``compare_tensor_shapes``)."""
+    # (allow_shape_mismatch: megatron-core's vocabulary-padded embedding and output layer,
+    # whose padding follows the TP size and which it loads across paddings.)
     expected = {t.key: t.global_shape for t in nested_values(model_state)
-                if isinstance(t, ShardedTensor)}
+                if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch}
     try:
         saved = {k: v.global_shape for k, v in
                  dist_checkpointing.load_tensors_metadata(path).items()}
