@@ -355,3 +355,15 @@ def test_plot_of_a_diverged_run_marks_non_finite_points_and_labels_every_line(tm
     assert marks("loss", "valid loss non-finite (1)") == [4]
     assert marks("gradient norm", "grad norm non-finite (4)") == [3, 4, 5, 6]
     assert marks("loss", "train objective") == [1, 2]  # the finite points stay a line
+
+
+def test_trainer_window_counts_the_evaluations_before_the_checkpoint():
+    """By hand, for --eval-interval 100 and --train-iters 300: the trainer evaluates at 100, 200
+    and at the end (300), each reading the next window; a checkpoint at 150 was not evaluated
+    (its next evaluation, at 200, reads window 1); a run with --eval-iters 0 read none."""
+    from megaloop.eval.data import trainer_window
+
+    training = {"eval_interval": 100, "eval_iters": 2, "train_iters": 300}
+    assert [trainer_window(training, s) for s in (1, 100, 150, 200, 300)] == [0, 0, 1, 1, 2]
+    assert trainer_window(training, None) == 0  # an exported folder
+    assert trainer_window({**training, "eval_iters": 0}, 300) == 0

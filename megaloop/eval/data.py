@@ -85,8 +85,8 @@ def trainer_window(training: dict, iteration: Optional[int]) -> int:
     evaluation at iteration S is preceded by (S - 1) // interval others. For an S at which it
     did not evaluate, this is the window its next evaluation would have read."""
     interval = int(training.get("eval_interval") or 0)
-    if not iteration or interval < 1:
-        return 0
+    if not iteration or interval < 1 or not training.get("eval_iters"):
+        return 0  # (a run with --eval-iters 0 never read its validation split)
     return (iteration - 1) // interval
 
 

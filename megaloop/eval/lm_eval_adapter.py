@@ -51,7 +51,7 @@ MODEL_ARGS = ("load", "ckpt_step", "num_loops", "exit", "kv_policy", "max_length
 
 
 def check_model_args(unknown: dict, *, load, max_length, batch_size, max_gen_toks,
-                     max_batch_size, device) -> None:
+                     max_batch_size) -> None:
     """ModelArgsError for an unknown key (a typo must not be ignored) and for values the model
     cannot use; the range checks of num_loops and the generation keys are
     megaloop.inference.flags', shared with tools/generate.py and tools/serve.py."""
@@ -71,9 +71,6 @@ def check_model_args(unknown: dict, *, load, max_length, batch_size, max_gen_tok
     if max_batch_size is not None:
         raise ModelArgsError(f"max_batch_size {max_batch_size}: it bounds --batch_size auto, "
                              f"which the megaloop model does not take; leave it out")
-    if device is not None:
-        raise ModelArgsError(f"device {device}: the megaloop model places itself (the GPU of "
-                             f"LOCAL_RANK where there is one, else the CPU); leave --device out")
     for key, value in (("max_length", max_length), ("max_gen_toks", max_gen_toks)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
@@ -99,9 +96,12 @@ class MegaloopLM(TemplateLM):
         from megaloop.inference.loading import (check_generation_flags, load_for_generation,
                                                 setup_processes)
 
+        # ``device``: lm-eval sends one whatever the user asked (its default is cuda:0, also on
+        # a machine without a GPU); the model is placed as every megaloop tool places it (the
+        # GPU of LOCAL_RANK where there is one, else the CPU), so it is not read.
+        del device
         check_model_args(unknown, load=load, max_length=max_length, batch_size=batch_size,
-                         max_gen_toks=max_gen_toks, max_batch_size=max_batch_size,
-                         device=device)
+                         max_gen_toks=max_gen_toks, max_batch_size=max_batch_size)
         try:
             rule = check_generation_flags(load, kv_policy, exit, num_loops, spell=str,
                                           ckpt_step=ckpt_step)
@@ -219,7 +219,7 @@ class MegaloopLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, with do_sample/temperature) continuations cut at the first
         ``until`` string; the prompt keeps its last max_length - max_gen_toks tokens."""
-        from megaloop.inference.generate import SamplingParams
+        from megaloop.inference.generate import SamplingParams, continuation_text
 
         out = []
         for context, kwargs in tqdm([r.args for r in requests], disable=disable_tqdm,
@@ -238,7 +238,9 @@ class MegaloopLM(TemplateLM):
                                                seed=int(kwargs.pop("seed", 0))))[0]
             if generated and generated[-1] == self.eot_token_id:
                 generated = generated[:-1]
-            text = self.tok_decode(generated)
+            # The text after the context, as tools/serve.py returns it (lm-eval's
+            # local-completions route gets the same string).
+            text = continuation_text(self.tokenizer_, ids, generated)
             for stop in until:
                 if stop and stop in text:
                     text = text[:text.index(stop)]

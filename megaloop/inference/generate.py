@@ -41,6 +41,16 @@ class SamplingParams:
     """Seed of the sampling generator (the same on every rank)."""
 
 
+def continuation_text(tokenizer, prompt: list[int], out: list[int]) -> str:
+    """The text ``out`` adds after ``prompt``: decoded with the prompt, so that a word boundary's
+    space lands where the tokenizer puts it (decoding ``out`` alone drops a sentencepiece
+    continuation's leading space; joining two decodings with a space adds one before
+    punctuation)."""
+    before = tokenizer.detokenize(prompt)
+    whole = tokenizer.detokenize(list(prompt) + list(out))
+    return whole[len(before):] if whole.startswith(before) else tokenizer.detokenize(out)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
     """[b, v] fp32 logits -> [b] token ids."""
     if params.temperature <= 0:

@@ -327,10 +327,10 @@ class Engine:
             out, finish = out[:-1], "stop"
         elif len(out) < job.max_tokens:
             finish = "stop"
+        from megaloop.inference.generate import continuation_text
+
         prompt_text = self.tokenizer.detokenize(prompt)
-        whole = self.tokenizer.detokenize(prompt + out) if out else prompt_text
-        text = whole[len(prompt_text):] if whole.startswith(prompt_text) else \
-            self.tokenizer.detokenize(out)
+        text = continuation_text(self.tokenizer, prompt, out) if out else ""
         cut = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
         if cut >= 0:
             text, finish = text[:cut], "stop"
