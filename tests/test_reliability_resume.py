@@ -68,9 +68,12 @@ def _lrs_after_resume(rank, world, runs):
     return out
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
-                                    ["--use-distributed-optimizer"]], ids=["tp2", "distopt-dp2"])
-@pytest.mark.parametrize("decoupled", [False, True], ids=["lr", "decoupled-lr"])
+# Each layout once, each with its own optimizer class (megatron-core matches a checkpoint's
+# groups to this run's in both, differently); the distributed one with the decoupled groups, where
+# megatron-core's own group keys collide. (The other two pairs pass too; left out for time.)
+@pytest.mark.parametrize("layout,decoupled", [
+    (["--tensor-model-parallel-size", "2"], False),
+    (["--use-distributed-optimizer"], True)], ids=["tp2-lr", "distopt-dp2-decoupled-lr"])
 def test_override_takes_every_group_lr_from_the_flags(tmp_path, layout, decoupled):
     ckpt = str(tmp_path / "ckpt")
     run_distributed(_train, 2, SCHED + layout + _flags(FIRST, decoupled)
