@@ -115,11 +115,11 @@ def test_a_live_holder_is_named_and_a_dead_one_taken_over(tmp_path, capfd):
     assert LOCK not in os.listdir(ckpt)  # released at the end
 
 
-def _write_lock(save_dir, age_s):
+def _write_lock(save_dir, age_s, job=None):
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, LOCK)
     with open(path, "w") as f:
-        json.dump({"host": "node-elsewhere", "pid": 1, "slurm_job_id": None,
+        json.dump({"host": "node-elsewhere", "pid": 1, "slurm_job_id": job,
                    "started": "then", "token": "x"}, f)
     os.utime(path, (time.time() - age_s, time.time() - age_s))
 
@@ -127,15 +127,25 @@ def _write_lock(save_dir, age_s):
 @pytest.mark.parametrize("age_min,code", [(20, 2), (90, 0)])
 def test_another_hosts_lock_is_stale_after_the_timeout(tmp_path, capfd, age_min, code):
     ckpt = str(tmp_path / "ckpt")
-    _write_lock(ckpt, age_min * 60)
+    _write_lock(ckpt, age_min * 60, job="77")
     flags = TINY + ["--train-iters", "1", "--save", ckpt, "--save-lock-timeout", "60"]
     assert run_distributed(_main, 1, flags, set())[0] == code
     captured = capfd.readouterr()
     if code == 2:
-        assert "in use by another run: pid 1 on host node-elsewhere" in captured.err
+        assert "in use by another run: pid 1 on host node-elsewhere, SLURM job 77" in \
+            captured.err
+        # The same SLURM job requeued onto another node takes its own lock back at once.
+        os.environ["SLURM_JOB_ID"] = "77"
+        try:
+            assert run_distributed(_main, 1, flags, set())[0] == 0
+        finally:
+            del os.environ["SLURM_JOB_ID"]
+        assert "it was taken by this SLURM job (77) before it was requeued" in \
+            capfd.readouterr().out
     else:
-        assert re.search(r"took over the stale lock .* of pid 1 on host node-elsewhere, started "
-                         r"then: not refreshed for 9\d\.\d min, more than --save-lock-timeout 60",
+        assert re.search(r"took over the stale lock .* of pid 1 on host node-elsewhere, SLURM job "
+                         r"77, started then: not refreshed for 9\d\.\d min, more than "
+                         r"--save-lock-timeout 60",
                          captured.out), captured.out
 
 

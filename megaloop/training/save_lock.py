@@ -7,7 +7,8 @@ before anything in --save is removed or written, rank 0 creates ``megaloop_run.l
 time. A second run finds the file and refuses to start, naming the holder (exit code 2). A lock
 whose holder is gone is taken over with a message: on this host when its pid no longer runs, on
 another host when the holder has not refreshed it (its modification time, touched about once a
-minute while the run trains) for --save-lock-timeout minutes. --load needs no lock: reading a
+minute while the run trains) for --save-lock-timeout minutes, and at once when it names this
+SLURM job (requeued after its node failed). --load needs no lock: reading a
 folder another run writes is safe (``latest`` only ever names complete checkpoints).
 
 The lock is released when the run ends (trained, stopped, failed, or SIGTERM without
@@ -69,6 +70,11 @@ def _read(path: str) -> Optional[dict]:
 def stale_reason(holder: Optional[dict], age_s: float, timeout_min: float) -> Optional[str]:
     """Why the lock of ``holder`` (last refreshed ``age_s`` seconds ago) may be taken over, or
     None while its run may still be alive."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if holder and job and holder.get("slurm_job_id") == job:
+        # A requeued SLURM job keeps its id and may restart on another node after the first
+        # died without releasing (node failure): the same job, not a second run.
+        return f"it was taken by this SLURM job ({job}) before it was requeued"
     if holder and holder.get("host") == socket.gethostname():
         pid = int(holder.get("pid", -1))
         if pid == os.getpid():
