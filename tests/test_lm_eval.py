@@ -207,10 +207,15 @@ def _adapter_checks(rank, world, ckpt):
                                                "num_loops?); the megaloop model takes load, "
                                                "ckpt_step, num_loops, exit,"),
                             ({"batch_size": "auto"}, "batch_size auto:"),
+                            ({"device": "cuda:1"}, "device cuda:1: the megaloop model is placed "
+                                                   "on cpu"),
                             ({"ckpt_step": 2, "load": ckpt + "-none"}, "load " + ckpt + "-none")):
         with pytest.raises(ModelArgsError) as info:
             MegaloopLM(**{"load": ckpt, **kwargs})
         assert str(info.value).startswith(message), info.value
+    # lm-eval's default device (sent also when the user named none) and the CPU itself load.
+    for device in ("cuda:0", "cpu"):
+        MegaloopLM(load=ckpt, device=device)
     # ckpt_step is the trainer's --ckpt-step: this run saved iteration 2 only.
     with pytest.raises(ValueError, match="iter_0000001 does not exist"):
         MegaloopLM(load=ckpt, ckpt_step=1)

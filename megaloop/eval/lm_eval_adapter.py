@@ -30,6 +30,7 @@ One process (TP = 1): lm-eval drives the requests; tensor parallelism is for too
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import lm_eval.models  # noqa: F401  (fills lm-eval's model table before ours joins it)
@@ -77,6 +78,27 @@ def check_model_args(unknown: dict, *, load, max_length, batch_size, max_gen_tok
             raise ModelArgsError(f"{key} {value}: must be a whole number of tokens, at least 1")
 
 
+# lm-eval sends ``device`` whatever the user asked: its default, cuda:0, also on a machine
+# without a GPU, so that value cannot be told from a request and is not a conflict.
+LM_EVAL_DEFAULT_DEVICE = "cuda:0"
+
+
+def check_device(device: Optional[str]) -> None:
+    """ModelArgsError for a ``device`` other than the one the model is placed on: like every
+    megaloop tool, the GPU of LOCAL_RANK where there is one, else the CPU."""
+    if device is None or device == LM_EVAL_DEFAULT_DEVICE:
+        return
+    if torch.cuda.is_available():
+        placed = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        fits = device in ("cuda", placed)
+    else:
+        placed, fits = "cpu", device == "cpu"
+    if not fits:
+        raise ModelArgsError(f"device {device}: the megaloop model is placed on {placed} (the GPU "
+                             f"of LOCAL_RANK where there is one, else the CPU); leave --device "
+                             f"out or name {placed}")
+
+
 @register_model("megaloop")
 class MegaloopLM(TemplateLM):
     """A looped LM trained by megaloop, in lm-eval's interface."""
@@ -96,12 +118,9 @@ class MegaloopLM(TemplateLM):
         from megaloop.inference.loading import (check_generation_flags, load_for_generation,
                                                 setup_processes)
 
-        # ``device``: lm-eval sends one whatever the user asked (its default is cuda:0, also on
-        # a machine without a GPU); the model is placed as every megaloop tool places it (the
-        # GPU of LOCAL_RANK where there is one, else the CPU), so it is not read.
-        del device
         check_model_args(unknown, load=load, max_length=max_length, batch_size=batch_size,
                          max_gen_toks=max_gen_toks, max_batch_size=max_batch_size)
+        check_device(device)
         try:
             rule = check_generation_flags(load, kv_policy, exit, num_loops, spell=str,
                                           ckpt_step=ckpt_step)
