@@ -42,12 +42,29 @@ def tagged_pids(tag: str) -> list[int]:
     return pids
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs. A zombie has ended. A process that is exiting has already
+    released its memory, so its environment reads empty and it is no longer found by its tag,
+    while it has not yet ended: a caller that stopped waiting at that point saw it alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def kill_tagged(tag: str, grace_s: float = 5.0) -> list[int]:
     """SIGTERM every process carrying ``tag`` (and its process group), SIGKILL what is left after
-    ``grace_s``; returns the pids it found."""
+    ``grace_s``; returns the pids it found. Returns once every one of them has ended."""
     found, own_group = tagged_pids(tag), os.getpgid(0)
+    signalled: set[int] = set()
+
+    def left() -> list[int]:
+        return sorted(set(tagged_pids(tag)) | {pid for pid in signalled if running(pid)})
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in tagged_pids(tag):
+        for pid in tagged_pids(tag):  # never a bare pid: once reaped, it may be reused
+            signalled.add(pid)
             try:
                 group = os.getpgid(pid)
                 if group != own_group:  # never the check's own process group
@@ -56,9 +73,9 @@ def kill_tagged(tag: str, grace_s: float = 5.0) -> list[int]:
             except OSError:  # gone meanwhile
                 pass
         deadline = time.time() + (grace_s if sig == signal.SIGTERM else 2.0)
-        while time.time() < deadline and tagged_pids(tag):
-            time.sleep(0.1)
-        if not tagged_pids(tag):
+        while time.time() < deadline and left():
+            time.sleep(0.05)
+        if not left():
             break
     return found
 
