@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -111,8 +111,13 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: int,
-                 params: SamplingParams = SamplingParams()) -> list[list[int]]:
-        """The generated ids of every prompt (without the prompt), EOD included if reached."""
+                 params: SamplingParams = SamplingParams(),
+                 on_token: Optional[Callable[[int, int], bool]] = None) -> list[list[int]]:
+        """The generated ids of every prompt (without the prompt), EOD included if reached.
+
+        ``on_token(row, token)`` is called after each token is sampled (right after its forward,
+        so that a caller can stream it); True stops that row there (e.g. its text now holds a
+        stop string). An exception it raises ends the whole call (e.g. the client left)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         check_sampling(params.temperature, params.top_k, params.top_p, spell=str)
@@ -145,6 +150,8 @@ class Generator:
                 seq[i, pos] = token
                 out[i].append(token)
                 done[i] = len(out[i]) >= max_tokens or token == self.eod
+                if on_token is not None and on_token(i, token):
+                    done[i] = True
             pos += 1
         self.stats = {"prefill_s": timings[0], "decode_s": sum(timings[1:]),
                       "decode_forwards": len(timings) - 1,
