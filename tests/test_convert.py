@@ -73,7 +73,7 @@ def _import(rank, world, hf_dir, save_dir, loop_kw):
 
 
 def _converted_logits(rank, world, save_dir, ids, loops):
-    from megaloop.convert.hf_export import load_model
+    from megaloop.checkpoint.load import load_model
     from megaloop.model.looped_gpt import build_model
     from megaloop.training.checkpointing import load_checkpoint, read_run_config
 
@@ -81,7 +81,7 @@ def _converted_logits(rank, world, save_dir, ids, loops):
     if world == 1:
         model = load_model(save_dir)[0]
     else:  # the TP=1 checkpoint at TP=2: rebuild from the saved config
-        from megaloop.convert.hf_export import config_from_dict
+        from megaloop.checkpoint.config import config_from_dict
         from megaloop.data.config import TokenizerConfig
         from megaloop.data.tokenizers import build_tokenizer
         from megaloop.model.config import LoopConfig, ModelConfig
@@ -132,7 +132,7 @@ def test_import_loads_at_tp2(converted):
 
 def test_printed_flags_rebuild_the_model(converted):
     from megaloop.arguments import dataclass_from_args
-    from megaloop.convert.hf_export import config_from_dict
+    from megaloop.checkpoint.config import config_from_dict
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.training.checkpointing import read_run_config
     from megaloop.training.run_config import build_parser
@@ -146,7 +146,7 @@ def test_printed_flags_rebuild_the_model(converted):
 
 
 def _train_and_save(rank, world, ckpt, out, ids, steps):
-    from megaloop.convert.hf_export import load_model
+    from megaloop.checkpoint.load import load_model
     from megaloop.training.checkpointing import save_checkpoint
 
     _world()

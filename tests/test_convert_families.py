@@ -95,7 +95,7 @@ def _logits_at(rank, world, ckpt, ids, loops):
     """Full-vocabulary logits of the converted checkpoint at TP = world, per loop count."""
     from megatron.core import tensor_parallel
 
-    from megaloop.convert.hf_export import config_from_dict
+    from megaloop.checkpoint.config import config_from_dict
     from megaloop.data.config import TokenizerConfig
     from megaloop.data.tokenizers import build_tokenizer
     from megaloop.model.config import LoopConfig, ModelConfig
@@ -148,7 +148,7 @@ def test_import_tp2_equals_tp1(converted):
 
 
 def _train_and_save(rank, world, ckpt, out, ids, steps):
-    from megaloop.convert.hf_export import load_model
+    from megaloop.checkpoint.load import load_model
     from megaloop.training.checkpointing import save_checkpoint
 
     _world()

@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     from megaloop import cpu_shim
 
     cpu_shim.enable()
-    from megaloop.convert.hf_export import load_model
+    from megaloop.checkpoint.load import load_model
     from megaloop.data.heldout import validation_windows
     from megaloop.eval.probes import AttentionProbe, write_plot, write_table
     from megaloop.parallel.initialize import initialize_single_process

@@ -9,6 +9,11 @@ everything else uses the same names plus a few megaloop keys (prelude, coda, inj
 ``qkv_bias``); Llama 3.x RoPE scaling is written as Llama 3.x checkpoints write it
 (``rope_scaling``).
 
+The folder holds: config.json (with the tokenizer's eos = EOD, bos and pad ids),
+generation_config.json (the same ids, so ``generate()`` stops at the end of a document),
+model.safetensors, the two modeling files, and the run's tokenizer (``hf_tokenizer``: what
+``AutoTokenizer.from_pretrained(folder)`` reads); plain ``transformers`` needs nothing else.
+
 Vocabulary: megaloop's embedding table is padded (``--make-vocab-size-divisible-by``); the export
 keeps the padded table and sets ``vocab_size`` to its row count (token ids beyond the tokenizer's
 are never produced by it; their logits are those of megaloop's padding rows). ``--vocab-size N``
@@ -26,16 +31,11 @@ import torch
 
 from megaloop.convert.hf_families import LLAMA3_FIXED
 from megaloop.convert.layout import Heads, to_hf
+from megaloop.data.config import TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
 
 MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_modeling")
 MODELING_FILES = ("modeling_megaloop.py", "configuration_megaloop.py")
-
-
-def config_from_dict(cls, values: dict):
-    """Build a config from a saved dict, ignoring keys this version does not know."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in values.items() if k in known})
 
 
 def check_exportable(model: ModelConfig, loop: LoopConfig | None = None) -> None:
@@ -133,11 +133,19 @@ def hf_config(model: ModelConfig, loop: LoopConfig, vocab_size: int, ouro: bool)
 
 def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: dict, *,
                     vocab_size: int | None = None, names: str = "auto",
-                    dtype: torch.dtype = torch.float32, tokenizer_model: str | None = None) -> dict:
-    """Write the folder from a TP=1 megaloop state dict; returns the config written."""
+                    dtype: torch.dtype = torch.float32,
+                    tokenizer: TokenizerConfig | None = None) -> dict:
+    """Write the folder from a TP=1 megaloop state dict; returns the config written.
+    ``tokenizer``: the run's; its files and EOD/BOS/pad ids go into the folder
+    (``hf_tokenizer``). Files are written 0644 and the folders created 0755 whatever the umask:
+    an export is often written by one account and served or uploaded by another."""
     from safetensors.torch import save_file
 
+    from megaloop.convert.hf_tokenizer import special_token_ids, write_tokenizer_files
+    from megaloop.data.tokenizers import build_tokenizer
+
     check_exportable(model, loop)
+    tok = build_tokenizer(tokenizer) if tokenizer is not None else None
     ouro = is_ouro_style(model, loop)
     if names == "ouro" and not ouro:
         raise ValueError("--names ouro needs an Ouro-style model: no prelude/coda, --norm-scheme "
@@ -154,71 +162,59 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
             if key in state:
                 state[key] = state[key][:vocab_size]
         rows = vocab_size
+    if tok is not None and tok.vocab_size > rows:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the exported table "
+                         f"{rows} rows: --vocab-size must be at least {tok.vocab_size}")
     heads = Heads(model.num_attention_heads, model.num_query_groups or model.num_attention_heads,
                   model.kv_channels or model.hidden_size // model.num_attention_heads)
     tied = not model.untie_embeddings_and_output_weights
     tensors = {k: v.detach().to("cpu", dtype).contiguous().clone()
                for k, v in to_hf(state, heads, tied).items()}
+    created = []  # the folders makedirs creates (out_dir and missing parents)
+    folder = os.path.abspath(out_dir)
+    while not os.path.exists(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config(model, loop, rows, ouro)
+    written = ["model.safetensors", "config.json", *MODELING_FILES]
+    if tok is not None:
+        cfg.update(special_token_ids(tok))  # generate() stops at EOD
+        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+            json.dump(special_token_ids(tok), f, indent=2)
+        written += ["generation_config.json"] + write_tokenizer_files(
+            tokenizer, tok, out_dir, model.max_position_embeddings)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     for name in MODELING_FILES:
         shutil.copy(os.path.join(MODELING_DIR, name), os.path.join(out_dir, name))
-    _copy_tokenizer(tokenizer_model, out_dir)
+    for path in created:
+        os.chmod(path, 0o755)
+    for name in written:
+        os.chmod(os.path.join(out_dir, name), 0o644)
     return cfg
-
-
-def _copy_tokenizer(tokenizer_model: str | None, out_dir: str) -> None:
-    """Copy a Hugging Face tokenizer the run used, so the folder is complete."""
-    if not tokenizer_model:
-        return
-    folder = tokenizer_model if os.path.isdir(tokenizer_model) else \
-        os.path.dirname(tokenizer_model)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            shutil.copy(path, os.path.join(out_dir, name))
-
-
-def load_model(load_dir: str, tp_size: int = 1, iteration: int | None = None):
-    """(model at TP = ``tp_size``, its ModelConfig, LoopConfig, saved run config) from
-    ``load_dir``'s latest checkpoint (or that of ``iteration``: --ckpt-step), whatever layout
-    saved it (dist_checkpointing reshards).
-    Collective: needs torch.distributed and megatron-core's parallel state at that TP size."""
-    from megatron.core import dist_checkpointing
-
-    from megaloop.model.looped_gpt import build_model
-    from megaloop.training.checkpointing import (checkpoint_dir, load_checkpoint,
-                                                 read_run_config, read_tracker)
-
-    run = read_run_config(load_dir, iteration)
-    model_cfg = config_from_dict(ModelConfig, run["model"])
-    loop = config_from_dict(LoopConfig, run["loop"])
-    # The padded table size is in the checkpoint itself; building with it reproduces the shape
-    # whatever tokenizer files this machine has.
-    path = checkpoint_dir(load_dir, read_tracker(load_dir) if iteration is None else iteration)
-    meta = dist_checkpointing.load_tensors_metadata(path)
-    rows = meta["embedding.word_embeddings.weight"].global_shape[0]
-    model = build_model(model_cfg, loop, rows, tp_size=tp_size)
-    load_checkpoint(load_dir, model, iteration=iteration, load_optim=False, load_rng=False)
-    return model, model_cfg, loop, run
 
 
 def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
               names: str = "auto", dtype: torch.dtype = torch.float32,
-              iteration: int | None = None) -> dict:
+              iteration: int | None = None, tokenizer_model: str | None = None) -> dict:
     """Write the Hugging Face folder of ``load_dir``'s latest checkpoint, or that of
-    ``iteration`` (see ``load_model``)."""
-    from megaloop.training.checkpointing import read_run_config
+    ``iteration`` (see ``megaloop.checkpoint.load.load_model``), with the run's tokenizer
+    (``tokenizer_model``: where its file is on this machine, when not where the run read it)."""
+    from megaloop.checkpoint.config import config_from_dict, read_run_config
+    from megaloop.checkpoint.load import load_model
 
     run = read_run_config(load_dir, iteration)
     check_exportable(config_from_dict(ModelConfig, run["model"]),  # before the slow load
                      config_from_dict(LoopConfig, run.get("loop", {})))
+    tokenizer = config_from_dict(TokenizerConfig, run.get("tokenizer", {}))
+    if tokenizer_model is not None:
+        tokenizer = dataclasses.replace(tokenizer, tokenizer_model=tokenizer_model)
+    elif tokenizer.tokenizer_model and not os.path.exists(tokenizer.tokenizer_model):
+        raise ValueError(f"the run's tokenizer {tokenizer.tokenizer_model} is not on this "
+                         f"machine: pass --tokenizer-model PATH (the file the run trained with)")
+    tokenizer.validate()
     model, model_cfg, loop, run = load_model(load_dir, iteration=iteration)
-    tok = run.get("tokenizer", {})
-    tokenizer_model = tok.get("tokenizer_model") if tok.get("tokenizer_type") == \
-        "HuggingFaceTokenizer" else None
     return write_hf_folder(out_dir, model_cfg, loop, model.state_dict(), vocab_size=vocab_size,
-                           names=names, dtype=dtype, tokenizer_model=tokenizer_model)
+                           names=names, dtype=dtype, tokenizer=tokenizer)

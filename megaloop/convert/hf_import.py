@@ -349,8 +349,8 @@ def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | No
     tokenizer) of a folder written by export-hf (``hf_export.write_hf_folder``): config.json read
     back exactly (``exported_configs``), the tensors through the reverse of the export's names
     (``layout.from_hf``), each rank's TP slice cut from the full tensors; the tokenizer is the
-    folder's tokenizer.json, else ``tokenizer``. Collective like ``hf_export.load_model``: needs
-    megatron-core's parallel state at that TP size."""
+    folder's tokenizer.json, else ``tokenizer``. Collective like
+    ``megaloop.checkpoint.load.load_model``: needs megatron-core's parallel state at that TP size."""
     from megaloop.model.looped_gpt import build_model
 
     cfg = read_hf_config(folder)

@@ -56,7 +56,7 @@ def resolve_shape(cfg: EvalConfig, run: dict) -> Shape:
 
 def data_config(cfg: EvalConfig, run: dict):
     """The checkpoint's DataConfig with --data-path / --split / --mock-data applied."""
-    from megaloop.convert.hf_export import config_from_dict
+    from megaloop.checkpoint.config import config_from_dict
     from megaloop.data.config import DataConfig
 
     data = config_from_dict(DataConfig, run.get("data", {}))

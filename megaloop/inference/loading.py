@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from megaloop.checkpoint.tracker import TRACKER
 from megaloop.inference.flags import check_num_loops, cli_name
 
 
@@ -23,7 +24,7 @@ def setup_processes(seed: int = 1234) -> int:
     return world
 
 
-CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # megaloop.training.checkpointing.TRACKER
+CHECKPOINT_TRACKER = TRACKER  # (the name tools and tests know)
 
 
 def is_hf_folder(path: str) -> bool:
@@ -44,7 +45,8 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
     names the model, the folder's tokenizer.json the tokenizer, else ``tokenizer``, a
     TokenizerConfig, is used: it is ignored for checkpoints and for folders that have their
     own)."""
-    from megaloop.convert.hf_export import config_from_dict, load_model
+    from megaloop.checkpoint.config import config_from_dict
+    from megaloop.checkpoint.load import load_model
     from megaloop.data.config import TokenizerConfig
     from megaloop.data.tokenizers import build_tokenizer
     from megaloop.device import current_device

@@ -1,0 +1,28 @@
+"""The run configuration a checkpoint records (``run_config`` in its common part: one dict per
+config dataclass, ``{"model": {...}, "loop": {...}, "tokenizer": {...}, ...}``), read without a
+process group, and the config dataclasses rebuilt from it. Standard library only at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megaloop.checkpoint.tracker import TRACKER, resolve
+
+
+def config_from_dict(cls, values: dict):
+    """Build a config from a saved dict, ignoring keys this version does not know."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def read_run_config(load_dir: str, iteration: Optional[int] = None) -> dict:
+    """The run configuration (a dict of sections) that ``load_dir``'s latest checkpoint, or
+    that of ``iteration``, was saved with; no process group needed."""
+    from megaloop.checkpoint.format import read_common  # megatron-core: only when reading
+
+    path = resolve(load_dir, iteration)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint in {load_dir} (no {TRACKER})")
+    return read_common(path)["run_config"]

@@ -1,0 +1,99 @@
+"""Megatron-LM's folder layout: ``<dir>/iter_XXXXXXX/`` per checkpoint and
+``<dir>/latest_checkpointed_iteration.txt`` naming the newest complete one. Standard library only.
+
+A save writes ``iter_XXXXXXX.tmp`` and renames it when complete; loads never read a ``.tmp``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+from megaloop.checkpoint.errors import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def available_iterations(root: str) -> list:
+    """Iterations with a complete (renamed) checkpoint folder in ``root``, ascending."""
+    if not os.path.isdir(root):
+        return []
+    its = []
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name[5:].isdigit() and \
+                os.path.isdir(os.path.join(root, name)):
+            its.append(int(name[5:]))
+    return sorted(its)
+
+
+def fallback_hint(root: str, below: Optional[int] = None) -> str:
+    """How to load another checkpoint instead: the newest one below ``below`` (else the newest)."""
+    its = [i for i in available_iterations(root) if below is None or i < below]
+    if not its:
+        return f"{root} holds no other checkpoint folder to pick with --ckpt-step"
+    return (f"load the previous checkpoint instead with --ckpt-step {its[-1]} (available in "
+            f"{root}: {', '.join(map(str, available_iterations(root)))})")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration named in ``root``'s latest file, or None when there is no checkpoint."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:  # bytes: a damaged file must not end in a UnicodeDecodeError
+        raw = f.read()
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} holds {raw[:40]!r} instead of an iteration number; "
+                              f"{fallback_hint(root)} (or fix or delete the file)")
+    return int(text)
+
+
+def write_tracker(save_dir: str, iteration: int) -> None:
+    tracker = os.path.join(save_dir, TRACKER)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker + ".tmp", tracker)  # atomic: readers see the old or the new name
+
+
+def resolve(load_dir: str, iteration: Optional[int]) -> Optional[str]:
+    """The folder of checkpoint ``iteration`` (None: the one the tracker names) in ``load_dir``;
+    None when the tracker names none; a CheckpointError when the folder is missing."""
+    if iteration is None:
+        iteration = read_tracker(load_dir)
+        if iteration is None:
+            return None
+    path = checkpoint_dir(load_dir, iteration)
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"checkpoint {path} does not exist (named by {TRACKER} or --ckpt-step); "
+            f"{fallback_hint(load_dir, iteration)}")
+    return path
+
+
+def unreadable(path: str, detail: str) -> str:
+    """The message for checkpoint folder ``path`` that cannot be read: what failed, and the
+    checkpoint to fall back to."""
+    root, name = os.path.split(os.path.normpath(path))
+    below = int(name[5:]) if name[5:].isdigit() else None
+    return f"cannot load checkpoint {path}: {detail}. {fallback_hint(root, below)}"
+
+
+def remove_stale_saves(save_dir: str) -> list:
+    """Rank 0: delete the ``iter_*.tmp`` folders of saves that never finished (a run killed or
+    failed while saving; loads never read them). Returns what was removed."""
+    removed = []
+    if save_dir and os.path.isdir(save_dir):
+        for name in sorted(os.listdir(save_dir)):
+            path = os.path.join(save_dir, name)
+            if name.startswith("iter_") and name.endswith(".tmp") and os.path.isdir(path):
+                shutil.rmtree(path)
+                removed.append(path)
+    return removed
