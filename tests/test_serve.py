@@ -1,10 +1,14 @@
 """tools/serve.py end to end: a tiny trained checkpoint served by a real server subprocess on
 127.0.0.1, asked with a real HTTP client. Greedy answers equal tools/generate.py's; concurrent
 requests equal the sequential ones; echo + logprobs equal an independent log-softmax of the full
-forward; malformed requests get a 4xx with a message and the server keeps serving."""
+forward; malformed requests get a 4xx with a message and the server keeps serving; streamed
+chunks (raw server-sent events) concatenate to the answer; stop strings stop generation; ``n``;
+unknown fields and the per-request limits are refused by name. Chat, the ``openai`` client,
+special tokens and disconnecting clients: tests/test_serve_chat.py."""
 
 import concurrent.futures
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +26,7 @@ from test_inference import _generate_tool, _train_and_save  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOD = 200  # the null tokenizer of test_training.BASE: --vocab-size 200, EOD = 200
+LIMITS = ["--max-prompts-per-request", "3", "--max-n", "3", "--max-request-tokens", "60"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,7 @@ def server(ckpt, tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--load", ckpt,
-             "--host", "127.0.0.1", "--port", str(port)],
+             "--host", "127.0.0.1", "--port", str(port), *LIMITS],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     try:
@@ -227,3 +232,113 @@ def test_startup_log_holds_no_megatron_noise(server):
     assert "megaloop.serve: serving" in text, text
     noise = [line for line in text.splitlines() if "megatron" in line or "Warning" in line]
     assert noise == [], noise
+
+
+def _events(client, body) -> list:
+    """The parsed ``data:`` payloads of a streamed request, ``[DONE]`` last (raw SSE lines)."""
+    out = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                out.append(line[len("data: "):])
+    assert out[-1] == "[DONE]" and "[DONE]" not in out[:-1]
+    return [json.loads(x) for x in out[:-1]]
+
+
+def test_health_and_model_by_id(server):
+    client, _ = server
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.get("/v1/models/ckpt").json()["id"] == "ckpt"
+    r = client.get("/v1/models/another")
+    assert r.status_code == 404 and "another" in r.json()["error"]["message"]
+
+
+def test_streamed_chunks_concatenate_to_the_answer(server):
+    """Two prompts, greedy, with a stop string: every choice's chunks concatenate to its
+    non-streamed text, its last chunk carries the same finish_reason, the usage chunk equals the
+    answer's usage; without stop strings a token is one chunk (the null tokenizer: one id)."""
+    client, _ = server
+    plain = _complete(client, prompt=[5, 6, 7, 8], max_tokens=8, temperature=0)["choices"][0]
+    stop = plain["text"].split()[3]  # the 4th token's text: stops the first prompt there
+    body = dict(prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=8, temperature=0, stop=[stop])
+    want = _complete(client, **body)
+    chunks = _events(client, {**body, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == want["usage"]
+    for i, choice in enumerate(want["choices"]):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == i]
+        assert all(c["object"] == "text_completion" for c in chunks)
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + \
+            [choice["finish_reason"]]
+    assert want["choices"][0]["finish_reason"] == "stop"
+    # Without a stop string nothing is held back: a chunk per token, as it is generated.
+    chunks = _events(client, dict(prompt=[5, 6, 7, 8], max_tokens=8, temperature=0))
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == plain["text"] and len(texts) == len(_ids(plain["text"])) + 1
+    assert all(len(_ids(t)) == 1 for t in texts[:-1]) and texts[-1] == ""  # then the finish
+
+
+def test_stop_strings_stop_generation_and_usage_counts_what_was_generated(server):
+    """The row ends at the first token whose text completes a stop string (derived here from
+    the unstopped greedy ids): completion_tokens counts exactly the tokens up to that one."""
+    client, _ = server
+    full = _ids(_complete(client, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0,
+                          )["choices"][0]["text"])
+    stop = f"{full[1]} {full[2]}"  # the text of the 2nd and 3rd generated tokens
+    text = lambda k: " " + " ".join(map(str, full[:k]))  # noqa: E731 (the null tokenizer's)
+    k = next(k for k in range(1, len(full) + 1) if stop in text(k))
+    got = _complete(client, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0, stop=stop)
+    assert got["choices"][0]["text"] == text(k)[:text(k).find(stop)]
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["usage"] == {"prompt_tokens": 4, "completion_tokens": k, "total_tokens": 4 + k}
+
+
+def test_n_choices_reproducible_with_a_seed(server):
+    client, _ = server
+    body = dict(prompt=[[5, 6], [7, 8]], max_tokens=6, temperature=1.0, n=3, seed=11)
+    one, again = _complete(client, **body), _complete(client, **body)
+    assert one["choices"] == again["choices"]
+    assert [c["index"] for c in one["choices"]] == list(range(6))
+    other = _complete(client, **{**body, "seed": 12})
+    assert other["choices"] != one["choices"]
+    # prompts counted once, every generated token (its EOD too) once
+    generated = sum(len(_ids(c["text"])) + (c["finish_reason"] == "stop")
+                    for c in one["choices"])
+    assert one["usage"] == {"prompt_tokens": 4, "completion_tokens": generated,
+                            "total_tokens": 4 + generated}
+    # greedy: the n copies of a prompt's answer are that prompt's answer alone
+    greedy = _complete(client, prompt=[[5, 6], [7, 8]], max_tokens=6, temperature=0, n=2)
+    alone = [_complete(client, prompt=p, max_tokens=6, temperature=0)["choices"][0]["text"]
+             for p in ([5, 6], [7, 8])]
+    assert [c["text"] for c in greedy["choices"]] == [alone[0]] * 2 + [alone[1]] * 2
+
+
+def test_unknown_and_unsupported_fields_are_refused_by_name(server):
+    client, _ = server
+    for extra, name in (({"presence_penalty": 0.5}, "presence_penalty"),
+                        ({"frequency_penalty": 0.3}, "frequency_penalty"),
+                        ({"suffix": "x"}, "suffix"), ({"logit_bias": {"5": 1}}, "logit_bias"),
+                        ({"best_of": 2}, "best_of"), ({"temprature": 0}, "temprature"),
+                        ({"tools": [{"type": "function"}]}, "tools")):
+        r = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert name in r.json()["error"]["message"], r.text
+    # what clients send with their defaults is accepted
+    _complete(client, prompt=[5, 6], max_tokens=2, presence_penalty=0, frequency_penalty=0.0,
+              logit_bias={}, best_of=1, suffix=None, user="someone")
+
+
+def test_limits_per_request_name_their_flag(server):
+    """The fixture's server runs with LIMITS: 3 prompts, n 3, 60 tokens per request."""
+    client, _ = server
+    for body, flag in (({"prompt": [[5, 6]] * 4, "max_tokens": 2}, "--max-prompts-per-request"),
+                       ({"prompt": [5, 6], "n": 4}, "--max-n"),
+                       # 3 prompts x n 3 x (2 + 6) = 72 tokens
+                       ({"prompt": [[5, 6]] * 3, "n": 3, "max_tokens": 6}, "--max-request-tokens"),
+                       ):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and flag in r.json()["error"]["message"], (body, r.text)
+    # at the limit: answered (3 x 3 x (2 + 4) = 54)
+    assert len(_complete(client, prompt=[[5, 6]] * 3, n=3, max_tokens=4)["choices"]) == 9

@@ -6,10 +6,14 @@
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "x = 3 ; y = x + 4 ; y ?", "max_tokens": 16, "temperature": 0}'
 
-``GET /v1/models`` and ``POST /v1/completions`` (prompt as text, texts, token ids or lists of
-ids; max_tokens, temperature, top_p, top_k, seed, stop, logprobs, echo): see
+    curl -sN localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming, ``n``, stop strings),
+``GET /v1/models[/{id}]``, ``GET /health`` and vLLM's tokenizer endpoints: see
 megaloop/inference/server.py. ``--num-loops``, ``--kv-policy`` and ``--exit`` are those of
-tools/generate.py and apply to every request. The model runs in this one process at TP=1 and
+tools/generate.py and apply to every request; ``--max-prompts-per-request``, ``--max-n`` and
+``--max-request-tokens`` limit one request. The model runs in this one process at TP=1 and
 requests are answered one at a time; serving under torchrun (TP>1) is not supported yet.
 """
 
@@ -25,7 +29,9 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
+from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
 from megaloop.inference.flags import add_ckpt_step_flag, add_generation_flags  # noqa: E402
+from megaloop.inference.limits import RequestLimits  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None,
                    help="the model id /v1/models reports (default: the --load folder's name)")
     add_generation_flags(p)
+    add_dataclass_args(p, RequestLimits)
     p.add_argument("--log-level", default="info", help="debug | info | warning (default info)")
     return p
 
@@ -59,7 +66,9 @@ def main(argv=None) -> int:
         return 2
     from megaloop.inference.loading import check_generation_flags
 
+    limits = dataclass_from_args(RequestLimits, args)
     try:
+        limits.check()
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
                                       ckpt_step=args.ckpt_step)
     except ValueError as exc:
@@ -70,7 +79,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runtime.quiet_megatron()
     from megaloop.inference.loading import context_length, load_for_generation, setup_processes
-    from megaloop.inference.server import Engine, serve
+    from megaloop.inference.jobs import Engine
+    from megaloop.inference.server import serve
     from megaloop.parallel import initialize
 
     # SIGTERM shuts down like Ctrl-C: the server stops, the process group is destroyed.
@@ -87,7 +97,7 @@ def main(argv=None) -> int:
         try:
             engine = Engine(model, tokenizer, name, num_loops=args.num_loops,
                             kv_policy=args.kv_policy, exit_rule=rule,
-                            max_length=context_length(run))
+                            max_length=context_length(run), limits=limits)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -1,0 +1,436 @@
+"""The server's model side (tools/serve.py, megaloop/inference/server.py): requests validated into
+jobs, one job at a time on the model's thread, and the responses built from a job's results.
+
+Special tokens, one rule everywhere: a request's text (a completion prompt, a chat message, the
+text of ``/tokenize``) is read with the pieces of the end-of-document and BOS tokens (``</s>``,
+``<s>``; a Hugging Face tokenizer's added special tokens, as that library reads them) turned into
+those tokens, as Hugging Face tokenizers read text. A prompt of token ids is taken as it is.
+
+Where the numbers come from:
+
+- a generated token's log-probs are those of the distribution it was drawn from (the logits the
+  ``Generator`` samples from, before temperature / top-k / top-p; with the server's KV policy and
+  exit rule);
+- a prompt token's log-probs come from one full forward of the prompt (no cache) through all
+  ``--num-loops`` steps, read out at the last step (an ``--exit`` rule does not apply to them).
+
+Each generated token passes through the Generator's per-token hook (``Engine._on_token``): it
+checks the stop strings (stopping the row there), hands the text to a streaming response, and
+ends the job when its client has left.
+"""
+
+import concurrent.futures
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+import torch
+
+from megaloop.inference.limits import RequestLimits
+from megaloop.inference.openai_api import (ChatCompletionRequest, CompletionRequest,
+                                           RequestError, usage)
+
+log = logging.getLogger("megaloop.serve")
+
+# A chat request without max_tokens, for a model whose context is unknown.
+DEFAULT_CHAT_TOKENS = 256
+
+
+class Cancelled(Exception):
+    """The job's client has left: generation ends at the job's next token."""
+
+
+class Job:
+    """One request's validated work, its rows (every prompt ``n`` times, in the order of the
+    response's choices) and, filled in on the model thread token by token, their results."""
+
+    def __init__(self, prompts, n, max_tokens, params, stop, logprobs=None, echo=False):
+        self.prompts, self.n, self.max_tokens, self.params = prompts, n, max_tokens, params
+        self.stop, self.logprobs, self.echo = stop, logprobs, echo
+        self.rows = [p for p in prompts for _ in range(n)]
+        self.cancelled = threading.Event()
+        # Streaming: emit(row, text, finish_reason or None), called on the model thread.
+        self.emit: Optional[Callable] = None
+        self.outs = [[] for _ in self.rows]  # generated ids (EOD included)
+        self.texts = [""] * len(self.rows)  # each row's answer (ending before a stop string)
+        self.finish = ["length"] * len(self.rows)
+        self.cut = [None] * len(self.rows)  # where a stop string cut the text (characters)
+        self.sent = [""] * len(self.rows)  # streamed so far
+        self.depths: list = []  # executed loop steps of its decoded tokens (with --exit)
+
+    def usage(self) -> dict:
+        return usage(sum(len(p) for p in self.prompts), sum(len(o) for o in self.outs))
+
+
+def _recording_generator_class():
+    from megaloop.inference.generate import Generator
+
+    class RecordingGenerator(Generator):
+        """A Generator that keeps the log-softmax of the logits each forward samples from
+        (``[b, V]`` per forward, on the CPU) when ``record`` is a list."""
+
+        record: Optional[list] = None
+
+        def _logits(self, ids, kv):
+            logits = super()._logits(ids, kv)
+            if self.record is not None:
+                self.record.append(torch.log_softmax(logits[:, -1].float(), -1).cpu())
+            return logits
+
+    return RecordingGenerator
+
+
+class Engine:
+    """The loaded model, its tokenizer and how it generates; runs jobs on the thread that calls
+    ``run_jobs`` (the one that loaded the model)."""
+
+    def __init__(self, model, tokenizer, model_name: str, num_loops: Optional[int] = None,
+                 kv_policy: str = "full", exit_rule=None, max_length: Optional[int] = None,
+                 limits: Optional[RequestLimits] = None):
+        from megaloop.inference.chat import ChatTemplate
+
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.vocab_size, self.eod = tokenizer.vocab_size, tokenizer.eod
+        self.max_length = max_length
+        self.limits = limits or RequestLimits()
+        self.created = int(time.time())
+        self._gen_kw = dict(num_loops=num_loops, kv_policy=kv_policy, exit_rule=exit_rule,
+                            eod=tokenizer.eod)
+        # Built once, so that a bad combination (an exit rule without a cache...) fails at
+        # startup and its warnings print once; used by one request at a time.
+        self._gen = _recording_generator_class()(self.model, self.vocab_size, **self._gen_kw)
+        self.num_loops = self._gen.num_loops
+        self._queue: queue.Queue = queue.Queue()
+        self.serving = False  # the model thread takes jobs (GET /health)
+        self._specials = self._parsed_specials()
+        self.chat = ChatTemplate(tokenizer, self.tokenize)
+
+    # --- the model thread ---------------------------------------------------------------------
+    def submit(self, fn) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn))
+        return future
+
+    def run_jobs(self, keep_going) -> None:
+        """Run queued jobs one at a time while ``keep_going()``."""
+        self.serving = True
+        try:
+            while keep_going():
+                try:
+                    future, fn = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if not future.set_running_or_notify_cancel():
+                    continue  # its client left while it waited
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # reported to the request that sent it
+                    future.set_exception(exc)
+                except BaseException as exc:  # Ctrl-C / SIGTERM: it fails, the server stops
+                    future.set_exception(RuntimeError("the server is shutting down"))
+                    raise exc
+        finally:
+            self.serving = False
+
+    # --- tokenizer (event-loop thread) ----------------------------------------------------------
+    def special_tokens(self) -> dict:
+        """{name: (piece text, id)} of EOD and BOS (the names /tokenizer_info reports)."""
+        ids = {"eos_token": self.tokenizer.eod, "bos_token": self.tokenizer.bos}
+        return {name: (self.tokenizer.piece(i), i) for name, i in ids.items() if i is not None}
+
+    def _parsed_specials(self) -> dict:
+        """{piece: id} of the special tokens whose piece the tokenizer does not read as that
+        token by itself (sentencepiece spells ``</s>`` out; the null tokenizer's "200" and a
+        Hugging Face tokenizer's added tokens are already read as themselves)."""
+        out = {}
+        for piece, i in self.special_tokens().values():
+            try:
+                alone = list(self.tokenizer.tokenize(piece)) if piece else [i]
+            except Exception:
+                alone = None
+            if alone != [i]:
+                out[piece] = i
+        return out
+
+    def tokenize(self, text: str) -> list[int]:
+        """Request text -> ids, its special tokens' pieces read as those tokens (the module
+        docstring's rule)."""
+        out, rest = [], text
+        while rest:
+            hits = [(rest.find(p), p) for p in self._specials if p in rest]
+            if not hits:
+                out += self.tokenizer.tokenize(rest)
+                break
+            at, piece = min(hits)
+            if at:
+                out += self.tokenizer.tokenize(rest[:at])
+            out.append(self._specials[piece])
+            rest = rest[at + len(piece):]
+        return [int(i) for i in out]
+
+    # --- request -> job (event-loop thread) ---------------------------------------------------
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise RequestError(404, f"model {name!r} is not served here; this server serves "
+                                    f"{self.model_name!r}", "model")
+
+    def prepare(self, req: CompletionRequest) -> Job:
+        self._check_body(req)
+        if req.logprobs is not None and req.stream:
+            raise RequestError(400, "logprobs with stream: true is not supported; ask without "
+                                    "stream for log-probs", "logprobs")
+        prompts = self._prompt_ids(req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        return self._job(req, prompts, max_tokens, req.logprobs, req.echo)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Job:
+        from jinja2.exceptions import TemplateError
+
+        self._check_body(req)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = self.chat.ids(messages)
+        except (TemplateError, ValueError) as exc:  # e.g. the null tokenizer reads only ids
+            raise RequestError(400, f"the messages cannot be put into a prompt with the "
+                                    f"{self.chat.kind} chat template: {exc}", "messages") from None
+        self._check_ids(ids)
+        max_tokens = req.token_budget()
+        if max_tokens is None:  # what is left of the context, within the request's limit
+            context = self.max_length or len(ids) + DEFAULT_CHAT_TOKENS
+            max_tokens = max(0, min(context - len(ids),
+                                    self.limits.max_request_tokens // (req.n or 1) - len(ids)))
+        return self._job(req, [ids], max_tokens)
+
+    def _check_body(self, req) -> None:
+        self.check_model(req.model)
+        req.refuse_unknown()
+
+    def _job(self, req, prompts: list, max_tokens: int, logprobs=None, echo=False) -> Job:
+        from megaloop.inference.flags import check_sampling, fit_prompt
+        from megaloop.inference.generate import SamplingParams
+
+        n, lim = req.n or 1, self.limits
+        if len(prompts) > lim.max_prompts_per_request:
+            raise RequestError(400, f"the request has {len(prompts)} prompts; this server takes "
+                                    f"at most {lim.max_prompts_per_request} per request "
+                                    f"(--max-prompts-per-request)", "prompt")
+        if n > lim.max_n:
+            raise RequestError(400, f"n {n}: this server gives at most {lim.max_n} choices per "
+                                    f"prompt (--max-n)", "n")
+        tokens = n * sum(len(p) + max_tokens for p in prompts)
+        if tokens > lim.max_request_tokens:
+            raise RequestError(400, f"the request occupies {tokens} tokens (prompt tokens plus "
+                                    f"max_tokens, for each of its {n * len(prompts)} rows); this "
+                                    f"server takes at most {lim.max_request_tokens} per request "
+                                    f"(--max-request-tokens)", "max_tokens")
+        for i, p in enumerate(prompts):
+            try:
+                fit_prompt(p, max_tokens, self.max_length, spell=str,
+                           what="the prompt" if len(prompts) == 1 else f"prompt {i}")
+            except ValueError as exc:
+                raise RequestError(400, str(exc), "max_tokens") from None
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(s == "" for s in stop):
+            raise RequestError(400, "stop strings must not be empty", "stop")
+        seed = req.seed if req.seed is not None else random.randrange(2 ** 31)
+        params = SamplingParams(
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else float(req.top_p),
+            seed=seed)
+        try:
+            check_sampling(params.temperature, params.top_k, params.top_p, spell=str)
+        except ValueError as exc:
+            raise RequestError(400, str(exc), str(exc).split()[0]) from None
+        return Job(prompts, n, max_tokens, params, stop, logprobs, echo)
+
+    def _prompt_ids(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            texts_or_ids = [prompt]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            texts_or_ids = [prompt]  # one prompt of token ids
+        else:
+            texts_or_ids = list(prompt)
+        if not texts_or_ids:
+            raise RequestError(400, "prompt is an empty list", "prompt")
+        out = []
+        for p in texts_or_ids:
+            if isinstance(p, str):
+                try:
+                    p = self.tokenize(p)
+                except Exception as exc:  # e.g. the null tokenizer reads only integers
+                    raise RequestError(400, f"the tokenizer cannot read the prompt: {exc}",
+                                       "prompt") from None
+            self._check_ids(p)
+            out.append([int(i) for i in p])
+        return out
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if len(ids) == 0:
+            raise RequestError(400, "every prompt needs at least one token", "prompt")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise RequestError(400, f"token id {bad[0]} is outside the vocabulary (size "
+                                    f"{self.vocab_size})", "prompt")
+
+    # --- the model's work (model thread) ------------------------------------------------------
+    def run(self, job: Job):
+        """Generates every row of ``job`` (its outs, texts, finish reasons); returns (the
+        log-prob rows [n, V] each generated token was drawn from, or None; the prompts'
+        teacher-forced log-prob rows [len - 1, V], or None), per row."""
+        rows = [None] * len(job.rows)
+        if job.max_tokens > 0:
+            gen = self._gen
+            gen.depths = []  # (early exit) the executed steps of this request's tokens
+            gen.record = [] if job.logprobs is not None else None
+            try:
+                gen.generate(job.rows, job.max_tokens, job.params,
+                             on_token=lambda i, t: self._on_token(job, i, t))
+            except Cancelled:
+                log.info("job cancelled (its client left) after %d of at most %d tokens",
+                         sum(len(o) for o in job.outs), len(job.rows) * job.max_tokens)
+                raise
+            finally:
+                record, gen.record = gen.record, None
+                job.depths = gen.depths
+            if record is not None:
+                first = min(len(p) for p in job.rows)
+                # The forward at index f predicts position first + f of every row.
+                rows = [torch.stack([record[len(p) - first + j][i] for j in range(len(out))])
+                        if out else None
+                        for i, (p, out) in enumerate(zip(job.rows, job.outs))]
+        elif job.emit is not None:
+            for i in range(len(job.rows)):
+                job.emit(i, "", "length")
+        prompt_rows = [None] * len(job.rows)
+        if job.echo and job.logprobs is not None:
+            prompt_rows = [self.prompt_log_probs(p) for p in job.rows]
+        return rows, prompt_rows
+
+    def _on_token(self, job: Job, i: int, token: int) -> bool:
+        """The Generator's hook for row ``i``'s new ``token``: True ends the row."""
+        from megaloop.inference.generate import continuation_text
+
+        if job.cancelled.is_set():
+            raise Cancelled()
+        out = job.outs[i]
+        out.append(token)
+        ended = token == self.eod or len(out) >= job.max_tokens
+        if not (ended or job.stop or job.emit):
+            return False  # nothing reads the text before the row ends
+        ids = out[:-1] if token == self.eod else out
+        text = continuation_text(self.tokenizer, job.rows[i], ids) if ids else ""
+        cut = min((at for at in (text.find(s) for s in job.stop) if at >= 0), default=-1)
+        if cut >= 0:
+            text, ended, job.cut[i] = text[:cut], True, cut
+        if ended:
+            job.texts[i] = text
+            job.finish[i] = "length" if cut < 0 and token != self.eod else "stop"
+        if job.emit is not None:
+            shown = text
+            if not ended:
+                # Held back: what may still turn out to be the start of a stop string, and an
+                # incomplete character (a byte piece decodes to U+FFFD until its last byte).
+                shown = text[:max(0, len(text) - max((len(s) for s in job.stop), default=1)
+                                  + 1)].rstrip("\ufffd")
+            sent = job.sent[i]
+            delta = shown[len(sent):] if shown.startswith(sent) else ""
+            if delta or ended:
+                job.sent[i] = sent + delta
+                job.emit(i, delta, job.finish[i] if ended else None)
+        return ended
+
+    @torch.no_grad()
+    def prompt_log_probs(self, ids: list[int]) -> torch.Tensor:
+        """Teacher-forced log-probs [len(ids) - 1, V]: row j is the distribution of token j + 1
+        given tokens 0..j, from the full forward's last loop step (no cache)."""
+        from megatron.core import tensor_parallel
+
+        from megaloop.device import current_device
+
+        self.model.eval()
+        device = current_device()
+        x = torch.tensor([ids], dtype=torch.long, device=device)
+        pos = torch.arange(len(ids), device=device).unsqueeze(0)
+        logits = self.model(x, pos, None, num_loops=self.num_loops)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return torch.log_softmax(logits[0, :-1, :self.vocab_size].float(), -1).cpu()
+
+    # --- job result -> response (event-loop thread) -------------------------------------------
+    def _piece(self, ctx: list[int], t: int) -> str:
+        """The text token ``t`` adds after the ids ``ctx`` (decoded with the tokens before it, so
+        that a word-boundary space lands on the token that carries it)."""
+        before = self.tokenizer.detokenize(ctx) if ctx else ""
+        after = self.tokenizer.detokenize(ctx + [t])
+        return after[len(before):] if after.startswith(before) else \
+            self.tokenizer.detokenize([t])
+
+    def _token_logprobs(self, context: list[int], ids: list[int], rows, n: int,
+                        window: int = 16):
+        """(piece, chosen log-prob, top-N dict) of every token of ``ids`` after ``context``;
+        ``rows[j]`` is the log-prob row token j was drawn from (None: the first prompt token).
+        The top-N dict always holds the chosen token too (as OpenAI's)."""
+        out, ctx = [], list(context[-window:])
+        for j, t in enumerate(ids):
+            piece = self._piece(ctx, t)
+            row = rows[j]
+            if row is None:
+                out.append((piece, None, None))
+            else:
+                top = {}
+                if n > 0:
+                    values, top_ids = row.topk(min(n, row.numel()))
+                    for v, i in zip(values.tolist(), top_ids.tolist()):
+                        top.setdefault(piece if i == t else self._piece(ctx, i), v)
+                top.setdefault(piece, float(row[t]))
+                out.append((piece, float(row[t]), top))
+            ctx = (ctx + [t])[-window:]
+        return out
+
+    def _logprobs(self, job: Job, i: int, rows, prompt_rows) -> dict:
+        prompt, out = job.rows[i], job.outs[i]
+        if out and out[-1] == self.eod:
+            out = out[:-1]
+        entries, start = [], len(self.tokenizer.detokenize(prompt))
+        if job.echo:
+            offset = 0
+            for piece, lp, top in self._token_logprobs(
+                    [], prompt, [None] + list(prompt_rows), job.logprobs):
+                entries.append((piece, lp, top, offset))
+                offset += len(piece)
+        offset, cut = start, job.cut[i]
+        for piece, lp, top in self._token_logprobs(prompt, out, rows, job.logprobs):
+            if cut is not None and offset - start >= cut:
+                break  # at or after the stop string
+            entries.append((piece, lp, top, offset))
+            offset += len(piece)
+        tokens, token_lps, tops, offsets = (list(x) for x in zip(*entries)) if entries \
+            else ([], [], [], [])
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def respond(self, job: Job, result) -> dict:
+        rows, prompt_rows = result
+        choices = []
+        for i in range(len(job.rows)):
+            text = job.texts[i]
+            if job.echo:
+                text = self.tokenizer.detokenize(job.rows[i]) + text
+            logprobs = None if job.logprobs is None else \
+                self._logprobs(job, i, rows[i], prompt_rows[i])
+            choices.append({"text": text, "index": i, "logprobs": logprobs,
+                            "finish_reason": job.finish[i]})
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices,
+                "usage": job.usage()}
+
+    def respond_chat(self, job: Job) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": job.texts[i]},
+                    "logprobs": None, "finish_reason": job.finish[i]}
+                   for i in range(len(job.rows))]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices,
+                "usage": job.usage()}
