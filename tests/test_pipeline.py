@@ -233,15 +233,16 @@ def test_pp2_evaluation_equals_pp1():
 # --- the carry's p2p layout (no processes needed) -------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_carry_crosses_stages_exactly(dtype):
-    """Every field of the carry crosses a stage boundary unchanged, in any pipeline dtype: the
-    hidden blocks as ordinary tensors, the fp32 per-token accumulators (log-survival, previous
-    loss) bit for bit; their gradients take the same way back. Unfilled history slots travel as
-    zeros and are dropped on arrival; coarse latents are padded to L and cut back."""
-    from megaloop.model.carry import Carry, CarryLayout
+    """Every declared slot of the carry crosses a stage boundary unchanged, in any pipeline
+    dtype: the hidden blocks as ordinary tensors, the fp32 side values (log-survival, previous
+    loss) bit for bit; their gradients take the same way back. A list slot's unfilled entries
+    travel as zeros, a block shorter than the sequence (coarse latents) zero-padded at the end."""
+    from megaloop.model.carry import SIDE, Carry, CarryLayout, Slot
 
     s, b, h = 8, 2, 16
-    layout = CarryLayout(seq_local=s, seq_full=s, hidden_size=h, dtype=dtype, source=True,
-                         history=2, entering=True, memory=2, survival=True, previous_loss=True)
+    slots = (Slot("source"), Slot("history", count=2), Slot("entering"),
+             Slot("memory", count=2), Slot("log_survival", SIDE), Slot("previous_loss", SIDE))
+    layout = CarryLayout(slots, seq_local=s, seq_full=s, hidden_size=h, dtype=dtype)
 
     def block(rows=s):
         return torch.randn(rows, b, h, dtype=dtype, requires_grad=True)
@@ -254,17 +255,19 @@ def test_carry_crosses_stages_exactly(dtype):
                             requires_grad=True)
     previous = torch.tensor([[3.4e38, 1e-40, 2.5, 0.0] * 2, [1.0, -2.0, 6e-39, 9.0] * 2],
                             requires_grad=True)
-    carry = Carry(h=state, source=source, history=[past], entering=entering, memory=memory,
+    carry = Carry(state, slots, source=source, history=[past], entering=entering, memory=memory,
                   log_survival=survival, previous_loss=previous)
     payload = layout.pack(carry)
     assert payload.shape == (layout.seq_length, b, h) and payload.dtype == dtype
     assert layout.seq_length == 7 * s + layout.side_rows
     received = payload.detach().requires_grad_()  # what the next stage's buffer holds
-    got = layout.unpack(received, history=1, h_rows=5)
+    got = layout.unpack(received)
     for x, y in ((got.log_survival, survival), (got.previous_loss, previous)):
         assert torch.equal(x.view(torch.int32), y.detach().view(torch.int32))
-    pairs = [(got.h, state), (got.source, source), (got.entering, entering)]
-    pairs += list(zip(got.history, [past], strict=True))
+    assert torch.equal(got.h[5:], torch.zeros(3, b, h, dtype=dtype))
+    assert len(got.history) == 2 and torch.equal(got.history[1], torch.zeros(s, b, h, dtype=dtype))
+    pairs = [(got.h[:5], state), (got.source, source), (got.entering, entering),
+             (got.history[0], past)]
     pairs += list(zip(got.memory, memory, strict=True))
     for x, y in pairs:
         assert torch.equal(x, y)
@@ -279,6 +282,31 @@ def test_carry_crosses_stages_exactly(dtype):
     assert torch.equal(previous.grad.view(torch.int32), g_side[1].view(torch.int32))
     for (_, y), g in zip(pairs, grads, strict=True):
         assert torch.equal(y.grad, g)
+
+
+def test_carry_refuses_undeclared_slots():
+    """A slot nobody declared can be neither written nor read (a variant that forgot its
+    declaration would otherwise lose its state between pipeline stages); index_rows keeps every
+    slot, on the batch dimension of its kind."""
+    from megaloop.model.carry import SIDE, Carry, Slot, merge_slots
+
+    slots = (Slot("window", count=3), Slot("acc", SIDE))
+    carry = Carry(torch.arange(24.).view(2, 3, 4), slots)
+    assert carry.window == [] and carry.acc is None
+    with pytest.raises(AttributeError, match="no slot 'anchor'"):
+        carry.anchor = carry.h
+    with pytest.raises(AttributeError, match="no slot 'anchor'"):
+        carry.anchor
+    carry.window = [carry.h, 2 * carry.h]
+    carry.acc = torch.arange(6.).view(3, 2)
+    rows = torch.tensor([2, 0])
+    picked = carry.index_rows(rows)
+    assert torch.equal(picked.h, carry.h[:, [2, 0]])
+    assert torch.equal(picked.window[1], 2 * carry.h[:, [2, 0]])
+    assert torch.equal(picked.acc, carry.acc[[2, 0]])
+    assert merge_slots([Slot("e"), Slot("e")]) == (Slot("e"),)
+    with pytest.raises(ValueError, match="declared twice differently"):
+        merge_slots([Slot("e"), Slot("e", count=2)])
 
 
 # --- checkpoints across pipeline sizes -----------------------------------------------------

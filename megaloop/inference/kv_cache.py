@@ -14,13 +14,17 @@ Which slot a core or coda step uses is the KV policy:
 - ``first-step``: one slot holding each token's step-1 K/V; later steps read it (and their own
   K/V for the current token) but do not keep what they wrote;
 - ``shared-mod-k``: step t uses slot (t - 1) mod k (Huginn's KV sharing; k = T is ``full``).
+
+A loop variant that keeps state of its own across decoded tokens (SpiralFormer's coarse steps:
+their latents' K/V, chunk outputs, the chunk being filled) keeps it as a cache *entry* under a key
+of its choosing (``entry``), and may hand a block call its own inference context (``redirect``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from typing import Optional
+from typing import Callable, Hashable, Optional
 
 POLICIES = ("full", "last-step", "first-step", "shared-mod-k")
 
@@ -49,7 +53,8 @@ class LoopKVCache:
         self.dicts: dict = {}
         self._rows = None  # the batch rows a compacted call runs on (``rows``)
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
-        self._latents: dict = {}
+        self.entries: dict = {}
+        self._redirects: dict = {}
 
     @property
     def offset(self) -> int:
@@ -74,31 +79,34 @@ class LoopKVCache:
         """Swap in the dict of ``block`` ("prelude", "core", "coda") at loop step ``step``.
         ``first-step``: steps after the first keep nothing of what they write (the new
         tokens' rows are restored after the call)."""
+        if (block, step) in self._redirects:
+            yield self._redirects[(block, step)]
+            return
         key = (block, 0 if step is None else self.slot(step))
-        memory = self.dicts.setdefault(key, {})
+        kv_dict = self.dicts.setdefault(key, {})
         full = None
         # (An empty dict here is a block without attention layers, e.g. no coda: the prefill of
         # an early-exit decode reads out every step, so every cache a step uses exists.)
-        if self._rows is not None and memory:
+        if self._rows is not None and kv_dict:
             # Compact only the caches this call reads: a copy of the running rows, written back.
-            full = dict(memory)
-            memory = {n: (k.index_select(1, self._rows), v.index_select(1, self._rows))
-                      for n, (k, v) in full.items()}
+            full = dict(kv_dict)
+            kv_dict = {n: (k.index_select(1, self._rows), v.index_select(1, self._rows))
+                       for n, (k, v) in full.items()}
         saved = None
-        if self.policy == "first-step" and step is not None and step > 1 and memory:
+        if self.policy == "first-step" and step is not None and step > 1 and kv_dict:
             start = self.offset
             rows = slice(start, start + new_tokens)
-            saved = {n: (k[rows].clone(), v[rows].clone()) for n, (k, v) in memory.items()}
-        self.context.key_value_memory_dict = memory
+            saved = {n: (k[rows].clone(), v[rows].clone()) for n, (k, v) in kv_dict.items()}
+        self.context.key_value_memory_dict = kv_dict
         try:
             yield self.context
         finally:
             if saved is not None:
                 for n, (k, v) in saved.items():
-                    memory[n][0][rows] = k
-                    memory[n][1][rows] = v
+                    kv_dict[n][0][rows] = k
+                    kv_dict[n][1][rows] = v
             if full is not None:
-                for n, (k, v) in memory.items():
+                for n, (k, v) in kv_dict.items():
                     full[n][0].index_copy_(1, self._rows, k)
                     full[n][1].index_copy_(1, self._rows, v)
 
@@ -106,7 +114,12 @@ class LoopKVCache:
     def rows(self, rows):
         """Run the model on a subset of the batch rows (a LongTensor of row indices): each cache
         a block call uses is swapped for a compact copy of those rows and written back after the
-        call. Early exit runs later loop steps on the rows still going (compacted, not masked)."""
+        call. Early exit runs later loop steps on the rows still going (compacted, not masked).
+        A variant's cache entries are not compacted: with any, this refuses."""
+        if self.entries:
+            raise ValueError(f"early exit compacts the batch, but the cache holds loop-variant "
+                             f"entries ({', '.join(map(str, self.entries))}) that it cannot "
+                             f"compact; decode without --exit")
         self._rows = rows
         try:
             yield
@@ -129,28 +142,25 @@ class LoopKVCache:
                     target[n][0][position, rows] = k[position, rows]
                     target[n][1][position, rows] = v[position, rows]
 
-    def latents(self, step: int, g: int) -> "LatentCache":
-        """SpiralFormer: the cache of coarse step ``step``'s chunk latents (chunk size g)."""
-        if step not in self._latents:
-            self._latents[step] = LatentCache(self.max_batch_size,
-                                              self.max_sequence_length // g + 1)
-        return self._latents[step]
+    def entry(self, key: Hashable, make: Callable[[], object]):
+        """A loop variant's own state under ``key``, made by ``make()`` on first use and kept
+        for the whole generation; it has an ``nbytes()`` method (counted in ``nbytes``)."""
+        if key not in self.entries:
+            self.entries[key] = make()
+        return self.entries[key]
+
+    @contextlib.contextmanager
+    def redirect(self, block: str, step: Optional[int], context):
+        """Within this block, calls of ``block`` at ``step`` use ``context`` (a variant's own
+        inference context, e.g. latents at their own positions) instead of the token cache."""
+        self._redirects[(block, step)] = context
+        try:
+            yield
+        finally:
+            del self._redirects[(block, step)]
 
     def nbytes(self) -> int:
-        """Bytes held by every cache tensor."""
-        dicts = list(self.dicts.values()) + [c.context.key_value_memory_dict
-                                             for c in self._latents.values()]
-        return sum(t.numel() * t.element_size() for d in dicts for kv in d.values() for t in kv)
-
-
-class LatentCache:
-    """One coarse SpiralFormer step under cached decoding: the K/V of its chunk latents (their
-    own inference context: latent j at position j), the outputs z_hat of the complete chunks
-    (each later token's update reads one), and the injected states of the chunk being filled."""
-
-    def __init__(self, max_batch_size: int, max_latents: int):
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        self.context = StaticInferenceContext(max_batch_size, max_latents)
-        self.z_hat = None
-        self.tail: list = []
+        """Bytes held by every cache tensor (the variants' entries included)."""
+        own = sum(t.numel() * t.element_size()
+                  for d in self.dicts.values() for kv in d.values() for t in kv)
+        return own + sum(entry.nbytes() for entry in self.entries.values())

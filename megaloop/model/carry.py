@@ -1,98 +1,159 @@
 """The carry: everything loop step t hands to loop step t + 1, in one shape.
 
-A looped model's step needs more than the state h: the injection source, the window of past
-states (history injection), the state that entered the step (loop gating, the MeSH routers),
-Anchor's h_0 or MeSH's memory slots, and the per-token accumulators of the exit objective (the
-running log-survival, and the previous step's loss for adaptive-gate training). ``Carry`` holds
-them all. On one pipeline stage it is simply passed from one step to the next; between pipeline
-stages it travels as *one* tensor of a fixed shape, laid out by ``CarryLayout``:
+A looped model's step needs more than the state h: an injection needs its source, another
+variant a window of past states or a bank of slots, the exit objective its running log-survival.
+Each of these belongs to the module that reads it, which *declares* it as a ``Slot`` for the loop
+count being run (``LoopVariant.carry_slots`` in megaloop/model/recurrence.py). ``Carry`` holds h
+and the declared slots, read and written as attributes (``carry.<name>``); a slot nobody declared
+can be neither written nor read, so a variant that forgets a declaration fails on one stage
+instead of losing its state between pipeline stages.
 
-    [h; source; history_1..w; entering; anchor; memory_1..B; side]   along the sequence axis
+On one pipeline stage the carry is simply passed from one step to the next; between stages it
+travels as *one* tensor of a fixed shape, laid out by ``CarryLayout`` from the declarations:
+
+    [h; hidden slots, in declaration order (a list slot as its n blocks); side]   (sequence axis)
 
 every hidden block [s_local, b, d] (sharded over the sequence under sequence parallelism, like
-the activation), and ``side`` a few rows that hold the fp32 per-token accumulators [b, s] bit
-for bit, reinterpreted in the pipeline dtype (log-survival near 0 must not be rounded to bf16).
-A coarse SpiralFormer step's h is L_t < L latents: it travels zero-padded at the end to L and is
-cut back by the receiver. History slots not yet filled travel as zeros.
+the activation), and ``side`` a few rows that hold the fp32 per-token slots [b, s] bit for bit,
+reinterpreted in the pipeline dtype (log-survival near 0 must not be rounded to bf16). A block
+shorter than the sequence (a coarse SpiralFormer step's L_t latents) travels zero-padded at the
+end; its owner cuts it back. A value not yet set, and the unfilled entries of a list slot, travel
+as zeros; a list slot arrives with all its n entries (its owner knows how many are real).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Sequence
 
 import torch
 
+HIDDEN, SIDE = "hidden", "side"
 
-@dataclass
+
+@dataclass(frozen=True)
+class Slot:
+    """One piece of state a module keeps in the carry."""
+
+    name: str
+    """The attribute on the carry (``carry.<name>``); one name per piece of state in a model."""
+    kind: str = HIDDEN
+    """``hidden``: [s, b, d] blocks in the model's dtype, sent in the pipeline dtype; ``side``: a
+    [b, s] per-token fp32 value, sent bit for bit."""
+    count: int = 0
+    """0: one tensor (None until set). n >= 1: a list of at most n tensors, oldest first (a
+    window of past states, a bank of memories)."""
+
+    def __post_init__(self):
+        if self.kind not in (HIDDEN, SIDE):
+            raise ValueError(f"carry slot {self.name!r}: kind {self.kind!r} is not "
+                             f"{HIDDEN!r} or {SIDE!r}")
+        if self.kind == SIDE and self.count:
+            raise ValueError(f"carry slot {self.name!r}: a side slot holds one [b, s] tensor")
+        if self.count < 0:
+            raise ValueError(f"carry slot {self.name!r}: count {self.count} < 0")
+
+    @property
+    def blocks(self) -> int:
+        """Tensors this slot sends."""
+        return max(self.count, 1)
+
+
+def merge_slots(declared: Iterable[Slot]) -> tuple:
+    """The declarations of a model's modules as one tuple: a name declared twice the same way
+    is one slot (two variants reading the state that entered the step); differently, an error."""
+    out: Dict[str, Slot] = {}
+    for slot in declared:
+        if slot.name in out and out[slot.name] != slot:
+            raise ValueError(f"carry slot {slot.name!r} declared twice differently: "
+                             f"{out[slot.name]} and {slot}")
+        out.setdefault(slot.name, slot)
+    return tuple(out.values())
+
+
 class Carry:
-    """What passes from loop step t to step t + 1 (fields a model does not use stay None)."""
+    """What passes from loop step t to step t + 1: ``h`` and the declared slots."""
 
-    h: torch.Tensor
-    """[s, b, d] the recurrent state entering the next step (mid-core on a pipeline stage: the
-    partial activation; a coarse SpiralFormer step's latents there)."""
-    source: Optional[torch.Tensor] = None
-    """[s, b, d] the injection source: the token embedding or the prelude output."""
-    history: List[torch.Tensor] = field(default_factory=list)
-    """Completed states for history injection, oldest first (at most the window)."""
-    entering: Optional[torch.Tensor] = None
-    """[s, b, d] the state that entered the current step, before injection (loop gating and the
-    MeSH routers read it where the step ends)."""
-    anchor: Optional[torch.Tensor] = None
-    """[s, b, d] Anchor's h_0, added to every step's update."""
-    memory: Optional[List[torch.Tensor]] = None
-    """MeSH's B memory slots, each [s, b, d]."""
-    log_survival: Optional[torch.Tensor] = None
-    """[b, s] fp32 running log prod_{s<t} (1 - lambda_s) of the exit distribution."""
-    previous_loss: Optional[torch.Tensor] = None
-    """[b, s] fp32 the previous step's LM loss (adaptive-gate training's loss improvement)."""
+    def __init__(self, h: torch.Tensor, slots: Sequence[Slot] = (), **values):
+        object.__setattr__(self, "_slots", {s.name: s for s in slots})
+        object.__setattr__(self, "_values", {})
+        self.h = h
+        """[s, b, d] the recurrent state entering the next step (mid-core on a pipeline stage:
+        the partial activation; a coarse SpiralFormer step's latents there)."""
+        for name, value in values.items():
+            setattr(self, name, value)
 
+    @property
+    def slots(self) -> tuple:
+        return tuple(self._slots.values())
 
-def history_count(step: int, window: int, first_stage: bool) -> int:
-    """Filled history slots in the carry a stage receives during loop step ``step``: the first
-    stage receives what step - 1 sent (h_1 .. h_{step-2}), later stages what this step's first
-    stage sent (h_1 .. h_{step-1})."""
-    done = step - 2 if first_stage else step - 1
-    return max(0, min(window, done))
+    def __getattr__(self, name):
+        slots = object.__getattribute__(self, "_slots")
+        if name not in slots:
+            raise AttributeError(f"the carry has no slot {name!r} (declared: "
+                                 f"{', '.join(slots) or 'none'}); declare it in the module's "
+                                 f"carry_slots")
+        default = [] if slots[name].count else None
+        return object.__getattribute__(self, "_values").get(name, default)
+
+    def __setattr__(self, name, value):
+        if name == "h":
+            object.__setattr__(self, name, value)
+        elif name in self._slots:
+            self._values[name] = value
+        else:
+            raise AttributeError(f"the carry has no slot {name!r} (declared: "
+                                 f"{', '.join(self._slots) or 'none'}); declare it in the "
+                                 f"module's carry_slots")
+
+    def index_rows(self, rows: torch.Tensor) -> "Carry":
+        """The carry of a subset of batch rows (early exit's compaction): hidden blocks [s, b, d]
+        on dim 1, side values [b, s] on dim 0."""
+        def pick(x, dim):
+            return None if x is None else x.index_select(dim, rows)
+
+        out = Carry(pick(self.h, 1), self.slots)
+        for name, value in self._values.items():
+            dim = 0 if self._slots[name].kind == SIDE else 1
+            setattr(out, name, [pick(x, dim) for x in value] if self._slots[name].count
+                    else pick(value, dim))
+        return out
 
 
 @dataclass
 class CarryLayout:
     """The p2p layout of a carry for one model and loop count (the schedule's fixed shape)."""
 
+    slots: tuple
+    """The model's declared slots for this loop count (``LoopedGPTModel.carry_slots``)."""
     seq_local: int
     """Tokens per hidden block on this rank (the sequence divided by TP under SP)."""
     seq_full: int
-    """Tokens of the whole sequence (the side accumulators are never sharded)."""
+    """Tokens of the whole sequence (the side values are never sharded)."""
     hidden_size: int
     dtype: torch.dtype
     """The pipeline dtype: every block is sent in it."""
-    source: bool = False
-    history: int = 0
-    """History slots sent (the window; 0 when no step reads history)."""
-    entering: bool = False
-    anchor: bool = False
-    memory: int = 0
-    survival: bool = False
-    previous_loss: bool = False
     sp_size: int = 1
 
     @property
-    def num_hidden(self) -> int:
-        return 1 + self.source + self.history + self.entering + self.anchor + self.memory
+    def hidden(self) -> List[Slot]:
+        return [s for s in self.slots if s.kind == HIDDEN]
 
     @property
-    def num_side(self) -> int:
-        """fp32 per-token accumulators: values per token."""
-        return int(self.survival) + int(self.previous_loss)
+    def side(self) -> List[Slot]:
+        return [s for s in self.slots if s.kind == SIDE]
+
+    @property
+    def num_hidden(self) -> int:
+        return 1 + sum(s.blocks for s in self.hidden)
 
     @property
     def side_rows(self) -> int:
-        if not self.num_side:
+        if not self.side:
             return 0
         per_value = 32 // torch.finfo(self.dtype).bits  # pipeline-dtype elements per fp32
-        return math.ceil(self.num_side * self.seq_full * per_value / self.hidden_size)
+        return math.ceil(len(self.side) * self.seq_full * per_value / self.hidden_size)
 
     @property
     def seq_length(self) -> int:
@@ -103,61 +164,46 @@ class CarryLayout:
     # --- packing ----------------------------------------------------------------------------
     def pack(self, carry: Carry) -> torch.Tensor:
         h = carry.h
-        if h.size(0) < self.seq_local:  # coarse latents: zero-padded at the end to L
-            h = torch.nn.functional.pad(h, (0, 0, 0, 0, 0, self.seq_local - h.size(0)))
-        hiddens = [h]
-        if self.source:
-            hiddens.append(carry.source)
-        if self.history:
-            zeros = torch.zeros_like(h)  # slots not yet filled
-            hiddens += list(carry.history[-self.history:])
-            hiddens += [zeros] * (self.history - min(len(carry.history), self.history))
-        if self.entering:
-            hiddens.append(carry.entering)
-        if self.anchor:
-            hiddens.append(carry.anchor)
-        if self.memory:
-            hiddens += list(carry.memory)
-        hiddens = [x.to(self.dtype) for x in hiddens]
-        if not self.num_side:
+        zeros = None
+
+        def full(x):  # a block shorter than the sequence: zero-padded at the end
+            if x.size(0) < self.seq_local:
+                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, self.seq_local - x.size(0)))
+            return x.to(self.dtype)
+
+        hiddens = [full(h)]
+        for slot in self.hidden:
+            values = getattr(carry, slot.name)
+            values = list(values[-slot.count:]) if slot.count else [values]
+            values += [None] * (slot.blocks - len(values))
+            for x in values:
+                if x is None:
+                    zeros = hiddens[0].new_zeros(hiddens[0].shape) if zeros is None else zeros
+                    x = zeros
+                hiddens.append(full(x))
+        if not self.side:
             return torch.cat(hiddens, 0) if len(hiddens) > 1 else hiddens[0]
-        side = [carry.log_survival] if self.survival else []
-        if self.previous_loss:
-            side.append(carry.previous_loss)
-        # Before the first readout an accumulator is still None: log 1 = 0 (and no loss yet).
+        # Before it is first set (step 1), a side value travels as 0 (log 1, and no loss yet).
         empty = torch.zeros(h.size(1), self.seq_full, dtype=torch.float32, device=h.device)
+        side = [getattr(carry, slot.name) for slot in self.side]
         side = torch.cat([empty if x is None else x.float() for x in side], 1)  # [b, n * s]
         return _PackSide.apply(side, self.side_rows, *hiddens)
 
-    def unpack(self, payload: torch.Tensor, history: int = 0,
-               h_rows: Optional[int] = None) -> Carry:
-        """The carry in ``payload``; ``history``: how many history slots are filled; ``h_rows``:
-        the rows of h that are real (a coarse step's latent count), None for all."""
+    def unpack(self, payload: torch.Tensor) -> Carry:
+        """The carry in ``payload`` (h at full length; a list slot with all its entries)."""
         rows = [self.seq_local] * self.num_hidden
-        if self.num_side:
-            side, *hiddens = _UnpackSide.apply(payload, rows, self.num_side * self.seq_full)
+        if self.side:
+            side, *hiddens = _UnpackSide.apply(payload, rows, len(self.side) * self.seq_full)
         else:
             side, hiddens = None, list(payload.split(rows, 0))
         it = iter(hiddens)
-        h = next(it)
-        carry = Carry(h=h if h_rows is None else h[:h_rows])
-        if self.source:
-            carry.source = next(it)
-        if self.history:
-            slots = [next(it) for _ in range(self.history)]
-            carry.history = slots[:history]
-        if self.entering:
-            carry.entering = next(it)
-        if self.anchor:
-            carry.anchor = next(it)
-        if self.memory:
-            carry.memory = [next(it) for _ in range(self.memory)]
+        carry = Carry(next(it), self.slots)
+        for slot in self.hidden:
+            values = [next(it) for _ in range(slot.blocks)]
+            setattr(carry, slot.name, values if slot.count else values[0])
         if side is not None:
-            parts = side.split(self.seq_full, 1)
-            if self.survival:
-                carry.log_survival = parts[0]
-            if self.previous_loss:
-                carry.previous_loss = parts[-1]
+            for slot, part in zip(self.side, side.split(self.seq_full, 1), strict=True):
+                setattr(carry, slot.name, part)
         return carry
 
 

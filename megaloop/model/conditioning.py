@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megaloop.model.carry import Slot
 from megaloop.model.loop_step import ReselectStep, StepHolder
 from megaloop.model.recurrence import LoopVariant
 from megaloop.model.specs import NormedBiasDropoutAdd
@@ -185,6 +186,15 @@ class TimestepConditioning(MegatronModule, LoopVariant):
         """psi of loop step ``step`` (1-based) when ``num_loops`` loops are run."""
         T = num_loops if self.inference == "rescaled" else self.train_loops
         return timestep_features(step - 1, T)
+
+    def carry_slots(self, num_loops):
+        """Loop gating reads the state that entered the step where the step ends."""
+        return [Slot("entering")] if self.form == "loop-gating" else []
+
+    def before_core(self, z, carry, t, ctx):
+        if self.form == "loop-gating":
+            carry.entering = carry.h  # before injection
+        return z
 
     def around_core(self, run, z, attention_mask, rotary_pos_emb, t, ctx):
         """Condition this core pass on step t of T; mark its output so that activation

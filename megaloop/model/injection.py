@@ -25,10 +25,11 @@ core pass.
   random normal initialisation (std --init-method-std), so *not* the identity at start.
 
 The What Makes Recurrence Effective forms are initialised to the identity on h, so a model with them
-starts equal to the plain model. History-state injection (What Makes Recurrence Effective,
-``HistoryInjection``) keeps its window of completed states in the loop's carry
-(megaloop/model/carry.py), so the module stays stateless and the window travels between pipeline
-stages with the state.
+starts equal to the plain model. The source and history-state injection's window of completed
+states (What Makes Recurrence Effective, ``HistoryInjection``) are carry slots these modules
+declare (megaloop/model/carry.py), so the modules stay stateless and their state travels between
+pipeline stages with the activation. The modules are built on every pipeline stage (every stage
+lays the carry out alike); their parameters live on the first, where they run.
 
 Tensor parallelism: every injection parameter (including the [d, 2d] matrices) is *replicated*
 on all TP ranks, not sharded: the hidden state entering the core is full on every rank, the
@@ -47,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from megaloop.model.carry import Slot
 from megaloop.model.recurrence import LoopVariant
 
 
@@ -58,9 +60,18 @@ def _replicated(param: torch.nn.Parameter, config) -> torch.nn.Parameter:
 
 class _Injection(MegatronModule, LoopVariant):
     """The loop-variant side of every input injection: ``z = inject(z, source)`` before the core
-    (before every pass, or from the second on when ``every_step`` is False)."""
+    (before every pass, or from the second on when ``every_step`` is False). ``source_of``: the
+    ``--injection-source`` (``embedding`` or ``prelude``)."""
 
     every_step = True
+    source_of = "embedding"
+
+    def carry_slots(self, num_loops):
+        return [Slot("source")] if num_loops > 1 or self.every_step else []
+
+    def begin(self, carry, ctx, embedded):
+        if self.carry_slots(ctx.num_loops):
+            carry.source = carry.h if self.source_of == "prelude" else embedded
 
     def before_core(self, z, carry, t, ctx):
         if t > 1 or self.every_step:
@@ -78,15 +89,16 @@ class ScalarMix(_Injection):
     ``sequence_parallel`` tag and the gradient is summed over the TP group like a norm's.
     """
 
-    def __init__(self, config, init_weight: float):
+    def __init__(self, config, init_weight: float, first: bool = True):
         super().__init__(config=config)
         if not 0.0 < init_weight < 1.0:
             raise ValueError(f"--injection-init-weight {init_weight} must be in (0, 1); "
                              "w = sigmoid(a) never reaches 0 or 1 exactly")
         # a = logit(w), so that sigmoid(a) starts at exactly the requested mixing weight.
         a = math.log(init_weight / (1.0 - init_weight))
-        self.logit = torch.nn.Parameter(torch.full((1,), a, dtype=config.params_dtype))
-        self.logit.sequence_parallel = config.sequence_parallel
+        if first:
+            self.logit = torch.nn.Parameter(torch.full((1,), a, dtype=config.params_dtype))
+            self.logit.sequence_parallel = config.sequence_parallel
 
     every_step = False  # Closing the Loop mixes for t > 0 only
 
@@ -107,9 +119,12 @@ class InitialStateInjection(_Injection):
 
     every_step = True
 
-    def __init__(self, config, channels: int, residual: bool, with_a: bool = True):
+    def __init__(self, config, channels: int, residual: bool, with_a: bool = True,
+                 first: bool = True):
         super().__init__(config=config)
         dtype, self.residual = config.params_dtype, residual
+        if not first:
+            return
         # a = 1 (or da = 0) and b = 0: z = h exactly at initialisation.
         self.a = _replicated(torch.nn.Parameter(torch.full(
             (channels,), 0.0 if residual else 1.0, dtype=dtype)), config) if with_a else None
@@ -132,9 +147,11 @@ class ConcatLinear(_Injection):
 
     every_step = True
 
-    def __init__(self, config, identity_init: bool, seed: int):
+    def __init__(self, config, identity_init: bool, seed: int, first: bool = True):
         super().__init__(config=config)
         d = config.hidden_size
+        if not first:
+            return
         if identity_init:
             weight = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
         else:
@@ -149,26 +166,33 @@ class ConcatLinear(_Injection):
 
 
 INJECTIONS = {
-    "scalar-mix": lambda config, loop, seed: ScalarMix(config, loop.injection_init_weight),
-    "scalar": lambda config, loop, seed: InitialStateInjection(config, 1, False, with_a=False),
-    "channel-wise": lambda config, loop, seed: InitialStateInjection(
-        config, config.hidden_size, residual=False),
-    "residual-channel-wise": lambda config, loop, seed: InitialStateInjection(
-        config, config.hidden_size, residual=True),
-    "dense": lambda config, loop, seed: ConcatLinear(config, identity_init=True, seed=seed),
-    "concat-linear": lambda config, loop, seed: ConcatLinear(config, identity_init=False,
-                                                             seed=seed),
+    "scalar-mix": lambda config, loop, seed, first: ScalarMix(
+        config, loop.injection_init_weight, first),
+    "scalar": lambda config, loop, seed, first: InitialStateInjection(
+        config, 1, False, with_a=False, first=first),
+    "channel-wise": lambda config, loop, seed, first: InitialStateInjection(
+        config, config.hidden_size, residual=False, first=first),
+    "residual-channel-wise": lambda config, loop, seed, first: InitialStateInjection(
+        config, config.hidden_size, residual=True, first=first),
+    "dense": lambda config, loop, seed, first: ConcatLinear(
+        config, identity_init=True, seed=seed, first=first),
+    "concat-linear": lambda config, loop, seed, first: ConcatLinear(
+        config, identity_init=False, seed=seed, first=first),
 }
 
 
-def build_injection(config, loop, seed: int = 0) -> Optional[MegatronModule]:
-    """The injection module of ``loop.input_injection`` (None for ``none``)."""
+def build_injection(config, loop, seed: int = 0, first: bool = True
+                    ) -> Optional[MegatronModule]:
+    """The injection module of ``loop.input_injection`` (None for ``none``); ``first``: whether
+    this pipeline stage starts each loop step (owns the parameters)."""
     if loop.input_injection == "none":
         return None
     if loop.input_injection not in INJECTIONS:
         raise ValueError(f"unknown --input-injection {loop.input_injection!r}; choose one of "
                          f"none, {', '.join(INJECTIONS)}")
-    return INJECTIONS[loop.input_injection](config, loop, seed)
+    module = INJECTIONS[loop.input_injection](config, loop, seed, first)
+    module.source_of = loop.injection_source
+    return module
 
 
 class HistoryInjection(MegatronModule, LoopVariant):
@@ -182,7 +206,7 @@ class HistoryInjection(MegatronModule, LoopVariant):
     Replicated over TP ranks like the initial-state forms (see the module docstring).
     """
 
-    def __init__(self, config, kind: str, window: int):
+    def __init__(self, config, kind: str, window: int, first: bool = True):
         super().__init__(config=config)
         d = config.hidden_size
         shapes = {"scalar": (window, 1), "channel-wise": (window, d), "dense": (window, d, d)}
@@ -190,16 +214,24 @@ class HistoryInjection(MegatronModule, LoopVariant):
             raise ValueError(f"unknown --history-injection {kind!r}; choose one of none, "
                              f"{', '.join(shapes)}")
         self.kind, self.window = kind, window
-        self.weight = _replicated(torch.nn.Parameter(
-            torch.zeros(shapes[kind], dtype=config.params_dtype)), config)
+        if first:
+            self.weight = _replicated(torch.nn.Parameter(
+                torch.zeros(shapes[kind], dtype=config.params_dtype)), config)
+
+    def carry_slots(self, num_loops):
+        # Step t reads h_1 .. h_{t-2}: the window is first read at step 3.
+        return [Slot("history", count=self.window)] if num_loops > 2 else []
 
     def before_core(self, z, carry, t, ctx):
-        """Mix the window into z, then add h_{t-1} (the state entering step t) to the window the
-        next step reads."""
-        if carry.history:
-            z = self(z, carry.history)
-        if t > 1:
-            carry.history = (carry.history + [carry.h])[-self.window:]
+        """Mix the window into z, then add h_{t-1} (the state entering step t) to the window
+        that later steps read."""
+        if t < 3:  # no completed state yet (and no window at T <= 2)
+            past = []
+        else:  # h_1 .. h_{t-2}, the last w of them (a window from another stage has all w)
+            past = carry.history[:min(self.window, t - 2)]
+            z = self(z, past)
+        if 1 < t < ctx.num_loops:
+            carry.history = (past + [carry.h])[-self.window:]
         return z
 
     def forward(self, h: torch.Tensor, past: list) -> torch.Tensor:
@@ -212,8 +244,8 @@ class HistoryInjection(MegatronModule, LoopVariant):
         return z
 
 
-def build_history_injection(config, loop) -> Optional[HistoryInjection]:
+def build_history_injection(config, loop, first: bool = True) -> Optional[HistoryInjection]:
     """The history-state injection of ``loop.history_injection`` (None for ``none``)."""
     if loop.history_injection == "none":
         return None
-    return HistoryInjection(config, loop.history_injection, loop.history_window)
+    return HistoryInjection(config, loop.history_injection, loop.history_window, first)

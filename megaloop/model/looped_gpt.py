@@ -8,13 +8,15 @@ tensor-parallel shard and communicator is reused and autograd sums the T gradien
 
 The recurrence lives in one place, megaloop/model/recurrence.py: ``forward`` is its fold over T
 steps, and a pipeline-parallel virtual chunk runs one of its steps. The loop variants (injections,
-timestep conditioning, stepwise LoRA, SpiralFormer) are modules listed in ``variants``.
+timestep conditioning, stepwise LoRA, SpiralFormer) are modules listed in ``variants``; each
+declares the carry slots it keeps (``carry_slots``). A new variant is one module and one line:
+``VARIANTS[name] = build``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from megatron.core import tensor_parallel
@@ -30,12 +32,21 @@ from megaloop.model.conditioning import build_timestep_conditioning, conditioned
 from megaloop.model.loop_step import StepHolder
 from megaloop.model.injection import build_history_injection, build_injection
 from megaloop.model import recurrence
+from megaloop.model.carry import merge_slots
 from megaloop.model.lora import StepwiseLoRA
 from megaloop.model.readout import chunked_language_model_loss
 from megaloop.model.sharded_init import shard_only_initialization
 from megaloop.model.loss import LoopOutput  # noqa: F401  (the forward's return type)
+from megaloop.model.objective import ExitObjective
 from megaloop.model.specs import build_norm, layer_spec
 from megaloop.model.spiral import build_spiral
+
+# Loop variants beyond the built-in ones, by name: ``build(config, loop, first, last)`` returns
+# the variant (a megaloop.model.recurrence.LoopVariant, usually a MegatronModule) or None when
+# the configuration does not use it; ``first`` / ``last``: whether this pipeline stage starts /
+# ends each loop step (where the before_core / after_core hooks run, so where their parameters
+# belong). Each is built on every stage, becomes ``model.<name>`` and runs after the built-ins.
+VARIANTS: Dict[str, Callable] = {}
 
 
 class ExitGate(MegatronModule):
@@ -141,8 +152,10 @@ class LoopedGPTModel(LanguageModule):
         if self.coda is not None and loop.step_norm != "rms":
             # The coda's final norm is the readout norm before gate and head: --step-norm too.
             self.coda.final_layernorm = build_norm(config, use_te, loop.step_norm)
-        self.injection = build_injection(config, loop) if pre_process else None
-        self.history_injection = build_history_injection(config, loop) if pre_process else None
+        # Every stage builds every variant (so every stage lays the carry out alike); the
+        # injections' parameters live on the first stage, where they run.
+        self.injection = build_injection(config, loop, first=pre_process)
+        self.history_injection = build_history_injection(config, loop, first=pre_process)
         self.timestep = build_timestep_conditioning(config, loop, clock, last=post_process)
         # SpiralFormer per-step resolutions and the Anchor / MeSH topologies (None: plain loop).
         # Under PP a step is down-scaled where it starts and up-scaled where it ends.
@@ -153,6 +166,17 @@ class LoopedGPTModel(LanguageModule):
         # after it. A plain list: the modules are registered above under their own names.
         self.variants = [v for v in (self.history_injection, self.injection, self.spiral,
                                      self.timestep, self.lora) if v is not None]
+        for name, build in VARIANTS.items():
+            variant = build(config, loop, pre_process, post_process)
+            if variant is not None:
+                setattr(self, name, variant)
+                self.variants.append(variant)
+
+    def carry_slots(self, num_loops: int) -> tuple:
+        """What the carry holds when ``num_loops`` loops run: the variants' slots and the exit
+        objective's accumulators (megaloop/model/carry.py); the same on every pipeline stage."""
+        declared = [slot for variant in self.variants for slot in variant.carry_slots(num_loops)]
+        return merge_slots(declared + ExitObjective.carry_slots(num_loops, self.loop.exit_loss))
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook (megatron schedules call it); with one stage there is nothing to take."""

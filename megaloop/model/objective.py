@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megaloop.model.carry import SIDE, Slot
+
 
 @dataclass
 class ExitObjective:
@@ -102,9 +104,18 @@ class ExitObjective:
         self.log_survival = self.log_survival + F.logsigmoid(-gate_logit)
         self.exit_probs.append(log_p.exp().detach())
 
+    @staticmethod
+    def carry_slots(num_loops: int, mode: str) -> list:
+        """The accumulators a later step reads, as carry slots (megaloop/model/carry.py) named
+        as the fields ``resume`` takes: the log-survival, and adaptive-gate's previous loss."""
+        if num_loops == 1 or mode == "last":
+            return []
+        slots = [Slot("log_survival", SIDE)]
+        return slots + [Slot("previous_loss", SIDE)] if mode == "adaptive-gate" else slots
+
     @classmethod
     def resume(cls, num_loops: int, mode: str, beta: float, smoothing: float, *,
-               steps_done: int, log_survival: Optional[torch.Tensor],
+               steps_done: int, log_survival: Optional[torch.Tensor] = None,
                previous_loss: Optional[torch.Tensor] = None, gate_k: float = 50.0,
                gate_gamma: float = 0.005) -> "ExitObjective":
         """Continue a fold whose first ``steps_done`` steps ran before (an earlier loop step,

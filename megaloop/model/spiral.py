@@ -51,13 +51,18 @@ Decisions that SpiralFormer leaves open, made here:
   loop step (the first) injects, records the state entering the step and down-scales; every stage
   runs its core layers on the L_t latents; the stage that ends it (the last) up-scales, shifts and
   applies the topology (the ``before_core`` / ``around_core`` / ``after_core`` hooks of the
-  recurrence; the single-stage model runs the three on one stage). megatron-core's schedule sends one p2p shape, so latents cross stages padded with
-  zeros at the end to length L, and each stage cuts them back to L_t before its layers (the pad
-  never enters a layer). Anchor's h_0, MeSH's B slots and the state entering the step (read by
-  the step's MeSH routers on the last stage) travel with the activation as extra [L, b, d] blocks
-  of the carry (megaloop/model/carry.py), as the injection source does. Each parameter has
-  one owner: scorers and the transitional MeSH routers on the first stage; allocators, the step
-  routers and the final read on the last.
+  recurrence; the single-stage model runs the three on one stage). megatron-core's schedule
+  sends one p2p shape, so latents cross stages padded with zeros at the end to length L, and
+  each later stage cuts them back to L_t before its layers (the pad never enters a layer).
+  Anchor's h_0, MeSH's B slots and the state entering the step (read by the step's MeSH routers
+  on the last stage) are carry slots this module declares (megaloop/model/carry.py): they travel
+  with the activation as extra [L, b, d] blocks. Each parameter has one owner: scorers and the
+  transitional MeSH routers on the first stage; allocators, the step routers and the final read
+  on the last.
+- **Cached decoding**: each coarse step keeps its own cache entry in the KV cache
+  (``LatentCache``: the K/V of its latents at their own positions, the outputs of its complete
+  chunks, the tokens of the chunk being filled); its core pass reads and writes that entry's
+  inference context instead of the token-level one.
 
 Topologies (SpiralFormer section 2.1; MeSH from arXiv 2510.07739):
 
@@ -84,6 +89,7 @@ from typing import List, Optional
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from megaloop.model.carry import Slot
 from megaloop.model.recurrence import LoopVariant
 
 
@@ -334,6 +340,7 @@ class SpiralLoop(MegatronModule, LoopVariant):
 
     def __init__(self, config, loop, seed: int, first: bool = True, last: bool = True):
         super().__init__(config=config)
+        self.first = first
         self.sizes = chunk_sizes(loop)
         self.topology = loop.loop_topology
         self.steps = torch.nn.ModuleList([
@@ -344,20 +351,21 @@ class SpiralLoop(MegatronModule, LoopVariant):
         self.mesh = MeSH(config, loop.num_loops, loop.mesh_slots or loop.num_loops + 3, gen,
                          first, last) if self.topology == "mesh" else None
 
-    def num_slots(self) -> int:
-        """MeSH's memory slots B (0 for the other topologies)."""
-        return self.mesh.B if self.mesh is not None else 0
-
-    def latent_length(self, length: int, t: int) -> Optional[int]:
-        """L_t of a coarse step t for a sequence of ``length`` tokens; None at full resolution
-        (and for a step this schedule lacks, which ``around_core`` refuses)."""
-        if t > len(self.sizes) or self.sizes[t - 1] == 1:
-            return None
-        step = self.steps[t - 1]
-        return num_chunks(length, step.g, step.omega)
-
     # --- the loop-variant hooks (megaloop.model.recurrence) ----------------------------------
-    def begin(self, carry, ctx):
+    def carry_slots(self, num_loops):
+        """Anchor's h_0; MeSH's B memories and the state entering the step (its routers read it
+        where the step ends)."""
+        if self.mesh is not None:
+            return [Slot("memory", count=self.mesh.B), Slot("entering")]
+        return [Slot("anchor")] if self.topology == "anchor" else []
+
+    def latents(self, ctx, t: int) -> "LatentCache":
+        """The cache entry of coarse step t under cached decoding."""
+        g = self.sizes[t - 1]
+        return ctx.kv.entry(("spiral", t), lambda: LatentCache(
+            ctx.kv.max_batch_size, ctx.kv.max_sequence_length // g + 1))
+
+    def begin(self, carry, ctx, embedded):
         """Before step 1: Anchor keeps h_0; MeSH does its transitional write-read."""
         if self.mesh is not None:
             carry.h, carry.memory = self.mesh.begin(carry.h)
@@ -368,10 +376,12 @@ class SpiralLoop(MegatronModule, LoopVariant):
         """First stage of step t: down-scale the injected z. Cached decoding (one token at a
         time after a prefill) keeps the tokens of the chunk being filled and down-scales it when
         its last token arrives (SpiralFormer's chunk triggering); otherwise there is no latent."""
+        if self.mesh is not None:
+            carry.entering = carry.h
         step = self.steps[t - 1]
         if ctx.kv is None or step.g == 1:
             return step.down(z)
-        cache = ctx.kv.latents(t, step.g)
+        cache = self.latents(ctx, t)
         if ctx.kv.offset == 0:  # prefill: the whole prompt; keep its incomplete chunk's tokens
             done = num_chunks(z.size(0), step.g, step.omega) * step.g - step.omega
             cache.tail = list(z[max(done, 0):].split(1))
@@ -394,20 +404,20 @@ class SpiralLoop(MegatronModule, LoopVariant):
                              f"{ctx.num_loops} loops")
         if self.sizes[t - 1] == 1:
             return run(z, attention_mask, rotary_pos_emb)
+        if not self.first:  # latents from the stage before, zero-padded to L: cut back to L_t
+            step = self.steps[t - 1]
+            z = z[:num_chunks(ctx.length, step.g, step.omega)]
         if z.size(0) == 0:  # fewer tokens than one chunk (a short prompt): no latent yet
             return z
         if ctx.kv is None:
             rope = None if rotary_pos_emb is None else rotary_pos_emb[: z.size(0)]
             return run(z, None, rope)
         # Cached: the latents have their own cache at this step (latent j at position j).
-        cache = ctx.kv.latents(t, self.sizes[t - 1])
+        cache = self.latents(ctx, t)
         done = cache.context.sequence_len_offset
         rope = None if rotary_pos_emb is None else rotary_pos_emb[: done + z.size(0)]
-        ctx.latent_context = cache.context
-        try:
+        with ctx.kv.redirect("core", t, cache.context):
             out = run(z, None, rope)
-        finally:
-            ctx.latent_context = None
         cache.context.sequence_len_offset += z.size(0)
         cache.z_hat = out if cache.z_hat is None else torch.cat([cache.z_hat, out])
         return out
@@ -419,14 +429,31 @@ class SpiralLoop(MegatronModule, LoopVariant):
         if ctx.kv is None or step.g == 1 or ctx.kv.offset == 0:
             u_tilde = step.up(out, ctx.length)
         else:  # one decoded token: its update from the cached chunk outputs
-            u_tilde = step.up_one(ctx.kv.latents(t, step.g).z_hat, ctx.kv.offset,
-                                  carry.entering)
+            u_tilde = step.up_one(self.latents(ctx, t).z_hat, ctx.kv.offset, carry.h)
         if self.topology == "anchor":
             return u_tilde + carry.anchor
         if self.topology == "mesh":
             h_next, carry.memory = self.mesh.step(u_tilde, carry.entering, carry.memory, t)
             return self.mesh.finish(h_next, carry.memory) if t == ctx.num_loops else h_next
         return u_tilde
+
+
+class LatentCache:
+    """One coarse step's cache entry under cached decoding: the K/V of its chunk latents (their
+    own inference context: latent j at position j), the outputs z_hat of the complete chunks
+    (each later token's update reads one), and the injected states of the chunk being filled."""
+
+    def __init__(self, max_batch_size: int, max_latents: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.context = StaticInferenceContext(max_batch_size, max_latents)
+        self.z_hat = None
+        self.tail: list = []
+
+    def nbytes(self) -> int:
+        """Bytes of the latents' K/V."""
+        return sum(t.numel() * t.element_size()
+                   for kv in self.context.key_value_memory_dict.values() for t in kv)
 
 
 def build_spiral(config, loop, first: bool = True, last: bool = True) -> Optional[SpiralLoop]:

@@ -14,8 +14,7 @@ sends each micro-batch round the ring T times. All T chunks of a stage run the s
 - A chunk runs one step of the recurrence (megaloop/model/recurrence.py) on this stage's part of
   the model. What a step needs from the steps before it is the loop's ``Carry``, which travels
   with the activation as one tensor of a fixed shape (``CarryLayout``, megaloop/model/carry.py):
-  the state, the injection source, the history window, the state entering the step, Anchor's
-  h_0 or MeSH's slots, and the per-token accumulators of the exit objective.
+  the state and the slots the model's variants and its exit objective declare for this T.
 - Random depth changes T (so V) from one call to the next; truncated backpropagation runs a
   chunk's step without gradient and keeps the schedule's backward path with a zero gradient.
 - The schedule calls its loss function on the last chunk only. The objective share of every
@@ -45,7 +44,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import MegatronModule
 
 from megaloop.model import recurrence
-from megaloop.model.carry import CarryLayout, history_count
+from megaloop.model.carry import CarryLayout
 from megaloop.model.looped_gpt import LoopedGPTModel
 from megaloop.model.loss import LoopOutput, loss_func
 
@@ -91,21 +90,10 @@ class PipelineStage(LoopedGPTModel):
         """The p2p layout of the carry for ``num_loops`` loops (the same on every stage).
         ``seq``: this rank's tokens of a sequence (--seq-length / CP under context parallelism:
         its two chunks; the exit objective is per token, so its accumulators are too)."""
-        loop, T = self.loop, num_loops
         sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-        mode = loop.exit_loss if T > 1 else "expected"
-        mesh = self.spiral is not None and self.spiral.mesh is not None
         return CarryLayout(
-            seq_local=seq // sp, seq_full=seq, hidden_size=self.config.hidden_size,
-            dtype=self.config.pipeline_dtype, sp_size=sp,
-            source=loop.input_injection != "none" and T > 1,
-            # Step t reads h_1 .. h_{t-2}: the window is first read at step 3.
-            history=loop.history_window if loop.history_injection != "none" and T > 2 else 0,
-            entering=mesh or loop.timestep_conditioning == "loop-gating",
-            anchor=self.spiral is not None and self.spiral.topology == "anchor",
-            memory=self.spiral.num_slots() if self.spiral is not None else 0,
-            survival=mode != "last" and T > 1,
-            previous_loss=mode == "adaptive-gate" and T > 1)
+            self.carry_slots(num_loops), seq_local=seq // sp, seq_full=seq,
+            hidden_size=self.config.hidden_size, dtype=self.config.pipeline_dtype, sp_size=sp)
 
     def step_forward(self, t: int, input_tensor, input_ids, position_ids, attention_mask,
                      labels, num_loops: Optional[int], no_grad_steps: int = 0) -> StepResult:
@@ -122,10 +110,7 @@ class PipelineStage(LoopedGPTModel):
             # reaches later steps (as in the single-stage fold, where they run outside the steps).
             carry = recurrence.begin(self, input_ids, position_ids, ctx)
         else:
-            latents = None if self.spiral is None or self.pre_process else \
-                self.spiral.latent_length(ctx.length, t)
-            carry = layout.unpack(input_tensor, history_count(
-                t, layout.history, self.pre_process), h_rows=latents)
+            carry = layout.unpack(input_tensor)
         with torch.set_grad_enabled(grad):
             carry, out = recurrence.step(self, carry, t, ctx)
         final = self.post_process and t == T
