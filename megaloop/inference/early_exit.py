@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from megaloop.model import recurrence
-from megaloop.model.carry import Carry
 
 
 @dataclass
@@ -99,18 +98,6 @@ class _Decision:
         return stop
 
 
-def _rows_of(carry: Carry, rows) -> Carry:
-    """The carry of a subset of batch rows ([s, b, d] blocks: dim 1; [b, s] sides: dim 0)."""
-    def pick(x, dim=1):
-        return None if x is None else x.index_select(dim, rows)
-    return Carry(h=pick(carry.h), source=pick(carry.source),
-                 history=[pick(x) for x in carry.history], entering=pick(carry.entering),
-                 anchor=pick(carry.anchor),
-                 memory=None if carry.memory is None else [pick(x) for x in carry.memory],
-                 log_survival=pick(carry.log_survival, 0),
-                 previous_loss=pick(carry.previous_loss, 0))
-
-
 @torch.no_grad()
 def decode_step(model, ids, position_ids, kv, num_loops: int, rule: ExitRule):
     """One new token per row (ids [b, 1]) with early exit: (vocab-parallel logits [b, 1, v/tp]
@@ -139,7 +126,7 @@ def decode_step(model, ids, position_ids, kv, num_loops: int, rule: ExitRule):
         if not keep.any():
             break
         local = keep.nonzero().squeeze(-1)
-        carry, running = _rows_of(carry, local), running[keep]
+        carry, running = carry.index_rows(local), running[keep]
     return logits.unsqueeze(1), depth
 
 

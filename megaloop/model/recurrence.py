@@ -18,8 +18,9 @@ the next stage; cached decoding will run ``step`` with a KV cache. The exit obje
 same way everywhere: each step adds its per-token share, computed from the carried log-survival
 (``ExitObjective.resume``), and the shares of the T steps sum to the objective.
 
-Variants plug in through ``LoopVariant``: a module that implements some of its four hooks and is
-listed in ``LoopedGPTModel.variants``. Adding a variant is one module and one line there.
+Variants plug in through ``LoopVariant``: a module that implements some of its hooks and
+declares the carry slots it keeps (``carry_slots``; megaloop/model/carry.py), registered in
+``megaloop.model.looped_gpt.VARIANTS``. Adding a variant is one module and one line there.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megaloop.model.carry import Carry
+from megaloop.model.carry import Carry, Slot
 from megaloop.model.loss import LoopOutput
 from megaloop.model.objective import ExitObjective
 
@@ -55,10 +56,8 @@ class StepContext:
     rule, which needs every step's gate and logits (and the coda's cache at every step)."""
     kv: Optional[object] = None
     """Cached decoding: a megaloop.inference.kv_cache.LoopKVCache, whose dict for each (block,
-    step) is swapped into megatron-core's inference context around the block's call."""
-    latent_context: Optional[object] = None
-    """Set by SpiralFormer around a coarse step's core pass under a cache: the inference context
-    of that step's latents, used instead of the token-level one."""
+    step) is swapped into megatron-core's inference context around the block's call (a variant
+    may put its own context there for a call: ``LoopKVCache.redirect``)."""
 
     @contextlib.contextmanager
     def cache(self, block: str, step: Optional[int] = None):
@@ -93,13 +92,22 @@ class StepOutput:
 
 class LoopVariant:
     """The interface of a loop variant. Each hook receives the step t (1-based) and the step
-    context (``ctx.num_loops`` is T); the defaults change nothing."""
+    context (``ctx.num_loops`` is T); the defaults change nothing. A variant is built on every
+    pipeline stage (its parameters only where its hooks run), so that every stage reads the same
+    declarations."""
 
-    def begin(self, carry: Carry, ctx: StepContext) -> None:
-        """Before step 1, on the first stage, after embedding and prelude (``carry.h`` is h_0)."""
+    def carry_slots(self, num_loops: int) -> list[Slot]:
+        """The state this variant keeps in the carry when ``num_loops`` loops run (what a later
+        step, maybe on another pipeline stage, reads); the same on every stage."""
+        return []
+
+    def begin(self, carry: Carry, ctx: StepContext, embedded: torch.Tensor) -> None:
+        """Before step 1, on the first stage, after embedding and prelude (``carry.h`` is h_0;
+        ``embedded`` the token embedding e)."""
 
     def before_core(self, z: torch.Tensor, carry: Carry, t: int, ctx: StepContext):
-        """First stage: the core's input z from the state (``carry.h``, ``carry.entering``)."""
+        """First stage: the core's input z from the state (``carry.h``, the state entering the
+        step, before any injection)."""
         return z
 
     def around_core(self, run: Callable, z: torch.Tensor, attention_mask, rotary_pos_emb,
@@ -136,24 +144,18 @@ def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
 
 def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
     """Embedding, prelude and the variants' set-up: the carry entering step 1 (first stage)."""
-    h = model.embedding(input_ids=input_ids, position_ids=position_ids)
-    source = h  # --injection-source embedding
+    embedded = h = model.embedding(input_ids=input_ids, position_ids=position_ids)
     if model.prelude is not None:
         with ctx.cache("prelude") as cache:
             h = model.prelude(hidden_states=h, attention_mask=ctx.attention_mask,
                               rotary_pos_emb=ctx.rotary_pos_emb, **cache)
-        if model.loop.injection_source == "prelude":
-            source = h
-    carry = Carry(h=h, source=source)
+    carry = Carry(h, model.carry_slots(ctx.num_loops))
     for variant in model.variants:
-        variant.begin(carry, ctx)
+        variant.begin(carry, ctx, embedded)
     return carry
 
 
 def _core(core, ctx, t, z, attention_mask, rotary_pos_emb):
-    if ctx.latent_context is not None:
-        return core(hidden_states=z, attention_mask=attention_mask,
-                    rotary_pos_emb=rotary_pos_emb, inference_context=ctx.latent_context)
     with ctx.cache("core", t) as cache:
         return core(hidden_states=z, attention_mask=attention_mask,
                     rotary_pos_emb=rotary_pos_emb, **cache)
@@ -163,7 +165,6 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
     """Loop step t (1-based) of ``ctx.num_loops`` on this stage's part of the model."""
     z = carry.h
     if model.pre_process:
-        carry.entering = carry.h
         for variant in model.variants:
             z = variant.before_core(z, carry, t, ctx)
     run = partial(_core, model.core, ctx, t)
@@ -190,12 +191,15 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
                                  else gate_logit.detach())
     loss = out
     loop = model.loop
+    # The objective's accumulators are its own carry slots (named as its fields).
+    kept = [slot.name for slot in ExitObjective.carry_slots(T, ctx.mode)]
     objective = ExitObjective.resume(
         T, ctx.mode, loop.exit_kl_beta, loop.exit_loss_smoothing, steps_done=t - 1,
-        log_survival=carry.log_survival, previous_loss=carry.previous_loss,
-        gate_k=loop.gate_bce_k, gate_gamma=loop.gate_bce_gamma)
+        gate_k=loop.gate_bce_k, gate_gamma=loop.gate_bce_gamma,
+        **{name: getattr(carry, name) for name in kept})
     objective.add_step(loss, gate_logit)
-    carry.log_survival, carry.previous_loss = objective.log_survival, objective.previous_loss
+    for name in kept:
+        setattr(carry, name, getattr(objective, name))
     prob = objective.exit_probs[-1] if objective.exit_probs else None
     # No logits: the chunked readout never keeps them, and megatron-core's vocab-parallel
     # cross-entropy overwrites them in place.
