@@ -43,8 +43,12 @@ PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
 FOREIGN = {"sbatch", "srun", "docker", "curl", "pip", "pytest", "scontrol", "git", "export",
            "tar", "ls", "cd", "cat", "kill"}
 FLAG = re.compile(r"(?<![\w\-/.])--[A-Za-z][A-Za-z0-9_\-]*\*?")  # `--moe-*`: a family
-# A study's extra flags go to every study (examples/studies/run_all.sh passes "$@" to each).
+# Shell scripts that hand their flags to a Python program: a recipe's go to the trainer, a
+# study's to every study (examples/studies/run_all.sh passes "$@" to each).
 SHELL_TO_PYTHON = {"tools/gpu_check.sh": ["-m megaloop.gpu_check"],
+                   **{os.path.relpath(p, ROOT): ["pretrain_looplm.py"] for p in
+                      glob.glob(os.path.join(ROOT, "examples/recipes/[!_]*.sh"))
+                      if not p.endswith("make_demo_data.sh")},
                    "examples/studies/run_all.sh": sorted(
                        os.path.relpath(p, ROOT)
                        for p in glob.glob(os.path.join(ROOT, "examples/studies/*.py"))
@@ -148,7 +152,8 @@ def _missing_python_name(dotted: str) -> str | None:
 def _path_problem(page: str, lines: list[str], token: str, link: bool) -> str | None:
     """Why a path-like token names nothing in the repository, or None (also when it is not a
     repository path at all)."""
-    token = token.strip(".,;:()'\"")
+    if not link:
+        token = token.strip(".,;:()'\"")
     if re.fullmatch(r"megaloop(\.\w+)+", token.split("(")[0]):
         return _missing_python_name(token.split("(")[0])
     if link:
