@@ -38,6 +38,10 @@ def test_recipe_flags_parse_and_validate(script, size, world, tmp_path):
     writer = IndexedWriter(str(tmp_path / "corpus_text_document.bin"), numpy.uint16)
     writer.add_documents(numpy.arange(6), numpy.array([2, 4]))
     writer.finalize(str(tmp_path / "corpus_text_document.idx"))
+    # The loss-mask twin that --data-format sft (the mid-training recipe) reads too.
+    writer = IndexedWriter(str(tmp_path / "corpus_lossmask_document.bin"), numpy.uint8)
+    writer.add_documents(numpy.ones(6, numpy.uint8), numpy.array([2, 4]))
+    writer.finalize(str(tmp_path / "corpus_lossmask_document.idx"))
     args = recipe_args(script, size, str(tmp_path / "corpus_text_document"), str(tokenizer))
     cfg = parse_args(args)
     cfg.validate(world_size=world)
@@ -48,13 +52,19 @@ def test_recipe_flags_parse_and_validate(script, size, world, tmp_path):
         assert cfg.optim.lr_warmup_iters > 0 and cfg.optim.lr_decay_style == "cosine"
     if script.stem.startswith("dense"):
         assert cfg.loop.num_loops == 1
+    if script.stem == "looplm_1.4b_midtrain":  # the pretraining recipe's model, new stage
+        assert (cfg.loop.num_loops, cfg.model.norm_scheme) == (4, "ouro")
+        assert cfg.loop.exit_kl_beta == 0.15
+        assert cfg.data.data_format == "sft" and cfg.checkpoint.finetune
+        assert cfg.optim.lr_warmup_iters > 0 and cfg.optim.lr_decay_style == "cosine"
     if script.stem == "coreloop_003":
         assert cfg.loop.history_injection == "channel-wise" and cfg.loop.history_window == 2
         assert cfg.loop.timestep_conditioning == "loop-gating"
         assert cfg.loop.num_prelude_layers > 0 and cfg.loop.num_coda_layers > 0
         assert cfg.optim.optimizer == "muon"
     if size == "full":
-        layers = {"looplm_1.4b": 24, "dense_24l": 24, "dense_72l": 72}
+        layers = {"looplm_1.4b": 24, "dense_24l": 24, "dense_72l": 72,
+                  "looplm_1.4b_midtrain": 24}
         if script.stem in layers:
             assert cfg.model.num_layers == layers[script.stem]
             assert (cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (2048, 5632)

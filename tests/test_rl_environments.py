@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from megaloop.rl.environments import (Countdown, DemoTasks, GSM8K, Prompt, evaluate_expression,
+from megaloop.rl.environments import (Countdown, GSM8K, Prompt, evaluate_expression,
                                       final_answer, load_environment)
 from test_data_demo_corpus import load_tool
 
