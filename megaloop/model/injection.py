@@ -1,8 +1,8 @@
 """Input injection: what enters the core before each loop step, and the history of past states.
 
-The recurrence (megaloop/model/recurrence.py) computes the injected *source* once -- the token
-embedding e or the prelude output h_0 (``--injection-source``) -- and before a core pass hands
-the injection module the current state and that source:
+Before step 1 the injection keeps its *source* -- the token embedding e or the prelude output
+h_0 (``--injection-source``) -- in the loop's carry, and before a core pass mixes the current
+state with it (the recurrence's hooks, megaloop/model/recurrence.py):
 
     z_t = inject(h_{t-1}, src)
 
