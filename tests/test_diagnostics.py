@@ -39,7 +39,7 @@ def _layer_norms(block):
 
 
 def _step_norms_vs_unrolled(rank, world, T, norm_scheme):
-    from megaloop.training.diagnostics import StepGradNorms
+    from megaloop.model.instruments import StepGradNorms
 
     setup_parallel(world)
     model = _model(T, norm_scheme, num_layers=3, coda=1)
@@ -87,7 +87,7 @@ def _depth_profile(rank, world, scheme):
     """Per-layer gradient norms at loop step t=2 of an 8-layer core looped T=4, after 30 Adam
     steps at a high LR on one batch: the post-norm failure develops with training (Closing the Loop
     Fig. 5 puts it in the first ~1K steps); at initialisation the two profiles look alike."""
-    from megaloop.training.diagnostics import StepGradNorms
+    from megaloop.model.instruments import StepGradNorms
 
     setup_parallel(world)
     model = _model(4, scheme, num_layers=8)
@@ -115,7 +115,7 @@ def test_post_norm_gradients_vanish_below_last_layer_pre_norm_does_not():
 
 # --- geometry ------------------------------------------------------------------------------
 def _geometry(rank, world):
-    from megaloop.training.diagnostics import LoopGeometry
+    from megaloop.model.instruments import LoopGeometry
 
     setup_parallel(world)
     T = 3

@@ -1,14 +1,32 @@
-"""The run configuration a checkpoint records (``run_config`` in its common part: one dict per
-config dataclass, ``{"model": {...}, "loop": {...}, "tokenizer": {...}, ...}``), read without a
-process group, and the config dataclasses rebuilt from it. Standard library only at import.
+"""Which checkpoint to load (``LoadConfig``: the flags every entry point that loads one
+shares), and the run configuration a checkpoint records (``run_config`` in its common part: one
+dict per config dataclass, ``{"model": {...}, "loop": {...}, "tokenizer": {...}, ...}``), read
+without a process group, with the config dataclasses rebuilt from it. Standard library only at
+import.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Optional
 
 from megaloop.checkpoint.tracker import TRACKER, resolve
+
+
+@dataclass
+class LoadConfig:
+    """Loading a checkpoint (Megatron-LM's flags)."""
+
+    load: Optional[str] = None
+    """Directory to resume from (its latest checkpoint); a directory without one starts fresh."""
+
+    ckpt_step: Optional[int] = None
+    """Load this iteration instead of the one named in latest_checkpointed_iteration.txt."""
+
+    def validate(self) -> None:
+        if self.ckpt_step is not None and not self.load:
+            raise ValueError("--ckpt-step needs --load DIR")
 
 
 def config_from_dict(cls, values: dict):

@@ -20,11 +20,12 @@ def cli_name(name: str) -> str:
 
 def add_ckpt_step_flag(p: argparse.ArgumentParser) -> None:
     """--ckpt-step, defined once for the trainer and every tool that takes --load (the field
-    CheckpointConfig.ckpt_step): the step a damaged checkpoint's error suggests loads with it."""
+    megaloop.checkpoint.config.LoadConfig.ckpt_step): the step a damaged checkpoint's error
+    suggests loads with it."""
     from megaloop.arguments import add_dataclass_args
-    from megaloop.training.config import CheckpointConfig
+    from megaloop.checkpoint.config import LoadConfig
 
-    add_dataclass_args(p, CheckpointConfig, only=("ckpt_step",))
+    add_dataclass_args(p, LoadConfig, only=("ckpt_step",))
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:

@@ -3,24 +3,13 @@
 A checkpoint that does not fit the flags is refused before it is read (``CheckpointMismatch``,
 exit code 2, like a bad flag): another architecture, another optimizer layout, another LR
 schedule without a flag saying whose to follow. What a checkpoint's optimizer state brings back
-that the flags may change, the LR bounds of every parameter group, is settled here too.
+that the flags may change, the LR bounds of every parameter group, is settled here too. (Shards
+of another model are refused by the weights' read, megaloop.checkpoint.load.)
 """
 
 from __future__ import annotations
 
-from megaloop.training.exit_conditions import RunError
-
-
-class CheckpointError(RunError, ValueError):
-    """A checkpoint that cannot be written or read as asked; the message names the file and the
-    way out. (A ValueError too: before training starts it is a bad --load like a bad flag.)"""
-
-
-class CheckpointMismatch(CheckpointError):
-    """A checkpoint that does not fit this run's flags (found at load, before any step): the
-    run exits 2, as for a bad flag; the message names the flag and its two values."""
-
-    exit_code = 2
+from megaloop.checkpoint.errors import CheckpointError, CheckpointMismatch  # noqa: F401
 
 
 # The flags a checkpoint's weights are tied to. A difference is refused by name on --load (also
@@ -180,20 +169,4 @@ def settle_schedule_bounds(optimizer, from_flags: list, scheduler, path: str) ->
         f"{path}: the checkpoint's LR bounds differ from this run's flags: {'; '.join(diffs)}. "
         f"Pass --override-opt_param-scheduler to follow the flags or "
         f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
-
-
-def compare_tensor_shapes(expected: dict, saved: dict, path: str) -> None:
-    """Refuse shards of another model: ``expected`` maps this model's tensor keys to their
-    global shapes, ``saved`` the checkpoint's (its .metadata). A checkpoint without a manifest
-    whose shards were copied from another run passes the architecture check (its common.pt is
-    this model's) and would fail deep in torch's reader naming only ranks."""
-    diffs = [f"{key} {tuple(saved[key])} in the checkpoint, {tuple(shape)} in this model"
-             for key, shape in expected.items()
-             if key in saved and tuple(saved[key]) != tuple(shape)]
-    if diffs:
-        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
-        raise CheckpointMismatch(
-            f"{path} holds tensors of another model: {'; '.join(diffs[:3])}{more}. Its shards do "
-            f"not match the architecture its common.pt records (copied from another run?): load "
-            f"a checkpoint this model saved, or pass the flags of the model that wrote them")
 

@@ -7,6 +7,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from megaloop.checkpoint.config import LoadConfig
+
 
 @dataclass
 class TrainingConfig:
@@ -450,8 +452,10 @@ class LoggingConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """Saving, loading and stopping (Megatron-LM's flags and directory layout)."""
+class CheckpointConfig(LoadConfig):
+    """Saving, loading and stopping (Megatron-LM's flags and directory layout).
+
+    --load and --ckpt-step are megaloop.checkpoint.config.LoadConfig's, which the tools share."""
 
     save: Optional[str] = None
     """Directory to save checkpoints to (iter_XXXXXXX/ + latest_checkpointed_iteration.txt)."""
@@ -460,12 +464,6 @@ class CheckpointConfig:
     """Save every this many iterations (and at the end of training, and on exit). Nothing is
     saved while steps are being skipped (--check-for-nan-in-loss-and-grad): a save that falls on
     a skipped step is made after the next applied one, and none at the end or on exit."""
-
-    load: Optional[str] = None
-    """Directory to resume from (its latest checkpoint); a directory without one starts fresh."""
-
-    ckpt_step: Optional[int] = None
-    """Load this iteration instead of the one named in latest_checkpointed_iteration.txt."""
 
     no_load_optim: bool = False
     """Do not load the optimizer and LR-scheduler state (the model's weights only)."""
@@ -544,6 +542,7 @@ class CheckpointConfig:
     once a minute while it trains. On this host a lock is stale as soon as its pid is gone."""
 
     def validate(self) -> None:
+        super().validate()
         if self.ckpt_format != "torch_dist":
             raise ValueError(f"--ckpt-format {self.ckpt_format}: megaloop writes and reads "
                              f"megatron-core's torch_dist checkpoints only; use --ckpt-format "
@@ -561,8 +560,6 @@ class CheckpointConfig:
             raise ValueError(f"--save-lock-timeout {self.save_lock_timeout} must be > 0 (minutes)")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ValueError(f"--exit-duration-in-mins {self.exit_duration_in_mins} must be > 0")
-        if self.ckpt_step is not None and not self.load:
-            raise ValueError("--ckpt-step needs --load DIR")
         if self.finetune and not self.load:
             raise ValueError("--finetune needs --load DIR (the checkpoint to start from)")
         if self.async_save and not self.save:

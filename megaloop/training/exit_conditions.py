@@ -34,9 +34,10 @@ from megaloop.training.config import CheckpointConfig
 
 class RunError(Exception):
     """A failure that ends the run with a message for the user (what happened, what is kept, what
-    to do). Raised on every rank alike, so the ranks leave together; pretrain_looplm.py prints it
-    once and exits with ``exit_code``: 1, or 2 for a refusal found before training (a checkpoint
-    that does not fit the flags, a --save folder another run holds)."""
+    to do). Raised on every rank alike, so the ranks leave together; ``megaloop.training.run``
+    prints it once and exits with ``exit_code``: 1, or 2 for a refusal found before training (a
+    --save folder another run holds). A checkpoint's failures are megaloop.checkpoint's
+    CheckpointError, handled the same way."""
 
     exit_code = 1
 
