@@ -8,7 +8,7 @@ At each depth k the held-out batches run k loop steps (the model reads out every
 - the exit distribution p_1..p_k of a k-step run and the expected exit step sum_t t p_t;
 - per early-exit rule (megaloop.inference.early_exit): the loss of every token at its exit step
   and the mean executed depth;
-- the recurrence's geometry per step (megaloop.training.diagnostics.LoopGeometry: angular distance
+- the recurrence's geometry per step (megaloop.model.instruments.LoopGeometry: angular distance
   and relative update norm between a step's input and output, state variance relative to step
   k), as in "What Makes Recurrence Effective in Looped Language Models?" section 3.
 
@@ -112,7 +112,7 @@ def sweep(model, batches: list[dict], depths: list[int], rules: list[str],
     ``tasks``: (items, encoded, vocab_size) of held-out problems scored at every depth too."""
     from megaloop.eval.tasks import accuracy
     from megaloop.inference.early_exit import parse_exit
-    from megaloop.training.diagnostics import LoopGeometry
+    from megaloop.model.instruments import LoopGeometry
 
     model.eval()
     check_depths(model, depths)
