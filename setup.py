@@ -24,7 +24,9 @@ setup(
     extras_require={
         # GPU only: never install on a CPU machine (a broken TE makes `import megatron.core` fail).
         "gpu": ["transformer-engine[pytorch]"],
-        "hf": ["transformers", "safetensors", "tokenizers"],
+        # protobuf: export-hf converts a sentencepiece model to tokenizer.json (transformers reads
+        # the model's protobuf).
+        "hf": ["transformers", "safetensors", "tokenizers", "protobuf"],
         "log": ["tensorboard", "wandb"],
         # Plots (tools/evaluate.py, tools/plot_run.py, tools/attention_probes.py) and
         # lm-evaluation-harness (tools/run_lm_eval.py; the adapter follows its 0.4 model API).
@@ -32,7 +34,7 @@ setup(
         # tools/serve.py's OpenAI-compatible HTTP server.
         "serve": ["fastapi", "uvicorn"],
         # (httpx: tests/test_serve.py's HTTP client; the eval extra: tests/test_evaluate.py)
-        "test": ["pytest", "tokenizers", "transformers", "safetensors", "fastapi", "uvicorn",
-                 "httpx", "matplotlib", "lm-eval[api]>=0.4.13,<0.5"],
+        "test": ["pytest", "tokenizers", "transformers", "safetensors", "protobuf", "fastapi",
+                 "uvicorn", "httpx", "matplotlib", "lm-eval[api]>=0.4.13,<0.5"],
     },
 )

@@ -223,6 +223,7 @@ def test_round_trip_hf_megaloop_hf(converted, tmp_path):
 
 def _native(rank, world, out, kind):
     """A megaloop-native model (random, perturbed) saved as a checkpoint: its T=1/3 logits."""
+    from megaloop.data.config import TokenizerConfig
     from megaloop.model.config import LoopConfig, ModelConfig
     from megaloop.model.looped_gpt import build_model
     from megaloop.training.checkpointing import save_checkpoint
@@ -243,7 +244,9 @@ def _native(rank, world, out, kind):
                           injection_source="prelude", lora_rank=2, lora_alpha=4.0)
     model = build_model(model_cfg, loop, 200, tp_size=1)
     _perturb(model, 4)
-    run = RunConfig(model=model_cfg, loop=loop).to_dict()
+    # 150 ids (EOD 149), what the export test trims the table to; export-hf writes EOD's id.
+    tokenizer = TokenizerConfig("NullTokenizer", None, 149)
+    run = RunConfig(model=model_cfg, loop=loop, tokenizer=tokenizer).to_dict()
     save_checkpoint(out, 7, model, run_config=run)
     ids = _ids(150, seed=2)  # below the trimmed vocabulary of the export test
     return ids, {T: _logits(model, ids, T) for T in (1, 3)}
@@ -254,6 +257,7 @@ def test_export_ouro_style_uses_ouro_names(tmp_path):
     cfg, = run_distributed(_export, 1, str(tmp_path / "ckpt"), str(tmp_path / "hf"), {})
     assert cfg["model_type"] == "ouro" and cfg["architectures"] == ["OuroForCausalLM"]
     assert cfg["total_ut_steps"] == 3 and cfg["tie_word_embeddings"] is False
+    assert cfg["eos_token_id"] == 149  # NullTokenizer: EOD is the id after the N ordinary ones
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from distributed import run_distributed
 from flags import llama_style
 
@@ -128,3 +130,53 @@ def test_export_loads_and_stops_at_eod_in_plain_transformers(tmp_path):
     assert got["eos"] == got["config_eos"] == eod
     assert got["new"] == expected and len(expected) < MAX_NEW  # stopped at EOD
     assert got["text"] == PROMPT  # and decodes it back
+
+
+def _write_with_tokenizer(rank, world, out, tok_cfg):
+    from megaloop.convert.hf_export import write_hf_folder
+    from megaloop.data.tokenizers import build_tokenizer
+    from megaloop.model.config import LoopConfig
+    from megaloop.model.looped_gpt import build_model
+    from megaloop.parallel.config import ParallelConfig
+    from megaloop.parallel.initialize import initialize
+
+    initialize(ParallelConfig(), 3)
+    tok = build_tokenizer(tok_cfg)
+    model_cfg = llama_style(num_layers=1, hidden_size=32, num_attention_heads=2)
+    model = build_model(model_cfg, LoopConfig(), tok.vocab_size, tp_size=1)
+    cfg = write_hf_folder(out, model_cfg, LoopConfig(), model.state_dict(), tokenizer=tok_cfg)
+    return cfg, tok.tokenize(CORPUS[-2]), tok.eod, tok.pad
+
+
+@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "GPT2BPETokenizer"])
+def test_export_writes_tokenizers_library_tokenizers(kind, tmp_path):
+    """A run's Hugging Face tokenizer.json (with the tokenizer_config.json naming its eos) and
+    GPT-2 BPE files: AutoTokenizer reads the folder's tokenizer and gives megaloop's ids and EOD."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    from megaloop.data.config import TokenizerConfig
+
+    src = tmp_path / "src"
+    src.mkdir()
+    specials = ["<unk>", "<pad>", "<|end|>"] if kind == "HuggingFaceTokenizer" else \
+        ["<|endoftext|>"]
+    hf = Tokenizer(models.BPE(unk_token=specials[0]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.train_from_iterator(CORPUS * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if kind == "HuggingFaceTokenizer":  # an eos name megaloop only finds through the config
+        hf.save(str(src / "tokenizer.json"))
+        (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+        tok_cfg = TokenizerConfig(kind, str(src))
+    else:
+        hf.model.save(str(src))  # vocab.json, merges.txt
+        tok_cfg = TokenizerConfig(kind, vocab_file=str(src / "vocab.json"),
+                                  merge_file=str(src / "merges.txt"))
+    folder = str(tmp_path / "hf")
+    cfg, ids, eod, pad = run_distributed(_write_with_tokenizer, 1, folder, tok_cfg)[0]
+    got = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    assert got(CORPUS[-2])["input_ids"] == ids
+    assert got.eos_token_id == cfg["eos_token_id"] == eod == hf.token_to_id(specials[-1])
+    assert cfg["pad_token_id"] == (hf.token_to_id("<pad>") if pad >= 0 else eod)

@@ -170,6 +170,7 @@ def test_exported_tokenizer_folder_first_then_flags(tmp_path):
 
     from megaloop.convert.hf_import import exported_tokenizer
     from megaloop.data.config import TokenizerConfig
+    from megaloop.data.tokenizers import train_sentencepiece
 
     flags = TokenizerConfig("NullTokenizer", None, 99)
     assert exported_tokenizer(str(tmp_path), 128, flags) == flags
@@ -185,3 +186,11 @@ def test_exported_tokenizer_folder_first_then_flags(tmp_path):
     hf.save(str(tmp_path / "tokenizer.json"))  # as export-hf copies a run's tokenizer
     got = exported_tokenizer(str(tmp_path), 384, flags)
     assert got.tokenizer_type == "HuggingFaceTokenizer" and got.tokenizer_model == str(tmp_path)
+    # A sentencepiece run's export holds the .model it tokenized with beside the tokenizer.json
+    # converted from it: the .model is read.
+    spm = train_sentencepiece(["a looped model reads its own output again"] * 20,
+                              str(tmp_path / "spm"), vocab_size=280)
+    os.rename(spm, tmp_path / "tokenizer.model")
+    got = exported_tokenizer(str(tmp_path), 384, flags)
+    assert got.tokenizer_type == "SentencePieceTokenizer"
+    assert got.tokenizer_model == str(tmp_path / "tokenizer.model")

@@ -18,6 +18,10 @@ Export (a megaloop checkpoint saved at any TP size -> a Hugging Face folder, loa
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``):
 
     python tools/convert_checkpoint.py export-hf --load ckpt/looped --out hf/looped
+
+The folder also holds the run's tokenizer (``AutoTokenizer.from_pretrained(folder)``) and its EOD
+as ``eos_token_id`` in config.json and generation_config.json, so ``generate()`` stops at the end
+of a document.
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: Ouro's model type and names for Ouro-style models")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                      help="dtype of the written weights")
+    exp.add_argument("--tokenizer-model", default=None,
+                     help="where the run's tokenizer file (sentencepiece .model or tokenizer.json) "
+                          "is on this machine, when not at the path the run read it from; the "
+                          "folder gets its files and its EOD as eos_token_id")
     return p
 
 
@@ -129,7 +137,8 @@ def _export(args) -> int:
     _world(0)
     try:
         cfg = export_hf(args.load, args.out, vocab_size=args.vocab_size, names=args.names,
-                        dtype=getattr(torch, args.dtype), iteration=args.ckpt_step)
+                        dtype=getattr(torch, args.dtype), iteration=args.ckpt_step,
+                        tokenizer_model=args.tokenizer_model)
     finally:
         destroy()
     print(f"> wrote {args.out} ({cfg['architectures'][0]}, {cfg['total_ut_steps']} loops, vocab "

@@ -174,11 +174,10 @@ def import_hf(hf_dir: str, save_dir: str, loop: LoopConfig, *, tp_size: int = 1,
     state at TP = 1 (``tools/convert_checkpoint.py`` starts a world of one process)."""
     from tqdm import tqdm
 
+    from megaloop.checkpoint.save import save_weights
     from megaloop.model.looped_gpt import build_model
     from megaloop.parallel.config import ParallelConfig
     from megaloop.parallel.initialize import set_seed
-    from megaloop.training.checkpointing import save_checkpoint
-    from megaloop.training.run_config import RunConfig
 
     cfg = read_hf_config(hf_dir)
     vocab = plan_vocab(hf_dir, cfg["vocab_size"], tp_size)
@@ -195,9 +194,10 @@ def import_hf(hf_dir: str, save_dir: str, loop: LoopConfig, *, tp_size: int = 1,
               disable=not progress) as bar:
         tensors = hf_state_dict(reader, model_cfg, loop, bar)
     load_into(model, tensors)
-    run = RunConfig(model=model_cfg, loop=loop, tokenizer=vocab.tokenizer,
-                    parallel=ParallelConfig(tensor_model_parallel_size=tp_size))
-    save_checkpoint(save_dir, 0, model, run_config=run.to_dict())
+    # The sections this conversion decides (a training run's own sections come with its flags).
+    run = {"model": asdict(model_cfg), "loop": asdict(loop), "tokenizer": asdict(vocab.tokenizer),
+           "parallel": asdict(ParallelConfig(tensor_model_parallel_size=tp_size))}
+    save_weights(save_dir, 0, model, run_config=run)
     return training_flags(model_cfg, loop, vocab, tp_size, save_dir)
 
 
@@ -281,20 +281,26 @@ def exported_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
 
 
 def exported_tokenizer(folder: str, table_rows: int, given: TokenizerConfig | None):
-    """The export's own tokenizer.json when it has one, else ``given`` (the --tokenizer-type /
-    --tokenizer-model / --vocab-size flags); ValueError when neither exists or the tokenizer has
-    more tokens than the embedding table."""
+    """The export's own tokenizer when it has one (its sentencepiece tokenizer.model, which the
+    run tokenized with, before the tokenizer.json converted from it; else tokenizer.json), else
+    ``given`` (the --tokenizer-type / --tokenizer-model / --vocab-size flags); ValueError when
+    neither exists or the tokenizer has more tokens than the embedding table."""
     from megaloop.data.tokenizers import build_tokenizer
 
-    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+    if os.path.isfile(os.path.join(folder, "tokenizer.model")):
+        tok_cfg = TokenizerConfig(tokenizer_type="SentencePieceTokenizer",
+                                  tokenizer_model=os.path.abspath(
+                                      os.path.join(folder, "tokenizer.model")))
+    elif os.path.isfile(os.path.join(folder, "tokenizer.json")):
         tok_cfg = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer",
                                   tokenizer_model=os.path.abspath(folder))
     elif given is not None:
         tok_cfg = given
     else:
-        raise ValueError(f"{folder} has no tokenizer.json (the run did not use a Hugging Face "
-                         f"tokenizer): pass --tokenizer-type and --tokenizer-model, or "
-                         f"--tokenizer-type NullTokenizer --vocab-size N, as the run did")
+        raise ValueError(f"{folder} has no tokenizer.json or tokenizer.model (a NullTokenizer "
+                         f"run, or an older export): pass --tokenizer-type and "
+                         f"--tokenizer-model, or --tokenizer-type NullTokenizer --vocab-size N, "
+                         f"as the run did")
     size = build_tokenizer(tok_cfg).vocab_size
     if size > table_rows:
         raise ValueError(f"the tokenizer has {size} tokens but the exported embedding table only "
