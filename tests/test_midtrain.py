@@ -49,20 +49,19 @@ def _train(rank, world, flags):
         return [json.loads(line) for line in f]
 
 
-def _first_batch_losses(rank, world, flags, ckpt, response_len, period):
-    """On the mid-training run's first batch: the loss of the checkpoint's model (and of a fresh
-    one), the batch's mask against the periodic layout, and the loss with changed labels."""
+def _midtrain(rank, world, flags, ckpt, response_len, period):
+    """The mid-training run's records; then, on its first batch, the loss of the checkpoint's
+    model (loaded here, and of a fresh one), the batch's mask against the periodic layout, and
+    the loss with changed labels."""
     from megaloop.checkpoint.load import load_model
     from megaloop.data.datasets import build_data_iterator, build_train_valid_test_datasets
     from megaloop.data.tokenizers import build_tokenizer
     from megaloop.model.looped_gpt import build_model
-    from megaloop.parallel.initialize import initialize
     from megaloop.training.run_config import parse_args
     from megaloop.training.trainer import forward_step
 
+    records = _train(rank, world, flags)
     cfg = parse_args(flags)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
     tr = cfg.training
     tokenizer = build_tokenizer(cfg.tokenizer)
     train, _, _ = build_train_valid_test_datasets(
@@ -94,7 +93,7 @@ def _first_batch_losses(rank, world, flags, ckpt, response_len, period):
             at = (want_mask == where).nonzero()[0]
             labels[at[0], at[1]] = (labels[at[0], at[1]] + 1) % tokenizer.vocab_size
             losses[name] = loss(model, {**batch, "labels": labels})
-    return losses, bool(torch.equal(batch["loss_mask"], want_mask))
+    return records, losses, bool(torch.equal(batch["loss_mask"], want_mask))
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +128,9 @@ def midtrain(tmp_path_factory):
     mid = recipe_flags("looplm_1.4b_midtrain.sh", str(d / "sft_text_document"), sp,
                        {"PRETRAINED": ckpt, "SAVE_DIR": save},
                        ["--train-iters", str(ITERS), *quick, "--log-jsonl", str(d / "mid.jsonl")])
-    records = [r for r in run_distributed(_train, 1, mid)[0] if r["split"] == "train"]
-    losses, mask_ok = run_distributed(_first_batch_losses, 1, mid, ckpt, response_len,
-                                      prompt_len + response_len + 1)[0]
-    return mid, records, losses, mask_ok
+    records, losses, mask_ok = run_distributed(_midtrain, 1, mid, ckpt, response_len,
+                                               prompt_len + response_len + 1)[0]
+    return mid, [r for r in records if r["split"] == "train"], losses, mask_ok
 
 
 def test_the_recipe_continues_the_pretraining_checkpoint_on_sft_data(midtrain):
