@@ -174,14 +174,9 @@ def test_blend_and_split_mistakes_refused_at_validation(blend):
 
 
 def _train_one_step(rank, world, argv):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
+    from run_helpers import build_trainer
 
-    cfg = parse_args(argv)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    trainer = Trainer(cfg)
+    trainer = build_trainer(argv)
     try:
         trainer.train_step()
     except TokenIdError as err:

@@ -183,16 +183,11 @@ def test_gate_collapse_monitor():
 
 # --- through the trainer -------------------------------------------------------------------
 def _train_logged(rank, world, extra, path):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
+    from run_helpers import build_trainer
 
-    cfg = parse_args(BASE + ["--log-jsonl", path, "--eval-iters", "1", "--eval-interval", "2",
-                             "--p0-collapse-iters", "1", "--p0-collapse-threshold", "0.0"]
-                     + extra)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    Trainer(cfg).train()
+    build_trainer(BASE + ["--log-jsonl", path, "--eval-iters", "1", "--eval-interval", "2",
+                          "--p0-collapse-iters", "1", "--p0-collapse-threshold", "0.0"]
+                  + extra).train()
     return True
 
 

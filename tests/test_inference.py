@@ -149,17 +149,11 @@ def test_generation_with_and_without_cache_is_identical(temperature):
 
 # --- tools/generate.py on a trained checkpoint ------------------------------------------------
 def _train_and_save(rank, world, save):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
+    from run_helpers import train
     from test_training import BASE
 
-    cfg = parse_args(BASE + ["--micro-batch-size", "2", "--save", save,
-                             "--tensor-model-parallel-size", str(world)])
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    Trainer(cfg).train()
-    return True
+    return train(BASE + ["--micro-batch-size", "2", "--save", save,
+                         "--tensor-model-parallel-size", str(world)])[0]
 
 
 def _generate_tool(rank, world, argv, out_path):
@@ -182,7 +176,7 @@ def test_generate_tool_with_and_without_cache(tmp_path):
     every token) gives the same greedy output as `full`, and so does a TP=2 launch of a
     checkpoint saved at TP=2 loaded at TP=1 (dist_checkpointing reshards)."""
     ckpt = str(tmp_path / "ckpt")
-    run_distributed(_train_and_save, 2, ckpt)
+    assert run_distributed(_train_and_save, 2, ckpt) == [0, 0]
     argv = ["--load", ckpt, "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10",
             "--max-tokens", "12", "--no-stop-at-eod"]
     outs = {}

@@ -161,23 +161,17 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def _main(rank, world, flags):
     """pretrain_looplm.main in this rank (the harness's process group is reused)."""
-    sys.path.insert(0, str(ROOT))
-    import pretrain_looplm
+    from run_helpers import main_in_rank
 
-    return pretrain_looplm.main(flags)
+    return main_in_rank(flags)
 
 
 def _train_records(rank, world, flags):
     import json
 
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
+    from run_helpers import build_trainer
 
-    cfg = parse_args(flags)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    Trainer(cfg).train()
+    build_trainer(flags).train()
     log = flags[flags.index("--log-jsonl") + 1]
     return [json.loads(line) for line in open(log)]
 
@@ -351,14 +345,11 @@ def _without(argv, flags):
 
 
 def _first_step(rank, world, flags):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
+    from run_helpers import build_trainer
 
-    cfg = parse_args(flags)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    stats, grad_norm, ok = Trainer(cfg).train_step()
+    trainer = build_trainer(flags)
+    cfg = trainer.cfg
+    stats, grad_norm, ok = trainer.train_step()
     assert ok
     return cfg.to_dict(), stats["loss"], stats["step_losses"], float(grad_norm)
 
@@ -493,16 +484,11 @@ BASE2 = TINY + ["--num-loops", "2", "--swiglu", "--position-embedding-type", "ro
 
 
 def _two_steps(rank, world, flags):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
     from megaloop.training.step_hooks import params_norm
-    from megaloop.training.trainer import Trainer
     from reference import full_params
+    from run_helpers import build_trainer
 
-    cfg = parse_args(flags)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    trainer = Trainer(cfg)
+    trainer = build_trainer(flags)
     losses = [trainer.train_step()[0]["loss"] for _ in range(3)]
     trainer.sync_params()
     return losses, full_params(trainer.model), params_norm(trainer.model)
@@ -535,6 +521,7 @@ def test_no_save_optim_and_rng_and_checkpoint_args(tmp_path):
     says so); --use-checkpoint-args takes the architecture from the checkpoint."""
     import json
 
+    from megaloop.checkpoint.format import read_common
     from megaloop.training import checkpointing
     from megaloop.training.run_config import parse_args
 
@@ -543,7 +530,7 @@ def test_no_save_optim_and_rng_and_checkpoint_args(tmp_path):
                      "--no-save-optim", "--no-save-rng", "--log-jsonl", log]
     run_distributed(_train_records, 1, flags)
     path = checkpointing.checkpoint_dir(ckpt, 2)
-    common = checkpointing._read_common(path)
+    common = read_common(path)
     assert not common["has_optimizer"] and not common["has_rng"]
     assert "opt_param_scheduler" not in common
     # A different architecture on the command line: taken from the checkpoint instead.

@@ -5,6 +5,7 @@ import torch
 
 from distributed import run_distributed
 from reference import full_grads, full_params
+from run_helpers import build_trainer
 from flags import TEST_FLAGS
 
 BASE = [*TEST_FLAGS,
@@ -18,14 +19,7 @@ BASE = [*TEST_FLAGS,
 
 
 def _one_step(rank, world, extra):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
-
-    cfg = parse_args(BASE + extra)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    trainer = Trainer(cfg)
+    trainer = build_trainer(BASE + extra)
     stats, grad_norm, ok = trainer.train_step()
     assert ok
     grads = full_grads(trainer.model)

@@ -1,0 +1,50 @@
+"""Training inside a test rank the way pretrain_looplm.py trains: through the pieces of
+megaloop.training.run (configure: parse, --use-checkpoint-args, validate, the resume check; start:
+the CPU shim and the process groups; train: the Trainer and its exit code), so a test skips none
+of them. The fork harness (tests/distributed.py) has started the process group; ``start`` reuses
+it."""
+
+import json
+
+
+def build_trainer(argv, startup=None):
+    """The Trainer the script builds for ``argv`` (configured and started), not yet trained."""
+    from megaloop.training.run import configure, start
+    from megaloop.training.trainer import Trainer
+
+    cfg = configure(argv)
+    start(cfg)
+    return Trainer(cfg, startup)
+
+
+def train(argv, on_trainer=None):
+    """The script's sequence short of tearing the process group down: ``(exit code, trainer)``
+    (trainer None when it could not be built). ``on_trainer(trainer)`` runs before training."""
+    from megaloop.training.run import configure, start
+    from megaloop.training.run import train as run_train
+
+    built = []
+
+    def keep(trainer):
+        built.append(trainer)
+        if on_trainer is not None:
+            on_trainer(trainer)
+
+    cfg = configure(argv)
+    start(cfg)
+    code = run_train(cfg, on_trainer=keep)
+    return code, (built[0] if built else None)
+
+
+def main_in_rank(argv) -> int:
+    """pretrain_looplm.main in this rank: the whole run, exit code returned (the process group
+    is destroyed at the end, as the script does)."""
+    from megaloop.training import run
+
+    return run(argv)
+
+
+def records(path) -> list:
+    """The JSONL records of a run's --log-jsonl file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
