@@ -7,6 +7,7 @@ unknown fields and the per-request limits are refused by name. Chat, the ``opena
 special tokens and disconnecting clients: tests/test_serve_chat.py."""
 
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import os
@@ -36,15 +37,14 @@ def ckpt(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
-    """(client, server log path) of a tools/serve.py subprocess, killed at the end."""
+@contextlib.contextmanager
+def serving(load: str, extra: list, log_path: str):
+    """(client, log path) of a tools/serve.py subprocess on a free port, killed at the end."""
     port = free_port()
-    log_path = str(tmp_path_factory.mktemp("serve_log") / "server.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--load", ckpt,
-             "--host", "127.0.0.1", "--port", str(port), *LIMITS],
+            [sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--load", load,
+             "--host", "127.0.0.1", "--port", str(port), *extra],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     try:
@@ -53,7 +53,7 @@ def server(ckpt, tmp_path_factory):
             if proc.poll() is not None:
                 pytest.fail(f"the server exited ({proc.returncode}):\n{open(log_path).read()}")
             try:
-                if client.get("/v1/models").status_code == 200:
+                if client.get("/health").status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -69,6 +69,12 @@ def server(ckpt, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    with serving(ckpt, LIMITS, str(tmp_path_factory.mktemp("serve_log") / "server.log")) as s:
+        yield s
 
 
 def _complete(client, **body):

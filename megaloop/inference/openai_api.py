@@ -89,7 +89,8 @@ class _Body(BaseModel):
             if not any(value == a and isinstance(value, bool) == isinstance(a, bool)
                        for a in accepted):
                 shown = ", ".join("null" if a is None else repr(a) for a in accepted)
-                raise RequestError(400, f"{name} {value!r}: not implemented by this server, "
+                given = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                raise RequestError(400, f"{name} {given}: not implemented by this server, "
                                         f"which accepts only {shown}", name)
         if self.stream_options is not None and not self.stream:
             raise RequestError(400, "stream_options is only for stream: true", "stream_options")

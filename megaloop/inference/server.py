@@ -83,6 +83,36 @@ def _note(job: Job) -> str:
     return note
 
 
+class _LogRequests:
+    """One log line per request, written when its response is complete (a stream's when it
+    ends), with the note its handler left in ``request.state.note``. Plain ASGI: Starlette's
+    BaseHTTPMiddleware would hide the client's disconnect from ``request.is_disconnected()``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [500]
+        state = scope.setdefault("state", {})
+        state["note"] = ""
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        except Exception:
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            raise
+        note = state.get("note", "")
+        log.info("%s %s %d %.3fs%s", scope["method"], scope["path"], status[0],
+                 time.perf_counter() - start, f" {note}" if note else "")
+
+
 class _Stream:
     """A job's server-sent events: the chunks of OpenAI's streaming format, as the model thread
     hands over each row's text; the job is cancelled when the client leaves."""
@@ -115,7 +145,7 @@ class _Stream:
         future = self.engine.submit(lambda: self.engine.run(job))
         # After the job's last emit (the same thread, in order): the end of its events.
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-        start, outcome = time.perf_counter(), "cancelled: the client left"
+        outcome = "cancelled: the client left"
         try:
             for i, p in enumerate(job.rows):  # first chunks: the role, or the echoed prompt
                 if self.chat or job.echo:
@@ -153,8 +183,7 @@ class _Stream:
             if not future.done():
                 job.cancelled.set()
                 future.cancel()  # not started yet: it never runs
-            log.info("%s stream %s %.3fs %s%s", self.request.url.path, outcome,
-                     time.perf_counter() - start, _note(job), self.user_note)
+            self.request.state.note = f"stream {outcome}; {_note(job)}{self.user_note}"
 
 
 async def _generate(engine: Engine, job: Job, request):
@@ -171,7 +200,7 @@ async def _generate(engine: Engine, job: Job, request):
     finally:
         if not future.done():
             job.cancelled.set()
-            future.cancel()
+            waiting.cancel()  # and the job's future: a queued job never starts
 
 
 def create_app(engine: Engine):
@@ -183,19 +212,7 @@ def create_app(engine: Engine):
 
     app = FastAPI(title="megaloop", docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def log_request(request: Request, call_next):  # one line per request
-        start = time.perf_counter()
-        request.state.note = ""
-        try:
-            response = await call_next(request)
-        except Exception:
-            log.exception("%s %s failed", request.method, request.url.path)
-            raise
-        note = getattr(request.state, "note", "")
-        log.info("%s %s %d %.3fs%s", request.method, request.url.path, response.status_code,
-                 time.perf_counter() - start, f" {note}" if note else "")
-        return response
+    app.add_middleware(_LogRequests)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -269,7 +286,6 @@ def create_app(engine: Engine):
             if req.stream:
                 include = bool(req.stream_options and req.stream_options.include_usage)
                 stream = _Stream(engine, job, request, chat, include, user_note)
-                request.state.note = "streaming"
                 return StreamingResponse(stream.events(), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             result = await _generate(engine, job, request)
