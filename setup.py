@@ -31,10 +31,12 @@ setup(
         # Plots (tools/evaluate.py, tools/plot_run.py, tools/attention_probes.py) and
         # lm-evaluation-harness (tools/run_lm_eval.py; the adapter follows its 0.4 model API).
         "eval": ["matplotlib", "lm-eval[api]>=0.4.13,<0.5"],
-        # tools/serve.py's OpenAI-compatible HTTP server.
-        "serve": ["fastapi", "uvicorn"],
-        # (httpx: tests/test_serve.py's HTTP client; the eval extra: tests/test_evaluate.py)
+        # tools/serve.py's OpenAI-compatible HTTP server (jinja2: tokenizers' chat templates).
+        "serve": ["fastapi", "uvicorn", "jinja2"],
+        # (httpx and openai: tests/test_serve*.py's HTTP clients; the eval extra:
+        # tests/test_evaluate.py)
         "test": ["pytest", "tokenizers", "transformers", "safetensors", "protobuf", "fastapi",
-                 "uvicorn", "httpx", "matplotlib", "lm-eval[api]>=0.4.13,<0.5"],
+                 "uvicorn", "jinja2", "httpx", "openai", "matplotlib",
+                 "lm-eval[api]>=0.4.13,<0.5"],
     },
 )
