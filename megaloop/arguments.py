@@ -87,19 +87,25 @@ def _parse_bool(text: str) -> bool:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type,
-                       only: tuple[str, ...] = ()) -> None:
+                       only: tuple[str, ...] = (), defaults: dict | None = None,
+                       title: str | None = None) -> None:
     """Add one flag per field of ``cls`` to ``parser``, in a group named after the class.
     ``only``: just these fields (a tool that shares one flag with the trainer, e.g.
-    ``--ckpt-step``, takes its definition from the trainer's dataclass)."""
+    ``--ckpt-step``, takes its definition from the trainer's dataclass). ``defaults``: field ->
+    this parser's default (e.g. None for "not given", where a tool uses the flags only when
+    some are passed); ``title``: the group's description instead of the class docstring's."""
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
-    group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().split("\n")[0])
+    group = parser.add_argument_group(
+        cls.__name__, title or (cls.__doc__ or "").strip().split("\n")[0])
     for f in dataclasses.fields(cls):
         if not f.init or f.metadata.get("cli") is False or (only and f.name not in only):
             continue
         tp = _unwrap_optional(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        if defaults and f.name in defaults:
+            default = defaults[f.name]
         doc = docs.get(f.name, "")
         # A docstring that says its default in words ("default: the checkpoint's") is not
         # followed by a second, literal one ("(default: None)").

@@ -26,7 +26,8 @@ print("LOADED:" + ",".join(loaded))
 
 
 @pytest.mark.parametrize("script", ["pretrain_looplm.py", "tools/convert_checkpoint.py",
-                                    "tools/preprocess_data.py"])
+                                    "tools/preprocess_data.py", "tools/generate.py",
+                                    "tools/evaluate.py"])
 def test_help_imports_neither_megatron_nor_torch(script):
     path = os.path.join(ROOT, script)
     proc = subprocess.run([sys.executable, "-c", _PROBE.format(script=path)], cwd=ROOT,
@@ -112,3 +113,52 @@ def test_vocab_padding_help_says_what_the_code_does():
     # 1100 tokens, divisible-by 128 -> 1152 at TP 1, 2 and 3 (Megatron-LM: 1280 at TP 2);
     # TP 5 does not divide 1152, so the multiple becomes 128 x 5.
     assert [padded_vocab_size(1100, 128, tp) for tp in (1, 2, 3, 5)] == [1152, 1152, 1152, 1280]
+
+
+def _tool(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"tool_{name}",
+                                                  os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flags(parser, group_title):
+    return {s for g in parser._action_groups if g.title == group_title
+            for a in g._group_actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("tool, need", [("generate", ["--load", "ckpt", "--prompt-ids", "1"]),
+                                        ("evaluate", ["--load", "ckpt", "--output-dir", "out"])])
+def test_tools_take_the_trainers_tokenizer_flags(tool, need):
+    """A tool flag the trainer also has accepts exactly the trainer's values (and spellings):
+    the tokenizer flags of generate.py and evaluate.py (for a folder without its own)."""
+    from megaloop.training.run_config import build_parser
+
+    trainer = build_parser()
+    parser = _tool(tool).build_parser()
+    tokenizer_flags = _flags(trainer, "TokenizerConfig")
+    assert tokenizer_flags and tokenizer_flags <= set(parser._option_string_actions)
+    kind = next(a for a in trainer._actions if a.dest == "tokenizer_type")
+    spellings = list(kind.choices) + ["GPTSentencePieceTokenizer"]  # Megatron-LM's name
+    for name in spellings:
+        ours, _ = trainer.parse_known_args(["--tokenizer-type", name])
+        theirs = parser.parse_args(need + ["--tokenizer-type", name])
+        assert theirs.tokenizer_type == ours.tokenizer_type, name
+    assert parser.parse_args(need).tokenizer_type is None  # not given: the folder's own
+    with pytest.raises(SystemExit):
+        parser.parse_args(need + ["--tokenizer-type", "NoSuchTokenizer"])
+
+
+def test_plot_run_takes_the_trainers_collapse_threshold():
+    from megaloop.training.run_config import build_parser
+
+    trainer = build_parser()
+
+    plot = _tool("plot_run").build_parser()
+    assert plot.parse_args(["run.jsonl"]).p0_collapse_threshold == \
+        trainer.parse_known_args([])[0].p0_collapse_threshold
+    assert plot.parse_args(["run.jsonl", "--p0-collapse-threshold", "0.8"]) \
+        .p0_collapse_threshold == 0.8

@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megaloop import runtime  # noqa: E402
 from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
 from megaloop.eval.config import EvalConfig, parse_rules  # noqa: E402
-from megaloop.inference.flags import add_ckpt_step_flag  # noqa: E402
+from megaloop.inference.flags import (add_ckpt_step_flag, add_tokenizer_flags,  # noqa: E402
+                                      tokenizer_from_flags)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,19 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     add_dataclass_args(p, EvalConfig)
     add_ckpt_step_flag(p)
+    add_tokenizer_flags(p)
     return p
-
-
-def _tokenizer_override(cfg: EvalConfig):
-    if not (cfg.tokenizer_type or cfg.tokenizer_model or cfg.vocab_size is not None):
-        return None
-    from megaloop.data.config import TokenizerConfig
-
-    if not cfg.tokenizer_type:
-        raise ValueError("--tokenizer-model / --vocab-size need --tokenizer-type")
-    tok = TokenizerConfig(cfg.tokenizer_type, cfg.tokenizer_model, cfg.vocab_size)
-    tok.validate()
-    return tok
 
 
 def main(argv=None) -> int:
@@ -60,7 +50,7 @@ def main(argv=None) -> int:
     cfg.ckpt_step = args.ckpt_step
     try:
         cfg.validate()
-        tokenizer_cfg = _tokenizer_override(cfg)
+        tokenizer_cfg = tokenizer_from_flags(args)
         if cfg.plots:
             try:
                 import matplotlib  # noqa: F401

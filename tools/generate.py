@@ -30,7 +30,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
-from megaloop.inference.flags import add_ckpt_step_flag, add_generation_flags  # noqa: E402
+from megaloop.inference.flags import (add_ckpt_step_flag, add_generation_flags,  # noqa: E402
+                                      add_tokenizer_flags)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,16 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True,
                    help="megaloop checkpoint directory, or a folder written by export-hf")
     add_ckpt_step_flag(p)
-    tok = p.add_argument_group("tokenizer of an exported folder without tokenizer.json")
-    # Megatron-LM's name for the sentencepiece tokenizer is accepted as pretrain_looplm.py does.
-    megatron_names = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
-    tok.add_argument("--tokenizer-type", default=None,
-                     type=lambda name: megatron_names.get(name, name),
-                     choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
-    tok.add_argument("--tokenizer-model", default=None,
-                     help="sentencepiece .model, or Hugging Face tokenizer.json (or its folder)")
-    tok.add_argument("--vocab-size", type=int, default=None,
-                     help="NullTokenizer: ids before EOD (EOD is this id)")
+    add_tokenizer_flags(p)  # an exported folder without its own tokenizer files
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
                         help="prompt text (repeat for a batch); the output is decoded text")
@@ -75,7 +67,7 @@ def main(argv=None) -> int:
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
-    from megaloop.inference.flags import check_sampling, fit_prompt
+    from megaloop.inference.flags import check_sampling, fit_prompt, tokenizer_from_flags
     from megaloop.inference.loading import check_generation_flags, parse_prompt_ids
 
     try:
@@ -86,21 +78,11 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    tokenizer_cfg = None
-    if args.tokenizer_type or args.tokenizer_model or args.vocab_size is not None:
-        from megaloop.data.config import TokenizerConfig
-
-        if not args.tokenizer_type:
-            print("error: --tokenizer-model / --vocab-size need --tokenizer-type",
-                  file=sys.stderr)
-            return 2
-        tokenizer_cfg = TokenizerConfig(args.tokenizer_type, args.tokenizer_model,
-                                        args.vocab_size)
-        try:
-            tokenizer_cfg.validate()
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    try:
+        tokenizer_cfg = tokenizer_from_flags(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     runtime.quiet_megatron()
     from megaloop.inference.generate import Generator, SamplingParams

@@ -16,16 +16,23 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megaloop.arguments import add_dataclass_args  # noqa: E402
 from megaloop.eval.run_plot import NotARunLog, plot_run, read_run, unknown_keys  # noqa: E402
+from megaloop.training.config import LoggingConfig  # noqa: E402
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("jsonl", help="the run's --log-jsonl file")
     p.add_argument("--output", default=None, help="PNG path (default: the JSONL's name, .png)")
-    p.add_argument("--p0-collapse-threshold", type=float, default=0.95,
-                   help="the run's --p0-collapse-threshold, drawn on the p0 panel (default 0.95)")
-    args = p.parse_args(argv)
+    # The trainer's flag (drawn on the p0 panel): pass the run's value.
+    add_dataclass_args(p, LoggingConfig, only=("p0_collapse_threshold",),
+                       title="the run's --p0-collapse-threshold, drawn on the p0 panel")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     output = args.output or os.path.splitext(args.jsonl)[0] + ".png"
     try:
         records = read_run(args.jsonl)

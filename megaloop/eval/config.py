@@ -1,6 +1,7 @@
 """What ``tools/evaluate.py`` scores, and how (flags derived by megaloop.arguments).
 
-Data and tokenizer fields left unset take the checkpoint's own values (its saved run config), so
+Data fields left unset take the checkpoint's own values (its saved run config), as do the
+tokenizer flags (the trainer's, megaloop.inference.flags.add_tokenizer_flags), so
 ``--load CKPT --num-loops 1,2,4,8 --output-dir DIR`` scores the trainer's validation samples. The
 flags carry the training flags' names. Nothing here imports torch or megatron-core: the flags are
 checked before a process group starts.
@@ -11,8 +12,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from typing import Optional
-
-from megaloop.data.config import TokenizerType
 
 
 @dataclass
@@ -73,18 +72,6 @@ class EvalConfig:
     eval_iters: Optional[int] = None
     """Evaluation iterations of --global-batch-size sequences (default: the checkpoint's); with
     --input-file: every window of the file when unset."""
-
-    tokenizer_type: Optional[TokenizerType] = field(
-        default=None,
-        metadata={"value_aliases": {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}})
-    """Tokenizer (default: the checkpoint's, or the exported folder's tokenizer.json);
-    Megatron-LM's GPTSentencePieceTokenizer is accepted for SentencePieceTokenizer."""
-
-    tokenizer_model: Optional[str] = None
-    """sentencepiece .model or Hugging Face tokenizer.json (default: the checkpoint's)."""
-
-    vocab_size: Optional[int] = None
-    """NullTokenizer: ids before EOD (default: the checkpoint's)."""
 
     task_file: Optional[str] = None
     """Held-out problems with answers (``tools/make_demo_corpus.py --tasks-output``): their

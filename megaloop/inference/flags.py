@@ -28,6 +28,37 @@ def add_ckpt_step_flag(p: argparse.ArgumentParser) -> None:
     add_dataclass_args(p, LoadConfig, only=("ckpt_step",))
 
 
+def add_tokenizer_flags(p: argparse.ArgumentParser) -> None:
+    """The trainer's tokenizer flags (megaloop.data.config.TokenizerConfig: the same names,
+    choices, spellings and help), unset unless given: for a folder that does not name its own
+    tokenizer (read back by ``tokenizer_from_flags``)."""
+    from megaloop.arguments import add_dataclass_args
+    from megaloop.data.config import TokenizerConfig
+
+    add_dataclass_args(p, TokenizerConfig, defaults={"tokenizer_type": None},
+                       title="the tokenizer, for a folder that does not name its own (the "
+                             "trainer's flags; default: the checkpoint's or the folder's)")
+
+
+def tokenizer_from_flags(args: argparse.Namespace):
+    """The validated TokenizerConfig of the flags ``add_tokenizer_flags`` added, or None when
+    none was given; ValueError naming the flags given without --tokenizer-type."""
+    import dataclasses
+
+    from megaloop.arguments import dataclass_from_args
+    from megaloop.data.config import TokenizerConfig
+
+    given = [f.name for f in dataclasses.fields(TokenizerConfig)
+             if getattr(args, f.name, None) is not None]
+    if not given:
+        return None
+    if args.tokenizer_type is None:
+        raise ValueError(f"{', '.join(cli_name(n) for n in given)} need --tokenizer-type")
+    tokenizer = dataclass_from_args(TokenizerConfig, args)
+    tokenizer.validate()
+    return tokenizer
+
+
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
     """--num-loops, --kv-policy, --exit (checked by loading.check_generation_flags)."""
     p.add_argument("--num-loops", type=int, default=None,
