@@ -5,7 +5,6 @@ and data: a resumed run must reproduce its losses exactly, which needs weights, 
 scheduler, RNG streams (dropout) and the data position all restored.
 """
 
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -15,6 +14,8 @@ import torch
 
 from distributed import free_port, run_distributed
 from reference import full_params
+from run_helpers import build_trainer
+from run_helpers import records as _records
 from test_training import BASE
 
 # Dropout makes the RNG part of the state; validation every 2 iterations makes the validation
@@ -24,21 +25,11 @@ RESUME = BASE + ["--train-iters", "6", "--hidden-dropout", "0.1", "--attention-d
                  "--lr-warmup-iters", "2"]
 
 
-def _records(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
 def _train(rank, world, flags, signal_at=None):
-    """One pretrain_looplm-like process: init, Trainer(cfg).train(); returns its JSONL records."""
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
-
-    cfg = parse_args(flags)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    trainer = Trainer(cfg)
+    """One pretrain_looplm process's trainer (run_helpers), trained; returns why it stopped,
+    its JSONL records and its iteration."""
+    trainer = build_trainer(flags)
+    cfg = trainer.cfg
     if signal_at is not None and rank == world - 1:
         # SIGTERM reaches only the last rank, mid-run: the others must still stop with it.
         step = trainer.train_step
@@ -177,14 +168,7 @@ def _logits(trainer, batch):
 
 
 def _save_or_load(rank, world, flags, ckpt, save):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
-
-    cfg = parse_args(flags + (["--save", ckpt] if save else ["--load", ckpt]))
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    trainer = Trainer(cfg)
+    trainer = build_trainer(flags + (["--save", ckpt] if save else ["--load", ckpt]))
     if save:
         trainer.train_step()
         trainer.iteration, trainer.consumed_samples = 1, trainer.gbs
@@ -304,13 +288,7 @@ def test_unreadable_latest_file_is_a_clear_error(tmp_path):
 
 
 def _loaded_state(rank, world, flags):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
-
-    cfg = parse_args(flags)
-    initialize(cfg.parallel, cfg.training.seed)
-    trainer = Trainer(cfg)
+    trainer = build_trainer(flags)
     g = torch.Generator().manual_seed(3)
     batch = {"tokens": torch.randint(0, 200, (2, 32), generator=g),
              "position_ids": torch.arange(32).expand(2, 32)}
@@ -342,16 +320,9 @@ SCHED = BASE + ["--micro-batch-size", "2", "--lr-warmup-iters", "1", "--lr-decay
 
 def _lrs(rank, world, flags, steps):
     """The LR each of ``steps`` training steps applies (after a --load: from its iteration)."""
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
-
-    cfg = parse_args(flags)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
     try:
-        trainer = Trainer(cfg)
-    except ValueError as exc:
+        trainer = build_trainer(flags)
+    except ValueError as exc:  # a refusal, from the resume check or from the load
         return str(exc)
     out = []
     for _ in range(steps):

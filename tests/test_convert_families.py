@@ -345,16 +345,10 @@ def test_export_config_reads_back_with_scaling_and_bias():
 
 
 def _pretrain(rank, world, args):
-    """pretrain_looplm.py's trainer, in this forked rank."""
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
+    """pretrain_looplm.py's run, in this forked rank: its exit code."""
+    from run_helpers import train
 
-    cfg = parse_args(args)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    Trainer(cfg).train()
-    return True
+    return train(args)[0]
 
 
 def test_printed_flags_train_at_tp2(converted, tmp_path):
@@ -365,10 +359,11 @@ def test_printed_flags_train_at_tp2(converted, tmp_path):
     tp = flags.index("--tensor-model-parallel-size")
     flags[tp + 1] = "2"
     log = tmp_path / "train.jsonl"
-    run_distributed(_pretrain, 2, flags + [
+    codes = run_distributed(_pretrain, 2, flags + [
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--train-iters", "8", "--lr", "3e-3", "--mock-data", "--log-interval", "1",
         "--eval-iters", "0", "--log-jsonl", str(log)], timeout=300)
+    assert codes == [0, 0]
     train = [json.loads(line) for line in log.read_text().splitlines()]
     train = [r for r in train if r["split"] == "train"]
     assert len(train) == 8 and all(len(r["step_losses"]) == 3 for r in train)
