@@ -7,6 +7,9 @@ continuation, from its fourth on, that it has not produced before; so greedy dec
 EOD exactly where it would have produced X (megaloop's own Generator, stopping at EOD, computes
 the expected ids).
 
+(The run's tokenizer file, moved after training, is refused by name, then passed as
+``tokenizer_model``: export-hf's --tokenizer-model.)
+
 A subprocess started without the repository on sys.path (python -S with only the packages'
 folder added: no editable-install hook either) loads the folder with AutoTokenizer and
 AutoModelForCausalLM(trust_remote_code=True): the prompt's ids equal megaloop's tokenization,
@@ -16,6 +19,7 @@ config.json / generation_config.json alone), and the prompt decodes back to its 
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -72,8 +76,15 @@ def _export(rank, world, tmp):
     ckpt = os.path.join(tmp, "ckpt")
     run = RunConfig(model=model_cfg, loop=loop, tokenizer=tok_cfg)
     save_checkpoint(ckpt, 1, model, run_config=run.to_dict())
+    # The run's tokenizer file moved away: refused by name, then found where it is now.
+    moved = os.path.join(tmp, "moved.model")
+    os.rename(model_file, moved)
+    with pytest.raises(ValueError, match=re.escape(f"{model_file} is not on this machine: "
+                                                   f"pass --tokenizer-model")):
+        export_hf(ckpt, os.path.join(tmp, "deep", "hf"))
     # Trimmed to the tokenizer's ids: a random model's padding rows would win argmax.
-    export_hf(ckpt, os.path.join(tmp, "deep", "hf"), vocab_size=tok.vocab_size)
+    export_hf(ckpt, os.path.join(tmp, "deep", "hf"), vocab_size=tok.vocab_size,
+              tokenizer_model=moved)
     return prompt, expected, tok.eod
 
 
