@@ -131,3 +131,18 @@ def _cached_vs_full(rank, world):
 def test_cached_decoding_equals_uncached():
     err = run_distributed(_cached_vs_full, 1)[0]
     assert err < 1e-5, err
+
+
+def _name_taken(rank, world):
+    setup_parallel(world)
+    VARIANTS["core"] = lambda config, loop, first, last: RunningMean(config, first)
+    try:
+        _model()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_name_the_model_uses_is_refused():
+    message = run_distributed(_name_taken, 1)[0]
+    assert message and "'core'" in message and "another" in message, message

@@ -169,6 +169,9 @@ class LoopedGPTModel(LanguageModule):
         for name, build in VARIANTS.items():
             variant = build(config, loop, pre_process, post_process)
             if variant is not None:
+                if hasattr(self, name):
+                    raise ValueError(f"loop variant {name!r}: the model already has an "
+                                     f"attribute of that name; register it under another")
                 setattr(self, name, variant)
                 self.variants.append(variant)
 
