@@ -37,3 +37,47 @@ def _restore_te_attention_env():
     for name in [k for k in os.environ if k.startswith("NVTE_")]:
         del os.environ[name]
     os.environ.update(saved)
+
+
+PLAIN_ITERS = 3
+
+
+@pytest.fixture(scope="session")
+def plain_launch(tmp_path_factory):
+    """``python pretrain_looplm.py`` as a user starts it without a launcher (no RANK,
+    WORLD_SIZE, MASTER_* or SLURM_NTASKS): a tiny run of PLAIN_ITERS iterations with --save and
+    --load, timed from this process (launch, and the moment its first JSONL record appears).
+    One interpreter start shared by the tests that check what such a run does
+    (tests/test_scale_timing.py, tests/test_reliability.py); returns a dict: proc (stdout,
+    stderr, returncode), log, launched, seen, iters."""
+    import subprocess
+    import sys
+    import time
+
+    from flags import TEST_FLAGS
+
+    tmp = tmp_path_factory.mktemp("plain_launch")
+    log = tmp / "run.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_looplm.py"), *TEST_FLAGS,
+           "--num-layers", "2", "--num-loops", "2", "--hidden-size", "32",
+           "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+           "--micro-batch-size", "2", "--global-batch-size", "2",
+           "--train-iters", str(PLAIN_ITERS), "--lr", "1e-3", "--mock-data",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", "1",
+           "--eval-iters", "0", "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"),
+           "--log-jsonl", str(log)]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "SLURM_NTASKS")}
+    env["OMP_NUM_THREADS"] = "1"
+    launched = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = None
+    while proc.poll() is None and seen is None:  # when the first record lands, seen from here
+        if log.exists() and log.read_text().endswith("\n"):
+            seen = time.time()
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=300)
+    return {"proc": subprocess.CompletedProcess(cmd, proc.returncode, out, err), "log": log,
+            "launched": launched, "seen": seen, "iters": PLAIN_ITERS}

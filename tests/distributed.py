@@ -123,6 +123,61 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
     return [results[r] for r in range(world_size)]
 
 
+def run_main(rank, world, argv, out_dir):
+    """``pretrain_looplm.main(argv)`` in a rank of ``run_distributed``, with the console of a
+    launched process: file descriptors 1 and 2 (C-level output too) go to
+    ``out_dir/rank<N>.out`` / ``.err``, and the warning filters and root logger are a fresh
+    interpreter's (pytest's ignore UserWarning and capture log records, so a warning a user would
+    see could not fail a test here), before the entry point installs its own filters. What a
+    fresh interpreter prints while importing is not seen here: one real launch
+    (tests/test_functional.py) checks that. Returns main's exit code; console_of() reads the
+    output."""
+    import logging
+    import sys
+    import warnings
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    import pretrain_looplm
+    from megaloop import runtime
+
+    for fd, suffix in ((1, "out"), (2, "err")):
+        target = os.open(os.path.join(out_dir, f"rank{rank}.{suffix}"),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # pytest had swapped them
+    warnings.resetwarnings()  # Python's own defaults (the warnings module's documentation)
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                     ResourceWarning):
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show  # pytest records warnings instead of printing them
+    for handler in list(logging.root.handlers):
+        logging.root.removeHandler(handler)
+    logging.root.setLevel(logging.WARNING)
+    runtime._quieted = False  # the entry point's filters, installed afresh by main
+    try:
+        return pretrain_looplm.main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def console_of(out_dir, world):
+    """(stdout, stderr) of a ``run_main`` run: each stream of the ranks in rank order, as one
+    launcher's console shows them (torchrun interleaves them; the lines are the same)."""
+    def read(suffix):
+        return "".join(open(os.path.join(out_dir, f"rank{r}.{suffix}")).read()
+                       for r in range(world))
+
+    return read("out"), read("err")
+
+
 def setup_parallel(tp: int = 1, seed: int = 7) -> None:
     """megatron-core's parallel state (TP = ``tp``, the rest data parallel) and seeded RNG
     streams, inside a rank forked by ``run_distributed``."""

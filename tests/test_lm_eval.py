@@ -3,10 +3,17 @@ choice and generation) run through lm-eval's own command line, once with ``--mod
 (tools/run_lm_eval.py) and once with lm-eval's ``local-completions`` model against a
 tools/serve.py subprocess. The log-likelihoods lm-eval records must equal each other and the
 model's own teacher-forced log-probabilities (a plain forward, scored here); the greedy answers
-must be the same text both ways."""
+must be the same text both ways.
+
+The two lm-eval runs and the server run in processes forked from this one (which has imported
+torch and megatron-core already: a fresh interpreter pays seconds for them each time), running
+the tools' own main() with their argv; the server starts while the first run evaluates. One
+real interpreter of tools/run_lm_eval.py is the refusal test's."""
 
 import glob
+import importlib.util
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -60,22 +67,84 @@ def ckpt(tmp_path_factory):
     return path, model
 
 
-def _lm_eval(out_dir, model, model_args, tasks, home):
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=home,
-               TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", model,
-         "--model_args", model_args, "--include_path", TASKS, "--tasks", tasks,
-         "--limit", str(LIMIT), "--batch_size", "1", "--output_path", out_dir, "--log_samples"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+def _tool_main(tool, argv, env, console):
+    """In a forked process: ``tools/<tool>``'s main() with ``sys.argv = [tool, *argv]``, the
+    environment updated with ``env`` (before lm-eval imports the Hugging Face libraries, which
+    read it), stdout/stderr (file descriptors 1 and 2) into ``console.out`` / ``console.err``;
+    the process's exit status is main's."""
+    import logging
+    import traceback
+
+    for fd, suffix in ((1, "out"), (2, "err")):
+        target = os.open(f"{console}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    for handler in list(logging.root.handlers):  # pytest's capture: the tool configures its own
+        logging.root.removeHandler(handler)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)  # a process the user starts: no launcher's variables
+    os.environ.update(env)
+    sys.argv = [os.path.join(ROOT, "tools", tool), *argv]
+    code = 1
+    try:
+        spec = importlib.util.spec_from_file_location(tool[:-3], sys.argv[0])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        code = module.main() or 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
+    except BaseException:  # noqa: BLE001 - shown in the console file, the test reads it
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _fork_tool(tool, argv, env, console):
+    proc = multiprocessing.get_context("fork").Process(target=_tool_main,
+                                                       args=(tool, argv, env, console))
+    proc.start()
+    return proc
+
+
+def _console(console):
+    return tuple(open(f"{console}.{s}").read() if os.path.exists(f"{console}.{s}") else ""
+                 for s in ("out", "err"))
+
+
+def _finish(proc, console, timeout):
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"{console} did not finish in {timeout} s\n"
+                             + "".join(_console(console))[-5000:])
+    out, err = _console(console)
+    assert proc.exitcode == 0, out[-3000:] + err[-5000:]
+    return out
+
+
+def _lm_eval_args(out_dir, model, model_args, tasks):
+    return ["--model", model, "--model_args", model_args, "--include_path", TASKS,
+            "--tasks", tasks, "--limit", str(LIMIT), "--batch_size", "1",
+            "--output_path", out_dir, "--log_samples"]
+
+
+def _hf_env(home):
+    return dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=home,
+                TOKENIZERS_PARALLELISM="false")
+
+
+def _samples(out_dir, tasks):
     samples = {}
     for task in tasks.split(","):
         (path,) = glob.glob(os.path.join(out_dir, "**", f"samples_{task}_*.jsonl"),
                             recursive=True)
         with open(path) as f:
             samples[task] = {s["doc_id"]: s for s in map(json.loads, f)}
-    return samples, proc.stdout
+    return samples
 
 
 def _lls(sample):
@@ -107,44 +176,46 @@ def _reference(rank, world, ckpt, sp_model, pairs):
     return out
 
 
-@pytest.fixture
-def server(ckpt, tmp_path):
-    port = free_port()
-    log_path = str(tmp_path / "server.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--load", ckpt[0],
-             "--port", str(port), "--model-name", "looped", "--log-level", "warning"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, open(log_path).read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, open(log_path).read()
-            time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}/v1/completions"
-    finally:
-        proc.terminate()
+def _wait_ready(proc, port, console):
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.is_alive(), "".join(_console(console))
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
+                return f"http://127.0.0.1:{port}/v1/completions"
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "".join(_console(console))
+        time.sleep(0.3)
 
 
-def test_megaloop_model_equals_local_completions_and_teacher_forcing(ckpt, server, tmp_path):
+def test_megaloop_model_equals_local_completions_and_teacher_forcing(ckpt, tmp_path):
     tasks = "megaloop_demo_mc,megaloop_demo_gen"
-    home = str(tmp_path / "hf_home")
-    ours, table = _lm_eval(str(tmp_path / "megaloop"), "megaloop",
-                           f"load={ckpt[0]},num_loops=3", tasks, home)
-    assert "megaloop_demo_mc" in table and "acc" in table  # lm-eval's results table
-    theirs, _ = _lm_eval(str(tmp_path / "served"), "local-completions",
-                         f"model=looped,base_url={server},num_concurrent=1,max_retries=1",
-                         tasks, home)
+    env = _hf_env(str(tmp_path / "hf_home"))
+    ours_at, served_at = str(tmp_path / "megaloop"), str(tmp_path / "served")
+    ours_run = _fork_tool("run_lm_eval.py", _lm_eval_args(
+        ours_at, "megaloop", f"load={ckpt[0]},num_loops=3", tasks), env, ours_at)
+    port = free_port()
+    server = _fork_tool("serve.py", ["--load", ckpt[0], "--port", str(port), "--model-name",
+                                     "looped", "--log-level", "warning"], {},
+                        str(tmp_path / "server"))
+    try:
+        url = _wait_ready(server, port, str(tmp_path / "server"))
+        table = _finish(ours_run, ours_at, 400)
+        assert "megaloop_demo_mc" in table and "acc" in table  # lm-eval's results table
+        _finish(_fork_tool("run_lm_eval.py", _lm_eval_args(
+            served_at, "local-completions",
+            f"model=looped,base_url={url},num_concurrent=1,max_retries=1", tasks), env,
+            served_at), served_at, 400)
+    finally:
+        for proc in (ours_run, server):
+            if proc.is_alive():
+                proc.terminate()  # the server: SIGTERM stops it as Ctrl-C does
+                proc.join(15)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    ours, theirs = _samples(ours_at, tasks), _samples(served_at, tasks)
     docs = _docs()
     assert sorted(ours["megaloop_demo_mc"]) == list(range(LIMIT))
     pairs = [(d["question"], " " + c) for d in docs for c in d["choices"]]

@@ -257,14 +257,11 @@ def test_every_size_flag_is_range_checked():
     assert {"hidden_size", "num_attention_heads", "ffn_hidden_size"} <= set(SIZE_LIMITS["model"])
 
 
-def test_without_torchrun_the_script_runs_as_one_process(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                        "SLURM_NTASKS")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "pretrain_looplm.py", *BASE, "--train-iters", "1",
-                           "--micro-batch-size", "2", "--log-jsonl", str(tmp_path / "l.jsonl")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+def test_without_torchrun_the_script_runs_as_one_process(plain_launch):
+    """python pretrain_looplm.py with no launcher's variables (tests/conftest.py's plain_launch):
+    a world of one process that trains."""
+    proc = plain_launch["proc"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["iteration"] for r in _records(tmp_path / "l.jsonl") if r["split"] == "train"] == [1]
+    assert [r["iteration"] for r in _records(plain_launch["log"]) if r["split"] == "train"] == \
+        list(range(1, plain_launch["iters"] + 1))
     assert "DP 1" in proc.stdout

@@ -1,39 +1,17 @@
 """Start-up timing: one line on rank 0 and a ``startup_s`` field in the first JSONL record, with
 phases that add up to the wall time from launch to the end of the first step, measured from
-outside the process (this test's clock at launch, and the moment the first record appears)."""
+outside the process (this test's clock at launch, and the moment the first record appears): the
+plain launch of tests/conftest.py's ``plain_launch``."""
 
 import json
-import os
-import subprocess
-import sys
-import time
 
-from flags import TEST_FLAGS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ["imports", "process groups", "model", "optimizer", "checkpoint load", "data index",
           "first step"]
 
 
-def test_startup_phases_sum_to_the_wall_time_to_the_first_step(tmp_path):
-    log = tmp_path / "run.jsonl"
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_looplm.py"), *TEST_FLAGS,
-           "--num-layers", "2", "--num-loops", "2", "--hidden-size", "32",
-           "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-           "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3",
-           "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-           "--vocab-size", "128", "--log-interval", "1", "--eval-iters", "0",
-           "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
-           "--log-jsonl", str(log)]
-    launched = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = None
-    while proc.poll() is None and seen is None:  # when the first record lands, seen from here
-        if log.exists() and log.read_text().endswith("\n"):
-            seen = time.time()
-        time.sleep(0.01)
-    out, err = proc.communicate(timeout=300)
+def test_startup_phases_sum_to_the_wall_time_to_the_first_step(plain_launch):
+    proc, log, seen = plain_launch["proc"], plain_launch["log"], plain_launch["seen"]
+    launched, out, err = plain_launch["launched"], proc.stdout, proc.stderr
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert seen is not None
     first = json.loads(log.read_text().splitlines()[0])
