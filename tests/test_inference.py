@@ -302,3 +302,98 @@ def test_teacher_forced_scoring_under_q_exit():
     assert torch.allclose(loss, picked, atol=1e-5)
     loss_none, depth_none, step_losses, _ = run_distributed(_score, 1, "none")[0]
     assert torch.allclose(loss_none, step_losses[-1], atol=1e-5) and (depth_none == 4).all()
+
+
+def _row_vs_token(rank, world, rule_text, loop_kw, model_kw):
+    """The same rule on the same inputs, per row (decode_step after a prefill of the exact
+    context, rows compacted as they exit) and per token (exit_log_probs over the whole sequence,
+    masked): exit step and exit-step log-probabilities at every position after the prefill."""
+    from megaloop.inference.early_exit import decode_step, exit_log_probs, parse_exit, prefill
+    from megaloop.inference.kv_cache import LoopKVCache
+    from megaloop.model.exit_rules import full_vocab_log_probs
+
+    setup_parallel(world)
+    model = _model(model_kw, {"num_loops": 4, **loop_kw})
+    _sharp_gate(model)
+    model.eval()
+    rule = parse_exit(rule_text)
+    ids, pos, _ = lm_batch(VOCAB, SEQ, 4)
+    with torch.no_grad():
+        token_logp, token_depth = exit_log_probs(model, ids, pos, 4, rule, VOCAB)
+        rows_logp, rows_depth = [], []
+        for j in range(PREFILL, SEQ):  # position j: the context before it prefilled at all steps
+            kv = LoopKVCache(4, SEQ)
+            prefill(model, ids[:, :j], pos[:, :j], kv, 4)
+            kv.advance(j)
+            logits, depth = decode_step(model, ids[:, j:j + 1], pos[:, j:j + 1], kv, 4, rule)
+            rows_logp.append(full_vocab_log_probs(logits))
+            rows_depth.append(depth)
+    return (token_logp[:, PREFILL:], token_depth[:, PREFILL:], torch.cat(rows_logp, 1),
+            torch.stack(rows_depth, 1))
+
+
+@pytest.mark.parametrize("rule", ["q:0.5", "kl:0.5"])
+def test_exit_rule_per_row_equals_per_token(rule):
+    """Decoding (per row: the rows that exit leave the batch) and teacher-forced scoring (per
+    token: masked) take the same decisions on the same inputs, while tokens exit at different
+    steps."""
+    loop_kw = {"num_coda_layers": 1, "num_prelude_layers": 1} if rule.startswith("q") else {}
+    model_kw = {} if rule.startswith("q") else {"init_method_std": 0.3}
+    token_logp, token_depth, rows_logp, rows_depth = run_distributed(
+        _row_vs_token, 1, rule, loop_kw, model_kw)[0]
+    assert torch.equal(token_depth, rows_depth), (token_depth, rows_depth)
+    assert len(set(rows_depth.flatten().tolist())) > 1, rows_depth
+    assert (token_logp - rows_logp).abs().max().item() < 1e-4
+
+
+def _what_models_support(rank, world):
+    from megaloop.inference.early_exit import parse_exit, score
+    from megaloop.inference.generate import Generator
+
+    setup_parallel(world)
+    refused = {}
+
+    def refusal(model, **kw):
+        try:
+            Generator(model, VOCAB - 6, **kw)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    spiral = _model({}, {"loop_resolutions": "1/4,1/2,1", "loop_topology": "anchor"})
+    _perturb(spiral)
+    _sharp_gate(spiral)
+    spiral.eval()
+    refused["spiral exit"] = refusal(spiral, exit_rule=parse_exit("q:0.5"))
+    refused["spiral depth"] = refusal(spiral, num_loops=2)
+    refused["spiral plain"] = refusal(spiral)
+    dense = _model({}, {"num_loops": 1})  # trained at one step with the expected loss: no gate
+    refused["no gate depth"] = refusal(dense, num_loops=2)
+    refused["no gate q"] = refusal(dense, exit_rule=parse_exit("q:0.5"))
+    refused["no gate kl"] = refusal(dense, exit_rule=parse_exit("kl:0.1"))
+    refused["no cache"] = refusal(_model({}, {}), exit_rule=parse_exit("kl:0.1"), kv_policy="none")
+    # Teacher-forced scoring under the rule needs no row to leave the batch: SpiralFormer runs it.
+    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
+    with torch.no_grad():
+        loss, depth = score(spiral, ids, pos, labels, 3, parse_exit("q:0.5"))
+        ref = spiral(ids, pos, None, labels=labels)
+    return refused, loss, depth, ref.step_losses, ref.exit_probs
+
+
+def test_what_a_model_supports_is_refused_by_name():
+    """LoopConfig.supports at the generator: SpiralFormer decodes without an exit rule at its own
+    schedule's depth only (a row cannot leave its cached chunk latents), and still scores under a
+    rule teacher-forced (exit steps from the training forward's exit distribution); a model
+    without a gate runs one step and no q-exit; early exit in decoding needs a KV cache."""
+    refused, loss, depth, step_losses, probs = run_distributed(_what_models_support, 1)[0]
+    assert "--exit q:0.5" in refused["spiral exit"] and "SpiralFormer" in refused["spiral exit"]
+    assert "--num-loops 2" in refused["spiral depth"] and "--num-loops 3" in refused["spiral depth"]
+    assert refused["spiral plain"] is None and refused["no gate kl"] is None
+    assert "--num-loops 2" in refused["no gate depth"]
+    assert "no exit gate" in refused["no gate depth"]
+    assert "--exit q:0.5" in refused["no gate q"] and "kl:<eps>" in refused["no gate q"]
+    assert "--kv-policy full" in refused["no cache"]
+    cdf = probs.cumsum(0)
+    want = torch.where((cdf >= 0.5 - 1e-6).any(0), (cdf >= 0.5 - 1e-6).int().argmax(0) + 1, 3)
+    assert torch.equal(depth, want) and len(set(depth.flatten().tolist())) > 1
+    assert torch.allclose(loss, step_losses.gather(0, (depth - 1).unsqueeze(0))[0], atol=1e-5)

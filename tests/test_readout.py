@@ -164,6 +164,46 @@ def test_model_chunked_equals_logits_adaptive_gate():
 
 # --- through the trainer: one optimizer step, TP=2 and PP=2 -------------------------------------
 # (The trainer refuses sequence parallelism with the local spec on CPU; the head test covers it.)
+def _per_step_logits(rank, world):
+    """The trainer's 1/T sum_t L_t (smoothed objective, eps 1, beta 0) against the same sum
+    built from the logits ``fold`` hands ``on_step`` at every step: values and gradients."""
+    from megaloop.model import recurrence
+    from megaloop.model.config import LoopConfig
+    from megaloop.model.looped_gpt import build_model
+
+    setup_parallel(world)
+    model_cfg = llama_style(num_layers=3, hidden_size=32, num_attention_heads=4,
+                            max_position_embeddings=16)
+    loop = LoopConfig(num_loops=3, num_coda_layers=1, exit_loss="smoothed",
+                      exit_loss_smoothing=1.0, exit_kl_beta=0.0)
+    model = build_model(model_cfg, loop, VOCAB, tp_size=world)
+    ids, pos, labels = lm_batch(VOCAB, 16, 2)
+    out = model(ids, pos, None, labels=labels)
+    out.objective.mean().backward()
+    ref = full_grads(model)
+    model.zero_grad(set_to_none=True)
+    ctx = recurrence.context(model, ids, None, None, read_every_step=True)
+    losses = []  # -log P^(t)(label): each step's token log-probabilities, with gradient
+
+    def on_step(t, carry, step_out):
+        # (the vocab-parallel cross-entropy overwrites its input: give it a copy)
+        losses.append(model.compute_language_model_loss(labels, step_out.logits.clone()))
+
+    recurrence.fold(model, recurrence.begin(model, ids, pos, ctx), ctx, on_step=on_step)
+    (torch.stack(losses).mean(0)).mean().backward()
+    return out.step_losses, torch.stack(losses).detach(), ref, full_grads(model)
+
+
+def test_on_step_logits_carry_gradient():
+    """What RL needs from one forward: every loop step's log-probabilities of given tokens, with
+    gradient, through fold's on_step (at TP=2: vocab-parallel logits)."""
+    for steps, mine, ref, grads in run_distributed(_per_step_logits, 2):
+        assert torch.allclose(steps, mine, atol=1e-5)
+        assert ref.keys() - {n for n in ref if n.startswith("exit_gate.")} <= grads.keys()
+        for name, g in grads.items():
+            assert torch.allclose(g, ref[name], atol=1e-6), name
+
+
 def test_trainer_tp2_and_pp2_chunked_equal_logits_tp1():
     from test_pipeline import _check
 

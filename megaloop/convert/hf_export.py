@@ -39,37 +39,11 @@ MODELING_FILES = ("modeling_megaloop.py", "configuration_megaloop.py")
 
 
 def check_exportable(model: ModelConfig, loop: LoopConfig | None = None) -> None:
-    """Refuse what the modeling file does not implement, naming the flag."""
-    problems = {
-        "--position-embedding-type": (model.position_embedding_type, "rope"),
-        "--normalization": (model.normalization, "RMSNorm"),
-        "--swiglu": (model.swiglu, True),
-        "--disable-bias-linear": (model.disable_bias_linear, True),
-        "--rotary-percent": (model.rotary_percent, 1.0),
-    }
-    for flag, (value, wanted) in problems.items():
-        if value != wanted:
-            raise ValueError(f"export-hf supports {flag} {wanted} only; this checkpoint has "
-                             f"{flag} {value}")
-    if model.norm_scheme not in ("ouro", "pre"):
-        raise ValueError(f"export-hf supports --norm-scheme ouro and pre, not {model.norm_scheme}")
-    if loop is None:
-        return
-    loop_problems = {  # flag: (value, what the modeling file implements)
-        "--step-norm": (loop.step_norm, ("rms",)),
-        "--input-injection": (loop.input_injection, ("none", "scalar-mix")),
-        "--history-injection": (loop.history_injection, ("none",)),
-        "--timestep-conditioning": (loop.timestep_conditioning, ("none",)),
-    }
-    for flag, (value, supported) in loop_problems.items():
-        if value not in supported:
-            raise ValueError(f"export-hf supports {flag} {' or '.join(supported)} only; this "
-                             f"checkpoint has {flag} {value}")
-    if (getattr(loop, "loop_resolutions", "") or "").strip() or \
-            getattr(loop, "loop_topology", "plain") != "plain":
-        raise ValueError("export-hf does not implement SpiralFormer multi-resolution steps or the "
-                         "Anchor / MeSH topologies; this checkpoint has --loop-resolutions "
-                         f"{loop.loop_resolutions!r} --loop-topology {loop.loop_topology}")
+    """Refuse what the modeling file does not implement, naming the flag (the rules are
+    ``LoopConfig.supports(export="hf")``'s; without ``loop`` only the architecture's)."""
+    reason = (loop or LoopConfig()).supports(export="hf", model=model)
+    if reason:
+        raise ValueError(reason)
 
 
 def is_ouro_style(model: ModelConfig, loop: LoopConfig) -> bool:

@@ -142,6 +142,12 @@ class MegaloopLM(TemplateLM):
                                                                ckpt_step=ckpt_step)
         self.vocab_size = self.tokenizer_.vocab_size
         self.num_loops = num_loops or self.model.loop.num_loops
+        # What this model can run (a depth, the exit rule scored and decoded), named as
+        # --model_args spells it.
+        reason = self.model.loop.supports(depth=self.num_loops, exit=rule, kv_policy=kv_policy,
+                                          spell=str)
+        if reason:
+            raise ModelArgsError(reason)
         self.rule = rule
         trained_length = run.get("training", {}).get("seq_length")
         self._max_length = int(max_length or trained_length or

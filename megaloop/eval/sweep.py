@@ -61,15 +61,17 @@ def default_rules(model) -> list[str]:
     return (["q:0.5", "q:0.9"] if model.exit_gate is not None else []) + ["kl:0.01"]
 
 
+def _spell(name: str) -> str:
+    """tools/evaluate.py's flags: the rules are --exit-rules."""
+    return "--exit-rules" if name == "exit" else "--" + name.replace("_", "-")
+
+
 def check_depths(model, depths: list[int]) -> None:
-    """ValueError for a depth the model cannot run (no gate: only its trained depth)."""
-    trained = model.loop.num_loops
-    if not model.loop.gated and model.loop.exit_loss != "last":
-        bad = [k for k in depths if k != 1]
-        if bad:
-            raise ValueError(f"--num-loops {','.join(map(str, depths))}: this model has no exit "
-                             f"gate (trained with --num-loops {trained}), so it runs one step "
-                             f"only; use --num-loops 1")
+    """ValueError for a depth the model cannot run (``LoopConfig.supports``)."""
+    for k in depths:
+        reason = model.loop.supports(depth=k)
+        if reason:
+            raise ValueError(reason)
 
 
 def _forward_stats(model, batches, depth: int) -> dict:
@@ -79,10 +81,10 @@ def _forward_stats(model, batches, depth: int) -> dict:
 
     reports = []
     for b in batches:
-        ctx = recurrence.context(model, b["tokens"], b.get("attention_mask"), b["labels"], depth)
-        ctx.read_every_step = True
-        carry = recurrence.begin(model, b["tokens"], b["position_ids"], ctx)
-        out = recurrence.fold(model, carry, ctx)
+        ctx = recurrence.context(model, b["tokens"], b.get("attention_mask"), b["labels"], depth,
+                                 read_every_step=True)
+        out = recurrence.fold(model, recurrence.begin(model, b["tokens"], b["position_ids"], ctx),
+                              ctx)
         reports.append(loss_func(b["loss_mask"], depth, out)[2])
     return reduce_stats(reports, depth)
 
@@ -116,6 +118,11 @@ def sweep(model, batches: list[dict], depths: list[int], rules: list[str],
 
     model.eval()
     check_depths(model, depths)
+    parsed = {text: parse_exit(text) for text in rules}
+    for rule in parsed.values():
+        reason = model.loop.supports(exit=rule, spell=_spell)
+        if reason:
+            raise ValueError(reason)
     trained = model.loop.num_loops
     results = []
     for depth in depths:
@@ -134,11 +141,7 @@ def sweep(model, batches: list[dict], depths: list[int], rules: list[str],
             expected_exit_step=None if probs is None else sum(
                 (t + 1) * p for t, p in enumerate(probs)),
             objective=stats["loss"], geometry=geo, tokens=stats["tokens"])
-        for text in rules:
-            rule = parse_exit(text)
-            if rule.kind == "q" and model.exit_gate is None:
-                raise ValueError(f"--exit-rules {text}: a q-exit reads the exit gate, and this "
-                                 f"model has none; use kl:<eps>")
+        for text, rule in parsed.items():
             result.rules[text] = _rule_stats(model, batches, depth, rule)
         if tasks is not None:
             items, encoded, vocab_size = tasks

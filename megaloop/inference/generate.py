@@ -83,12 +83,9 @@ class Generator:
         # Of the last generate(): seconds of the first (prefill) forward and of the rest, the
         # forwards after the prefill, and the KV cache's bytes.
         self.stats: dict = {}
-        if exit_rule is not None and (kv_policy == "none" or model.spiral is not None):
-            raise ValueError("early exit (--exit) skips the remaining steps of a token, which "
-                             "needs a KV cache: use --kv-policy full (or another cache policy)")
-        if exit_rule is not None and exit_rule.kind == "q" and model.exit_gate is None:
-            raise ValueError("--exit q:... reads the exit gate; this model has none (trained with "
-                             "--exit-loss last or --num-loops 1)")
+        reason = model.loop.supports(depth=self.num_loops, exit=exit_rule, kv_policy=kv_policy)
+        if reason:
+            raise ValueError(reason)
 
     def _logits(self, ids: torch.Tensor, kv: Optional[LoopKVCache]) -> torch.Tensor:
         """Full-vocabulary fp32 logits [b, s, V] of ``ids`` (the positions after the cache)."""

@@ -406,6 +406,23 @@ class LoopConfig:
         """Whether an exit gate exists: more than one step and an objective that uses it."""
         return self.num_loops > 1 and self.exit_loss != "last"
 
+    def supports(self, *, depth: Optional[int] = None, exit=None, kv_policy: Optional[str] = None,
+                 export: Optional[str] = None, model: Optional[ModelConfig] = None,
+                 sequence_parallel: bool = False, spell=None) -> Optional[str]:
+        """None if a model of this loop config can run what is asked, else a one-line reason
+        naming the flag and the fix: a loop count ``depth``; an exit rule (an ExitRule of
+        megaloop/model/exit_rules.py), in decoding under ``kv_policy`` when given, else in
+        teacher-forced scoring; ``export="hf"`` (with ``model``, its architecture too); a
+        ``sequence_parallel`` layout. ``spell``: how the caller writes a flag name (default
+        ``--num-loops``). The rules: megaloop/model/supports.py."""
+        from megaloop.model.supports import Request, supports
+
+        request = Request(depth=depth, exit=exit, kv_policy=kv_policy, export=export,
+                          model=model, sequence_parallel=sequence_parallel)
+        if spell is not None:
+            request.spell = spell
+        return supports(self, request)
+
     def validate(self, num_layers: int) -> None:
         if self.num_loops < 1:
             raise ValueError(f"--num-loops {self.num_loops} must be at least 1 (1 = dense model)")

@@ -217,7 +217,7 @@ class LoopedGPTModel(LanguageModule):
         ``input_ids`` (cached decoding; the caller advances it)."""
         ctx = recurrence.context(self, input_ids, attention_mask, labels, num_loops, kv_cache)
         carry = recurrence.begin(self, input_ids, position_ids, ctx)
-        return recurrence.fold(self, carry, ctx, no_grad_steps)
+        return recurrence.fold(self, carry, ctx, no_grad_steps=no_grad_steps)
 
 
 def build_model(model_cfg: ModelConfig, loop: LoopConfig, vocab_size: int, *, tp_size: int = 1,

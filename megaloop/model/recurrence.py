@@ -12,11 +12,15 @@ A step is, on a model split over pipeline stages, cut where the core is cut:
     last stage:   h = after_core hooks (up-scaling + Anchor/MeSH, loop gating); y = step_norm(h);
                   readout (coda, head, gate) and this step's share of the exit objective
 
-The single-stage forward (``LoopedGPTModel.forward``) is ``fold``; a pipeline virtual chunk
+``fold`` is the only loop over steps: the single-stage forward (``LoopedGPTModel.forward``),
+evaluation at any depth, prefill, decoding and teacher-forced scoring under an early-exit rule
+(megaloop/inference/early_exit.py) all call it; a pipeline virtual chunk
 (megaloop/parallel/pipeline.py) runs one ``step`` on the carry it unpacks and packs the result for
-the next stage; cached decoding will run ``step`` with a KV cache. The exit objective folds the
-same way everywhere: each step adds its per-token share, computed from the carried log-survival
-(``ExitObjective.resume``), and the shares of the T steps sum to the objective.
+the next stage. An exit rule (``Stop``) decides after each step from the carried log-survival and
+the step's readout, per row (decoding: the rows that stop leave the batch) or per token
+(teacher-forced: masked). The exit objective folds the same way everywhere: each step adds its
+per-token share, computed from the carried log-survival (``ExitObjective.resume``), and the
+shares of the T steps sum to the objective.
 
 Variants plug in through ``LoopVariant``: a module that implements some of its hooks and
 declares the carry slots it keeps (``carry_slots``; megaloop/model/carry.py), registered in
@@ -31,6 +35,7 @@ from functools import partial
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from megaloop.model.carry import Carry, Slot
 from megaloop.model.loss import LoopOutput
@@ -88,6 +93,11 @@ class StepOutput:
     """[s, b, v/tp] vocab-parallel logits of this step."""
     gate_logit: Optional[torch.Tensor] = None
     """[b, s] the exit gate's logit at this step (steps before the last), detached."""
+    exits: Optional[torch.Tensor] = None
+    """Under a ``Stop``: bool, which tokens this step ran stop after it ([b, s] per token;
+    [rows] per row, in the order of ``rows``)."""
+    rows: Optional[torch.Tensor] = None
+    """A per-row ``Stop``: the batch rows this step ran on (indices into the fold's batch)."""
 
 
 class LoopVariant:
@@ -122,15 +132,15 @@ class LoopVariant:
 
 
 def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
-            num_loops: Optional[int] = None, kv=None) -> StepContext:
-    """The step context of one forward; refuses a loop count the model cannot run. ``kv``: a
-    KV cache holding the positions before ``input_ids``."""
+            num_loops: Optional[int] = None, kv=None, read_every_step: bool = False
+            ) -> StepContext:
+    """The step context of one forward; refuses a loop count the model cannot run
+    (``LoopConfig.supports``). ``kv``: a KV cache holding the positions before ``input_ids``."""
     T = num_loops or model.loop.num_loops
+    reason = model.loop.supports(depth=T)
+    if reason:
+        raise ValueError(reason)
     mode = model.loop.exit_loss if T > 1 else "expected"
-    if mode != "last" and T > 1 and not model.loop.gated:
-        raise ValueError(f"running {T} loops needs an exit gate, but this model was built "
-                         f"with --num-loops {model.loop.num_loops} and --exit-loss "
-                         f"{model.loop.exit_loss} (no gate); use --exit-loss last")
     rope = None
     if model.position_embedding_type == "rope":
         # With a cache the table covers the cached positions too (attention slices the new ones).
@@ -139,7 +149,8 @@ def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
         # rank's chunks of it (get_pos_emb_on_this_cp_rank), as GPTModel does.
         length = input_ids.size(1) * model.config.context_parallel_size
         rope = model.rotary_pos_emb(length + (kv.offset if kv is not None else 0))
-    return StepContext(T, mode, input_ids.size(1), attention_mask, rope, labels, kv=kv)
+    return StepContext(T, mode, input_ids.size(1), attention_mask, rope, labels,
+                       read_every_step=read_every_step, kv=kv)
 
 
 def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
@@ -187,8 +198,14 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
         out, gate_logit = model.readout(y, ctx.attention_mask, ctx.rotary_pos_emb, gate,
                                         labels=ctx.labels, **cache)
     if ctx.labels is None:
-        return carry, StepOutput(logits=out, gate_logit=None if gate_logit is None
-                                 else gate_logit.detach())
+        if gate_logit is None:
+            return carry, StepOutput(logits=out)
+        gate_logit = gate_logit.detach()
+        # The survival the objective would carry (exit rules read it: Q-exit's CDF).
+        survival = F.logsigmoid(-gate_logit.float())
+        carry.log_survival = survival if carry.log_survival is None else \
+            carry.log_survival + survival
+        return carry, StepOutput(logits=out, gate_logit=gate_logit)
     loss = out
     loop = model.loop
     # The objective's accumulators are its own carry slots (named as its fields).
@@ -206,24 +223,109 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
     return carry, StepOutput(objective.share(), loss.detach(), prob)
 
 
-def fold(model, carry: Carry, ctx: StepContext, no_grad_steps: int = 0):
-    """Steps 1..T on one stage. With labels: a LoopOutput; without: the last step's logits
-    [b, s, v/tp]. ``no_grad_steps``: truncated backpropagation, the first n steps run without
-    gradient (the state leaving them is a constant; their losses enter the objective's value)."""
+@dataclass
+class Stop:
+    """An early-exit rule applied by ``fold`` (megaloop/model/exit_rules.py decides)."""
+
+    rule: Optional[object]
+    """A megaloop.model.exit_rules.ExitRule; None: every token stops at step T."""
+    per_row: bool = False
+    """True: decoding, one token per row; a row that stops leaves the batch (the carry and the
+    KV cache are compacted to the rows still going, so its later steps cost nothing). False:
+    teacher-forced, every position runs on (later positions attend to it) and a stopped one is
+    masked out of the ``exits`` of later steps."""
+
+
+class _Exits:
+    """Which tokens of one fold still run under a ``Stop``, and the rule's memory of them."""
+
+    def __init__(self, stop: Stop, carry: Carry, ctx: StepContext):
+        self.rule, self.per_row, self.T = stop.rule, stop.per_row, ctx.num_loops
+        b, device = carry.h.size(1), carry.h.device
+        if self.per_row and (ctx.length != 1 or ctx.labels is not None):
+            raise ValueError("a per-row exit decodes one token per row, without labels")
+        self.batch, self.labelled = b, ctx.labels is not None
+        self.running = torch.arange(b, device=device) if self.per_row else \
+            torch.ones(b, ctx.length, dtype=torch.bool, device=device)
+        self.previous = None  # the last step's log-probs of the running tokens (kl)
+        self.kv = ctx.kv
+
+    def compacted(self):
+        """Around a step: the KV cache narrowed to the running rows (per row, once some left)."""
+        if self.per_row and self.kv is not None and len(self.running) < self.batch:
+            return self.kv.rows(self.running)
+        return contextlib.nullcontext()
+
+    def decide(self, t: int, carry: Carry, out: StepOutput) -> None:
+        """Set ``out.exits`` (and ``out.rows``): the tokens that stop after step t."""
+        shape = (len(self.running), 1) if self.per_row else tuple(self.running.shape)
+        device = self.running.device
+        if t == self.T or self.rule is None:
+            stop = torch.full(shape, t == self.T, dtype=torch.bool, device=device)
+        else:
+            from megaloop.model.exit_rules import full_vocab_log_probs
+
+            logp = full_vocab_log_probs(out.logits).transpose(0, 1) \
+                if self.rule.reads_log_probs else None  # [b, s, V]
+            survival = carry.log_survival.detach() if self.rule.reads_survival else None
+            stop = self.rule.stops(t, shape, device, survival, logp, self.previous)
+            self.previous = logp
+        if self.per_row:
+            out.exits, out.rows = stop[:, -1], self.running
+        else:
+            out.exits = self.running & stop
+            self.running = self.running & ~stop
+
+    def leave(self, carry: Carry, out: StepOutput) -> Optional[Carry]:
+        """The carry of the tokens going on after ``out``'s step; None when none is."""
+        if not self.per_row:  # (a labelled fold reads every step's loss: it runs to T)
+            return carry if self.labelled or self.running.any() else None
+        keep = ~out.exits
+        if not keep.any():
+            return None
+        if keep.all():
+            return carry
+        local = keep.nonzero().squeeze(-1)
+        self.running = self.running[keep]
+        if self.previous is not None:
+            self.previous = self.previous[local]
+        return carry.index_rows(local)
+
+
+def fold(model, carry: Carry, ctx: StepContext, stop: Optional[Stop] = None,
+         on_step: Optional[Callable] = None, no_grad_steps: int = 0):
+    """Steps 1..T on one stage: the package's one loop over steps (a pipeline chunk runs one).
+
+    With labels: a LoopOutput; without: the last step's logits [b, s, v/tp] (of the rows that
+    ran it). ``stop``: an early-exit rule; each step's StepOutput then says which tokens stop
+    after it (``exits``), and the fold ends once none goes on. ``on_step(t, carry, out)``: called
+    after every step with the carry leaving it and its StepOutput (``out.logits``, read out at
+    every step with ``ctx.read_every_step``, keep their gradient when grad is enabled).
+    ``no_grad_steps``: truncated backpropagation, the first n steps run without gradient (the
+    state leaving them is a constant; their losses enter the objective's value)."""
     T = ctx.num_loops
+    exits = None if stop is None else _Exits(stop, carry, ctx)
     objective, losses, probs, out = None, [], [], StepOutput()
     for t in range(1, T + 1):
-        with torch.set_grad_enabled(torch.is_grad_enabled() and t > no_grad_steps):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and t > no_grad_steps), \
+                (exits.compacted() if exits is not None else contextlib.nullcontext()):
             carry, out = step(model, carry, t, ctx)
-        if ctx.labels is None:
-            continue
-        if out.share is not None:
-            objective = out.share if objective is None else objective + out.share
-        losses.append(out.loss)
-        if out.exit_prob is not None:
-            probs.append(out.exit_prob)
+        if exits is not None:
+            exits.decide(t, carry, out)
+        if on_step is not None:
+            on_step(t, carry, out)
+        if ctx.labels is not None:
+            if out.share is not None:
+                objective = out.share if objective is None else objective + out.share
+            losses.append(out.loss)
+            if out.exit_prob is not None:
+                probs.append(out.exit_prob)
+        if exits is not None:
+            carry = exits.leave(carry, out)
+            if carry is None:
+                break
     if ctx.labels is None:
-        return out.logits.transpose(0, 1).contiguous()
+        return None if out.logits is None else out.logits.transpose(0, 1).contiguous()
     nan = torch.full_like(ctx.labels, float("nan"), dtype=torch.float32)
     step_losses = torch.stack([nan if l is None else l for l in losses])
     return LoopOutput(objective, step_losses, torch.stack(probs) if probs else None)

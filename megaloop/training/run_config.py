@@ -213,10 +213,9 @@ class RunConfig:
         if is_active(loop) and loop.random_depth_mean > 0:
             raise ValueError("--loop-resolutions / --loop-topology fix one operator per loop "
                              "step: they cannot be combined with --random-depth-mean; drop one")
-        if coarse and self.parallel.sequence_parallel:
-            raise ValueError("--sequence-parallel splits the token sequence over TP ranks, which "
-                             "coarse --loop-resolutions steps would have to gather back; drop "
-                             "--sequence-parallel (TP without SP works)")
+        reason = loop.supports(sequence_parallel=self.parallel.sequence_parallel)
+        if reason:
+            raise ValueError(reason)
         if coarse and self.training.seq_length < max(sizes):
             raise ValueError(f"--seq-length {self.training.seq_length} is shorter than the "
                              f"coarsest chunk ({max(sizes)} tokens) of --loop-resolutions")
