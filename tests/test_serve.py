@@ -348,3 +348,12 @@ def test_limits_per_request_name_their_flag(server):
         assert r.status_code == 400 and flag in r.json()["error"]["message"], (body, r.text)
     # at the limit: answered (3 x 3 x (2 + 4) = 54)
     assert len(_complete(client, prompt=[[5, 6]] * 3, n=3, max_tokens=4)["choices"]) == 9
+
+
+def test_null_tokenizer_text_is_read_as_its_ids(server):
+    """EOD's piece in the null tokenizer's text is its id ("200"): read as every id is, in
+    /tokenize and in a prompt alike (it was split out of the text, which then failed)."""
+    client, _ = server
+    assert client.post("/tokenize", json={"prompt": "5 200 6"}).json()["tokens"] == [5, EOD, 6]
+    echoed = _complete(client, prompt="5 200 6", max_tokens=0, echo=True)
+    assert echoed["usage"]["prompt_tokens"] == 3 and echoed["choices"][0]["text"] == "5 200 6"
