@@ -98,6 +98,21 @@ def test_chat_default_template_is_the_sft_layout(served):
     assert choice["message"]["content"] == plain["choices"][0]["text"]
     assert choice["finish_reason"] == plain["choices"][0]["finish_reason"]
     assert chat["usage"] == plain["usage"]
+    # log-probs: the completions endpoint's numbers (checked against a full forward in
+    # tests/test_serve.py) in the chat format
+    lp = _post(client, "/v1/chat/completions", messages=MESSAGES, max_tokens=10, temperature=0,
+               logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    ref = _post(client, "/v1/completions", prompt=want, max_tokens=10, temperature=0,
+                logprobs=2)["choices"][0]["logprobs"]
+    assert [e["token"] for e in lp] == ref["tokens"]
+    assert [e["logprob"] for e in lp] == pytest.approx(ref["token_logprobs"], abs=1e-6)
+    for e, top in zip(lp, ref["top_logprobs"]):
+        assert [(t["token"], pytest.approx(t["logprob"], abs=1e-6)) for t in e["top_logprobs"]] \
+            == list(top.items())[:2]
+        assert e["bytes"] == list(e["token"].encode())
+    for bad in ({"logprobs": True, "stream": True}, {"top_logprobs": 2}):
+        r = client.post("/v1/chat/completions", json={"messages": MESSAGES, **bad})
+        assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"], r.text
 
 
 def test_openai_client(served):

@@ -198,12 +198,16 @@ class Engine:
             raise RequestError(400, f"the messages cannot be put into a prompt with the "
                                     f"{self.chat.kind} chat template: {exc}", "messages") from None
         self._check_ids(ids)
+        logprobs = req.logprobs_n()
+        if logprobs is not None and req.stream:
+            raise RequestError(400, "logprobs with stream: true is not supported; ask without "
+                                    "stream for log-probs", "logprobs")
         max_tokens = req.token_budget()
         if max_tokens is None:  # what is left of the context, within the request's limit
             context = self.max_length or len(ids) + DEFAULT_CHAT_TOKENS
             max_tokens = max(0, min(context - len(ids),
                                     self.limits.max_request_tokens // (req.n or 1) - len(ids)))
-        return self._job(req, [ids], max_tokens)
+        return self._job(req, [ids], max_tokens, logprobs)
 
     def _check_body(self, req) -> None:
         self.check_model(req.model)
@@ -427,10 +431,25 @@ class Engine:
                 "created": int(time.time()), "model": self.model_name, "choices": choices,
                 "usage": job.usage()}
 
-    def respond_chat(self, job: Job) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": job.texts[i]},
-                    "logprobs": None, "finish_reason": job.finish[i]}
-                   for i in range(len(job.rows))]
+    def respond_chat(self, job: Job, result) -> dict:
+        rows, _ = result
+        choices = []
+        for i in range(len(job.rows)):
+            logprobs = None
+            if job.logprobs is not None:  # the chat format of the same numbers
+                lp = self._logprobs(job, i, rows[i], None)
+
+                def entry(token, value):
+                    return {"token": token, "logprob": value, "bytes": list(token.encode())}
+
+                logprobs = {"content": [
+                    {**entry(t, v), "top_logprobs": [entry(*kv) for kv in
+                                                     list(top.items())[:job.logprobs]]}
+                    for t, v, top in zip(lp["tokens"], lp["token_logprobs"],
+                                         lp["top_logprobs"])], "refusal": None}
+            choices.append({"index": i, "message": {"role": "assistant",
+                                                    "content": job.texts[i]},
+                            "logprobs": logprobs, "finish_reason": job.finish[i]})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name, "choices": choices,
                 "usage": job.usage()}

@@ -8,8 +8,7 @@ answer that silently ignores it. Accepted at their defaults only, because client
 with those values (lm-evaluation-harness passes a task's generation arguments through; SDKs
 fill some in): ``presence_penalty`` and ``frequency_penalty`` 0, ``logit_bias`` empty,
 ``best_of`` 1 and ``suffix`` empty (completions), ``tools`` empty, ``tool_choice`` "none",
-``parallel_tool_calls``, ``response_format`` ``{"type": "text"}``, ``store`` false, ``logprobs``
-false and ``top_logprobs`` 0 (chat: log-probs come from /v1/completions only). ``user``
+``parallel_tool_calls``, ``response_format`` ``{"type": "text"}`` and ``store`` false (chat). ``user``
 is accepted and written to the request's log line (that is what it is for: telling end users
 apart). Standard library and pydantic only (tools/serve.py's ``--help`` imports no torch).
 """
@@ -50,8 +49,6 @@ _DEFAULT_ONLY = {
     "parallel_tool_calls": (None, True, False),  # says how tools run; there are none
     "response_format": (None, {"type": "text"}),
     "store": (None, False),
-    "logprobs": (None, False),  # chat: log-probs are served by /v1/completions only
-    "top_logprobs": (None, 0),
 }
 
 
@@ -135,11 +132,21 @@ class ChatCompletionRequest(_Body):
 
     DEFAULT_ONLY: ClassVar[tuple] = ("presence_penalty", "frequency_penalty", "logit_bias",
                                      "tools", "tool_choice", "parallel_tool_calls",
-                                     "response_format", "store", "logprobs", "top_logprobs")
+                                     "response_format", "store")
 
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[StrictInt] = Field(None, ge=0)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=0)
+    logprobs: Optional[StrictBool] = False
+    """True: each answer token's log-prob (``choices[].logprobs.content``; not with stream)."""
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+    """With ``logprobs``: the N most likely tokens at each position too."""
+
+    def logprobs_n(self) -> Optional[int]:
+        """None: no log-probs; else how many top tokens per position."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_budget(self) -> Optional[int]:
         a, b = self.max_tokens, self.max_completion_tokens

@@ -19,7 +19,8 @@ greedy), ``top_p``, ``top_k`` and ``seed`` (extensions; no seed: a fresh one per
 the same request gives the same choices), ``n`` (choices per prompt, drawn in one batch),
 ``stop`` (a string or a list: a row stops as soon as its text holds one; the text returned ends
 before it), ``logprobs`` (completions, N: the top-N log-probs of every returned token, always
-with the chosen token's; not with ``stream``) and ``echo`` (completions: the prompt is returned
+with the chosen token's; chat: ``logprobs`` true and ``top_logprobs`` N, in the chat format; not
+with ``stream``) and ``echo`` (completions: the prompt is returned
 too; with ``logprobs`` its tokens get teacher-forced log-probs, the first ``null`` as OpenAI's).
 ``echo`` + ``logprobs`` + ``max_tokens`` 0 or 1 is what lm-evaluation-harness's
 ``local-completions`` model sends to score log-likelihoods. ``usage`` counts every prompt once
@@ -292,7 +293,7 @@ def create_app(engine: Engine):
             if result is None:
                 request.state.note = f"cancelled: the client left; {_note(job)}{user_note}"
                 return _error(499, "the client closed the connection")
-            body = engine.respond_chat(job) if chat else engine.respond(job, result)
+            body = engine.respond_chat(job, result) if chat else engine.respond(job, result)
         except RequestError as exc:
             request.state.note = exc.message
             return _error(exc.status, exc.message, exc.param)
