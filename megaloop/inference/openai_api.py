@@ -8,9 +8,9 @@ answer that silently ignores it. Accepted at their defaults only, because client
 with those values (lm-evaluation-harness passes a task's generation arguments through; SDKs
 fill some in): ``presence_penalty`` and ``frequency_penalty`` 0, ``logit_bias`` empty,
 ``best_of`` 1 and ``suffix`` empty (completions), ``tools`` empty, ``tool_choice`` "none",
-``parallel_tool_calls``, ``response_format`` ``{"type": "text"}`` and ``store`` false (chat). ``user``
-is accepted and written to the request's log line (that is what it is for: telling end users
-apart). Standard library and pydantic only (tools/serve.py's ``--help`` imports no torch).
+``parallel_tool_calls``, ``response_format`` ``{"type": "text"}`` and ``store`` false (chat).
+``user`` is accepted and written to the request's log line (that is what it is for: telling end
+users apart). Standard library and pydantic only.
 """
 
 from __future__ import annotations
