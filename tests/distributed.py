@@ -92,9 +92,25 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
         start_method, on_gpu = "spawn", True
     else:
         start_method, on_gpu = start_method or "fork", False
-    ctx = mp.get_context(start_method)
     if start_method == "spawn":
         timeout += 120.0  # spawned interpreters import megatron-core afresh
+    for attempt in range(3):
+        try:
+            return _run_ranks(fn, world_size, args, timeout, start_method, on_gpu)
+        except _PortTaken:
+            # The port was free when chosen and taken before rank 0's store listened on it
+            # (another test's process, on a busy machine). No rank has run ``fn`` yet: rank 0
+            # failed inside init_process_group and the others were waiting there for it.
+            if attempt == 2:
+                raise
+
+
+class _PortTaken(AssertionError):
+    pass
+
+
+def _run_ranks(fn, world_size, args, timeout, start_method, on_gpu):
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue, on_gpu))
@@ -119,7 +135,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0,
                 p.kill()
                 p.join()
     if errors:
-        raise AssertionError("distributed test failed\n" + "\n".join(errors))
+        text = "distributed test failed\n" + "\n".join(errors)
+        taken = "EADDRINUSE" in text or "address already in use" in text.lower()
+        raise (_PortTaken if taken and "init_process_group" in text else AssertionError)(text)
     return [results[r] for r in range(world_size)]
 
 

@@ -44,3 +44,29 @@ def test_single_gpu_mode_caps_the_gpus(monkeypatch):
     assert distributed.gpu_count() == 4
     monkeypatch.setenv("MEGALOOP_TEST_GPUS", "1")
     assert distributed.gpu_count() == 1
+
+
+def _count_run(rank, world, path):
+    with open(path, "a") as f:
+        f.write(f"{rank}\n")
+    return rank
+
+
+@pytest.mark.skipif(distributed.gpu_count() > 0, reason="forked gloo ranks only")
+def test_a_port_taken_before_rank_0_listens_is_retried(monkeypatch, tmp_path):
+    # The port chosen for the store is taken (here: held listening by this test) before rank 0
+    # binds it. The ranks are started again on another port; the body runs once per rank.
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ports = iter([held.getsockname()[1]])
+    real = distributed.free_port
+    monkeypatch.setattr(distributed, "free_port", lambda: next(ports, None) or real())
+    path = tmp_path / "ran"
+    try:
+        assert run_distributed(_count_run, 2, str(path)) == [0, 1]
+    finally:
+        held.close()
+    assert sorted(path.read_text().split()) == ["0", "1"]
