@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch, megatron.core, megaloop, pytest, transformers, google.protobuf, lm_eval, matplotlib" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, megatron.core, megaloop, pytest, transformers, google.protobuf, lm_eval, matplotlib, openai, jinja2, fastapi" 2>/dev/null; then
   .venv/bin/pip install -q torch==2.13.0
   .venv/bin/pip install -q -e '.[test]'
 fi
