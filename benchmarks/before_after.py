@@ -1,6 +1,7 @@
 """Step time of this tree against another revision, measured in one run (prints, never asserts).
 
-    python benchmarks/before_after.py --rev <git revision> [--rounds 30 --pp-repeats 3]
+    python benchmarks/before_after.py --rev <git revision> [--rounds 30 --pp-repeats 3
+                                      --decode-rounds 10]
 
 For a refactor that must not cost speed: the revision is checked out into a temporary git
 worktree and both trees are measured side by side.
@@ -12,11 +13,17 @@ worktree and both trees are measured side by side.
     machine drift hits both trees alike. Median per variant and the after/before ratio.
 (b) Pipeline, PP = 2: ``benchmarks/pipeline_bubble.py --sizes 2`` of each tree (forked gloo
     ranks), run alternately ``--pp-repeats`` times; median ms/iter of each and the ratio.
+(c) Decoding: ``Generator.generate`` of each tree (KV cache ``full``) on the same model and
+    prompts, without an exit rule and with ``--decode-exit``, timed in interleaved rounds with a
+    rotating order as in (a); each call runs with its own tree's modules in ``sys.modules`` (so
+    what it imports lazily is its own). Decoded tokens/s (the forwards after the prefill) and
+    the mean executed depth under the rule.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -39,6 +46,21 @@ def _purge() -> None:
         del sys.modules[name]
 
 
+def _build(a, exit_loss: str):
+    """The benchmark's looped model, built by the megaloop package imported now."""
+    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.looped_gpt import build_model
+
+    torch.manual_seed(1234)
+    cfg = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size,
+                      num_attention_heads=4, max_position_embeddings=a.seq_length,
+                      transformer_impl="local", swiglu=True, position_embedding_type="rope",
+                      normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
+                      disable_bias_linear=True)
+    return build_model(cfg, LoopConfig(num_loops=a.num_loops, exit_loss=exit_loss),
+                       a.vocab_size)
+
+
 def build_models(tree: str, a) -> dict:
     """{variant: (model, optimizer)} built by ``tree``'s megaloop package."""
     _purge()
@@ -50,15 +72,7 @@ def build_models(tree: str, a) -> dict:
         assert os.path.dirname(sys.modules["megaloop"].__path__[0]) == tree
         models = {}
         for mode in ("expected", "last"):
-            torch.manual_seed(1234)
-            cfg = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size,
-                              num_attention_heads=4, max_position_embeddings=a.seq_length,
-                              transformer_impl="local", swiglu=True,
-                              position_embedding_type="rope", normalization="RMSNorm",
-                              hidden_dropout=0.0, attention_dropout=0.0,
-                              disable_bias_linear=True)
-            model = build_model(cfg, LoopConfig(num_loops=a.num_loops, exit_loss=mode),
-                                a.vocab_size)
+            model = _build(a, mode)
             models[mode] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         return models
     finally:
@@ -120,6 +134,66 @@ def pipeline(before: str, a) -> None:
           f"after/before {f / b:.3f}  (runs: before {ms['before']}, after {ms['after']})")
 
 
+@contextlib.contextmanager
+def _tree(tree: str, modules: dict):
+    """Run with ``tree``'s megaloop package: its modules in ``sys.modules`` (those imported
+    lazily meanwhile are kept in ``modules`` for the next time), the tree first on the path."""
+    _purge()
+    sys.modules.update(modules)
+    sys.path.insert(0, tree)
+    try:
+        yield
+    finally:
+        modules.update({n: m for n, m in sys.modules.items()
+                        if n == "megaloop" or n.startswith("megaloop.")})
+        sys.path.remove(tree)
+        _purge()
+
+
+def decoding(before: str, a) -> None:
+    """Tokens/s of each tree's Generator, the two trees' runs interleaved in rounds with a
+    rotating order (after single_stage: the process is initialised)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.decode_prompt),
+                            generator=g).tolist()
+    trees, runs = {}, {}
+    for label, tree in (("before", before), ("after", ROOT)):
+        modules: dict = {}
+        with _tree(tree, modules):
+            from megaloop.inference.early_exit import parse_exit
+            from megaloop.inference.generate import Generator
+
+            assert os.path.dirname(sys.modules["megaloop"].__path__[0]) == tree
+            model = _build(a, "expected").eval()
+            for text in ("none", a.decode_exit):
+                gen = Generator(model, a.vocab_size, kv_policy="full",
+                                exit_rule=parse_exit(text))
+                gen.generate(prompts, 4)  # warm-up (and the tree's lazy imports)
+                runs[(label, text)] = (gen, [], [])
+        trees[label] = (tree, modules)
+    keys = list(runs)
+    for r in range(a.decode_rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            gen, rates, depths = runs[key]
+            with _tree(*trees[key[0]]):
+                gen.depths = []
+                gen.generate(prompts, a.decode_tokens)
+            rates.append(gen.stats["decode_forwards"] * len(prompts) / gen.stats["decode_s"])
+            depths += gen.depths
+    print(f"(c) decoding: batch {a.micro_batch_size}, prompt {a.decode_prompt}, "
+          f"{a.decode_tokens} new tokens, KV cache full; median of {a.decode_rounds} "
+          f"interleaved rounds")
+    print(f"    {'exit rule':10s} {'before tok/s':>12s} {'after tok/s':>11s} {'after/before':>13s}"
+          f" {'mean depth before/after':>24s}")
+    for text in ("none", a.decode_exit):
+        b = statistics.median(runs[("before", text)][1])
+        f = statistics.median(runs[("after", text)][1])
+        depth = "" if text == "none" else " / ".join(
+            f"{sum(runs[(label, text)][2]) / len(runs[(label, text)][2]):.2f}"
+            for label in ("before", "after"))
+        print(f"    {text:10s} {b:12.1f} {f:11.1f} {f / b:13.3f} {depth:>24s}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rev", required=True, help="the git revision to compare against")
@@ -134,6 +208,11 @@ def main() -> None:
     p.add_argument("--pp-repeats", type=int, default=3)
     p.add_argument("--pp-steps", type=int, default=6)
     p.add_argument("--skip-pipeline", action="store_true")
+    p.add_argument("--decode-exit", default="q:0.5", help="the exit rule of (c)")
+    p.add_argument("--decode-prompt", type=int, default=16)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-rounds", type=int, default=10)
+    p.add_argument("--skip-decoding", action="store_true")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         before = os.path.join(tmp, "before")
@@ -147,6 +226,8 @@ def main() -> None:
             if not a.skip_pipeline:
                 pipeline(before, a)
             single_stage(before, a)
+            if not a.skip_decoding:
+                decoding(before, a)
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", before],
                            check=False, capture_output=True)

@@ -57,8 +57,9 @@ class StepContext:
     labels: Optional[torch.Tensor] = None
     """[b, s] targets; None: an inference forward (logits of the last step only)."""
     read_every_step: bool = False
-    """Read out (coda, head, gate) at every step also without labels: decoding with an early-exit
-    rule, which needs every step's gate and logits (and the coda's cache at every step)."""
+    """Read out (coda, head, gate) at every step also without labels: an early-exit rule needs
+    every step's gate and logits (decoding: the coda's cache at every step too), a caller of
+    ``fold`` every step's logits (``on_step``)."""
     kv: Optional[object] = None
     """Cached decoding: a megaloop.inference.kv_cache.LoopKVCache, whose dict for each (block,
     step) is swapped into megatron-core's inference context around the block's call (a variant
