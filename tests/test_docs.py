@@ -48,7 +48,7 @@ FLAG = re.compile(r"(?<![\w\-/.])--[A-Za-z][A-Za-z0-9_\-]*\*?")  # `--moe-*`: a 
 SHELL_TO_PYTHON = {"tools/gpu_check.sh": ["-m megaloop.gpu_check"],
                    **{os.path.relpath(p, ROOT): ["pretrain_looplm.py"] for p in
                       glob.glob(os.path.join(ROOT, "examples/recipes/[!_]*.sh"))
-                      if not p.endswith("make_demo_data.sh")},
+                      if not os.path.basename(p).startswith("make_")},  # data makers
                    "examples/studies/run_all.sh": sorted(
                        os.path.relpath(p, ROOT)
                        for p in glob.glob(os.path.join(ROOT, "examples/studies/*.py"))
@@ -252,6 +252,7 @@ def flags_of(program: str) -> frozenset[str]:
         raise _Parser(self)
 
     saved = sys.argv, argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    path = list(sys.path)  # the scripts put their folders first; later tests must not see them
     argparse.ArgumentParser.parse_args = argparse.ArgumentParser.parse_known_args = capture
     sys.argv = [program]
     try:
@@ -265,6 +266,7 @@ def flags_of(program: str) -> frozenset[str]:
     finally:
         sys.argv, argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args \
             = saved
+        sys.path[:] = path
     raise AssertionError(f"{program} never parsed its arguments")
 
 
