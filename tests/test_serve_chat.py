@@ -24,15 +24,9 @@ CONTEXT = 128
 
 
 def _train(rank, world, argv):
-    from megaloop.parallel.initialize import initialize
-    from megaloop.training.run_config import parse_args
-    from megaloop.training.trainer import Trainer
+    import run_helpers
 
-    cfg = parse_args(argv)
-    cfg.validate(world_size=world)
-    initialize(cfg.parallel, cfg.training.seed)
-    Trainer(cfg).train()
-    return True
+    return run_helpers.train(argv)[0]  # the exit code
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +45,12 @@ def served(tmp_path_factory):
     sp = train_sentencepiece([corpus.document(rng, 6) for _ in range(300)], str(tmp / "sp"),
                              vocab_size=512)
     ckpt = str(tmp / "ckpt")
-    run_distributed(_train, 1, [
+    assert run_distributed(_train, 1, [
         *TEST_FLAGS, "--num-layers", "2", "--num-loops", "3", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", str(CONTEXT), "--max-position-embeddings",
         str(CONTEXT), "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters",
         "2", "--lr", "1e-2", "--mock-data", "--tokenizer-type", "SentencePieceTokenizer",
-        "--tokenizer-model", sp, "--eval-iters", "0", "--log-interval", "1", "--save", ckpt])
+        "--tokenizer-model", sp, "--eval-iters", "0", "--log-interval", "1", "--save", ckpt]) == [0]
     with serving(ckpt, ["--model-name", "tiny"], str(tmp / "server.log")) as (client, log):
         yield client, log, SentencePieceTokenizer(sp)
 
