@@ -33,9 +33,11 @@ ENV PYTHONUNBUFFERED=1 \
 # NGC pins its whole Python environment through PIP_CONSTRAINT, which can make megatron-core's
 # own pins unsatisfiable (megatron-core's install guide clears it); it is cleared for this one
 # command only, and the build fails if pip nevertheless swapped out the image's torch build.
+# Besides install_requires: the `log` extra, and the `hf` and `serve` extras, so that the image
+# also converts and exports Hugging Face folders and runs tools/serve.py on the GPU node.
 RUN TORCH_BEFORE="$(python -c 'import torch; print(torch.__version__)')" && \
     PIP_CONSTRAINT= pip install megatron-core==0.16.1 einops sentencepiece psutil tqdm \
-        tensorboard wandb tokenizers && \
+        tensorboard wandb tokenizers transformers safetensors protobuf fastapi uvicorn jinja2 && \
     TORCH_AFTER="$(python -c 'import torch; print(torch.__version__)')" && \
     if [ "$TORCH_BEFORE" != "$TORCH_AFTER" ]; then \
         echo "pip replaced torch $TORCH_BEFORE with $TORCH_AFTER; use another BASE_IMAGE" >&2; \
