@@ -279,6 +279,16 @@ def test_checkpoint_flag_errors_name_the_flag(flags, needle):
         parse_args(BASE + flags).validate(world_size=1)
 
 
+def test_finetune_from_a_folder_without_a_checkpoint_is_refused(tmp_path):
+    """A mistyped --load with --finetune must not start from random weights."""
+    from megaloop.training.run_config import parse_args
+
+    with pytest.raises(ValueError, match="no checkpoint there"):
+        parse_args(BASE + ["--load", str(tmp_path), "--finetune"]).validate(world_size=1)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    parse_args(BASE + ["--load", str(tmp_path), "--finetune"]).validate(world_size=1)
+
+
 def test_unreadable_latest_file_is_a_clear_error(tmp_path):
     from megaloop.training.checkpointing import read_tracker
 

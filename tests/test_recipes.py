@@ -11,8 +11,8 @@ RECIPES = Path(__file__).resolve().parent.parent / "examples" / "recipes"
 SCRIPTS = sorted(p for p in RECIPES.glob("*.sh") if not p.name.startswith(("_", "make_")))
 
 
-def recipe_args(script: Path, size: str, data: str, tokenizer: str) -> list[str]:
-    env = {**os.environ, "SIZE": size, "PRINT_ARGS": "1"}
+def recipe_args(script: Path, size: str, data: str, tokenizer: str, **env) -> list[str]:
+    env = {**os.environ, "SIZE": size, "PRINT_ARGS": "1", **env}
     out = subprocess.run(["bash", str(script), data, tokenizer], env=env, check=True,
                          capture_output=True, text=True).stdout
     return out.splitlines()
@@ -42,7 +42,12 @@ def test_recipe_flags_parse_and_validate(script, size, world, tmp_path):
     writer = IndexedWriter(str(tmp_path / "corpus_lossmask_document.bin"), numpy.uint8)
     writer.add_documents(numpy.ones(6, numpy.uint8), numpy.array([2, 4]))
     writer.finalize(str(tmp_path / "corpus_lossmask_document.idx"))
-    args = recipe_args(script, size, str(tmp_path / "corpus_text_document"), str(tokenizer))
+    # A stage that starts from a checkpoint (--finetune) is validated against one that exists.
+    pretrained = tmp_path / "pretrained"
+    pretrained.mkdir()
+    (pretrained / "latest_checkpointed_iteration.txt").write_text("1")
+    args = recipe_args(script, size, str(tmp_path / "corpus_text_document"), str(tokenizer),
+                       PRETRAINED=str(pretrained))
     cfg = parse_args(args)
     cfg.validate(world_size=world)
     assert cfg.data.data_path == [str(tmp_path / "corpus_text_document")]
