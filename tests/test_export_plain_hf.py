@@ -191,3 +191,35 @@ def test_export_writes_tokenizers_library_tokenizers(kind, tmp_path):
     assert got(CORPUS[-2])["input_ids"] == ids
     assert got.eos_token_id == cfg["eos_token_id"] == eod == hf.token_to_id(specials[-1])
     assert cfg["pad_token_id"] == (hf.token_to_id("<pad>") if pad >= 0 else eod)
+
+
+def _write_failing_tokenizer(rank, world, out):
+    import megaloop.convert.hf_tokenizer as hf_tokenizer
+    from megaloop.convert.hf_export import write_hf_folder
+    from megaloop.data.config import TokenizerConfig
+    from megaloop.model.config import LoopConfig
+    from megaloop.model.looped_gpt import build_model
+    from megaloop.parallel.config import ParallelConfig
+    from megaloop.parallel.initialize import initialize
+
+    def fails(*args, **kwargs):  # what a missing protobuf does to a sentencepiece conversion
+        raise ImportError("no protobuf")
+
+    hf_tokenizer.write_tokenizer_files = fails
+    initialize(ParallelConfig(), 3)
+    model_cfg = llama_style(num_layers=1, hidden_size=32, num_attention_heads=2)
+    model = build_model(model_cfg, LoopConfig(), 64, tp_size=1)
+    try:
+        write_hf_folder(out, model_cfg, LoopConfig(), model.state_dict(),
+                        tokenizer=TokenizerConfig("NullTokenizer", None, 63))
+    except ImportError:
+        return sorted(os.listdir(out))
+    return None
+
+
+def test_a_failing_tokenizer_conversion_writes_no_weights(tmp_path):
+    """The tokenizer is converted before the weights are written: when it fails, no folder that
+    looks like a finished export (model.safetensors, config.json) is left behind."""
+    left = run_distributed(_write_failing_tokenizer, 1, str(tmp_path / "out"))[0]
+    assert left is not None  # the failure reached the caller
+    assert "model.safetensors" not in left and "config.json" not in left

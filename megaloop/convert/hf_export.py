@@ -150,15 +150,17 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
         created.append(folder)
         folder = os.path.dirname(folder)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config(model, loop, rows, ouro)
     written = ["model.safetensors", "config.json", *MODELING_FILES]
     if tok is not None:
+        # The tokenizer first: its conversion is the step that can fail (a missing protobuf),
+        # and it should fail before the weights are written, not leave a folder without it.
+        written += write_tokenizer_files(tokenizer, tok, out_dir, model.max_position_embeddings)
         cfg.update(special_token_ids(tok))  # generate() stops at EOD
         with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
             json.dump(special_token_ids(tok), f, indent=2)
-        written += ["generation_config.json"] + write_tokenizer_files(
-            tokenizer, tok, out_dir, model.max_position_embeddings)
+        written.append("generation_config.json")
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     for name in MODELING_FILES:
