@@ -28,11 +28,15 @@ from megaloop.model.exit_rules import ExitRule, parse_exit  # noqa: F401  (the -
 
 
 @torch.no_grad()
-def decode_step(model, ids, position_ids, kv, num_loops: int, rule: ExitRule):
+def decode_step(model, ids, position_ids, kv, num_loops: int, rule: ExitRule,
+                attention_mask=None):
     """One new token per row (ids [b, 1]) with early exit: (vocab-parallel logits [b, 1, v/tp]
-    of each row's exit step, exit step per row [b]). The caller advances ``kv``."""
+    of each row's exit step, exit step per row [b]). The caller advances ``kv``.
+    ``attention_mask`` [b, 1, 1, sk] (the batching engine's per-row padding) follows the rows
+    that go on to the next step."""
     b = ids.size(0)
-    ctx = recurrence.context(model, ids, None, None, num_loops, kv, read_every_step=True)
+    ctx = recurrence.context(model, ids, attention_mask, None, num_loops, kv,
+                             read_every_step=True)
     logits, depth = None, torch.zeros(b, dtype=torch.long, device=ids.device)
     position = kv.offset
 
@@ -45,6 +49,9 @@ def decode_step(model, ids, position_ids, kv, num_loops: int, rule: ExitRule):
             logits[done] = out.logits[-1][out.exits]
             depth[done] = t
             kv.fill_exited(done, position, t, num_loops)
+        if attention_mask is not None and attention_mask.size(0) > 1:
+            # The fold compacts the carry and the caches to these rows; the mask must match.
+            ctx.attention_mask = attention_mask.index_select(0, out.rows[~out.exits])
 
     recurrence.fold(model, recurrence.begin(model, ids, position_ids, ctx), ctx,
                     stop=recurrence.Stop(rule, per_row=True), on_step=on_step)
@@ -52,11 +59,12 @@ def decode_step(model, ids, position_ids, kv, num_loops: int, rule: ExitRule):
 
 
 @torch.no_grad()
-def prefill(model, ids, position_ids, kv, num_loops: int):
+def prefill(model, ids, position_ids, kv, num_loops: int, attention_mask=None):
     """The prompt through all T steps, reading out at every step so that the coda's cache of
     every step holds the prompt (a later token may exit at any step): last-step logits
     [b, s, v/tp]. The caller advances ``kv``."""
-    ctx = recurrence.context(model, ids, None, None, num_loops, kv, read_every_step=True)
+    ctx = recurrence.context(model, ids, attention_mask, None, num_loops, kv,
+                             read_every_step=True)
     return recurrence.fold(model, recurrence.begin(model, ids, position_ids, ctx), ctx)
 
 

@@ -1,0 +1,307 @@
+"""The batching inference engine: requests come and go between decoding steps.
+
+``InferenceEngine.step()`` is one iteration of the scheduler:
+
+1. retire cancelled requests (their blocks return to the pool at once);
+2. admit queued requests, in arrival order, while ``max_batch`` rows and the pool's blocks allow
+   (a request takes the blocks of its prompt plus ``max_tokens`` at admission, so a running row
+   never runs out mid-way; one that does not fit waits for another to finish);
+3. prefill at most ``prefill_chunk`` prompt tokens (one forward per request chunk), so that a
+   long prompt is read over several steps while the running rows keep decoding; the last chunk
+   samples the request's first token;
+4. decode one token for every running row in one forward. With an exit rule each row leaves the
+   loop at its own step (``early_exit.decode_step``: a row that exits at step t takes no part in
+   steps t+1..T), across requests;
+5. retire the rows that reached EOD, ``max_tokens`` or whose ``on_token`` said stop.
+
+The KV cache is paged (megaloop/inference/paged_kv.py, which says why not megatron-core's
+dynamic context): every forward gathers its rows into one left-padded static cache with an
+attention mask for the padding, and writes the new tokens' K/V back into their blocks. Every KV
+policy works as in ``Generator`` (the gathered view is a ``LoopKVCache``).
+
+Each request samples from its own CPU generator seeded by its ``SamplingParams.seed``, one draw
+per token, so its tokens are those of ``Generator`` decoding it alone (tests/test_engine.py),
+whatever else is in the batch, and every tensor-parallel rank draws the same ones.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megaloop.device import current_device
+from megaloop.inference import early_exit
+from megaloop.inference.flags import check_num_loops, check_sampling
+from megaloop.inference.generate import SamplingParams, sample
+from megaloop.inference.paged_kv import BlockAllocator, PagedKV
+
+
+@dataclass
+class EngineConfig:
+    """The engine's scheduling and memory knobs."""
+
+    max_sequence_length: int = 2048
+    """Prompt plus generated tokens of one request at most (longer requests are refused)."""
+    max_batch: int = 64
+    """Requests decoded together at most (the rows of one decode forward)."""
+    block_size: int = 16
+    """Tokens per KV block (the unit a request's cache grows and is freed by)."""
+    num_blocks: int = 0
+    """KV blocks in the pool (0: enough for ``max_batch`` rows of ``max_sequence_length``)."""
+    prefill_chunk: int = 256
+    """Prompt tokens prefilled per engine step at most (a longer prompt takes several steps)."""
+
+    def validate(self) -> None:
+        for name in ("max_sequence_length", "max_batch", "block_size", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.num_blocks < 0:
+            raise ValueError(f"--num-blocks {self.num_blocks}: must be >= 0 (0: sized from "
+                             f"--max-batch and --max-sequence-length)")
+
+
+@dataclass(eq=False)
+class Request:
+    """One request; made by ``InferenceEngine.add``, read by the caller."""
+
+    id: int
+    prompt: list
+    max_tokens: int
+    params: SamplingParams
+    on_token: Optional[Callable] = None
+    record_logprobs: bool = False
+    ignore_eos: bool = False
+    out: list = field(default_factory=list)
+    """Generated ids so far (EOD included when reached)."""
+    finish: Optional[str] = None
+    """None while running; ``stop`` (EOD, or on_token said stop), ``length``, ``cancelled``."""
+    logprobs: list = field(default_factory=list)
+    """With record_logprobs: per generated token the [V] fp32 log-softmax (CPU) of the logits
+    it was drawn from, before temperature / top-k / top-p."""
+    depths: list = field(default_factory=list)
+    """With an exit rule: the loop steps each generated token ran (the first, from the
+    prefill, ran all T)."""
+    cancelled: bool = False
+    blocks: list = field(default_factory=list)
+    cached: int = 0
+    """Tokens in the KV cache (prompt prefilled so far, then generated tokens fed back)."""
+    generator: Optional[torch.Generator] = None
+
+
+class InferenceEngine:
+    """Iteration-level scheduling of many requests over one LoopedGPTModel (TP >= 1, PP = 1)."""
+
+    def __init__(self, model, vocab_size: int, num_loops: Optional[int] = None,
+                 kv_policy: str = "full", eod: Optional[int] = None, exit_rule=None,
+                 config: EngineConfig = EngineConfig()):
+        from megaloop.model.config import use_transformer_engine
+        from megaloop.model.spiral import is_active
+
+        check_num_loops(num_loops, spell=str)
+        config.validate()
+        self.model, self.vocab_size, self.eod = model, vocab_size, eod
+        self.num_loops = num_loops or model.loop.num_loops
+        self.exit_rule, self.config = exit_rule, config
+        if kv_policy == "none":
+            raise ValueError("kv_policy none: the batching engine decodes from its paged KV "
+                             "cache; use full, last-step, first-step or shared-mod-<k>")
+        reason = model.loop.supports(depth=self.num_loops, exit=exit_rule, kv_policy=kv_policy)
+        if reason:
+            raise ValueError(reason)
+        if is_active(model.loop):
+            # Its coarse steps keep chunk latents per batch as cache entries, which the engine
+            # can neither page nor regroup between steps.
+            raise ValueError("the batching engine cannot batch SpiralFormer models "
+                             "(--loop-resolutions / --loop-topology keep per-batch chunk "
+                             "latents); decode them with Generator")
+        if use_transformer_engine(model.model_cfg) or model.config.flash_decode:
+            # Its left padding needs the mask, which TE's attention and flash decoding drop in
+            # decode (megatron-core switches the mask type to no_mask there).
+            raise ValueError("the batching engine needs an attention mask in decode, which "
+                             "Transformer Engine's attention ignores; use --transformer-impl "
+                             "local")
+        if model.position_embedding_type == "learned_absolute" and \
+                config.max_sequence_length > model.model_cfg.max_position_embeddings:
+            raise ValueError(f"--max-sequence-length {config.max_sequence_length} exceeds the "
+                             f"model's learned positions (--max-position-embeddings "
+                             f"{model.model_cfg.max_position_embeddings})")
+        num_blocks = config.num_blocks or config.max_batch * -(
+            -config.max_sequence_length // config.block_size)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.kv = PagedKV(self.allocator, kv_policy, current_device())
+        self._lock = threading.Lock()  # add / cancel may come from other threads than step()
+        self._queue: list[Request] = []
+        self._running: list[Request] = []
+        self._next_id = 0
+        self.stats: dict = {"steps": 0, "decode_forwards": 0, "prefill_forwards": 0,
+                            "prefill_tokens": 0, "decode_rows_max": 0, "decode_rows_mean": 0.0,
+                            "forward_s": 0.0, "gather_s": 0.0, "free_blocks": num_blocks,
+                            "used_blocks": 0, "queued": 0, "running": 0}
+        self._decode_rows = 0
+
+    # --- the caller's side ----------------------------------------------------------------
+    def add(self, prompt: list, max_tokens: int, params: SamplingParams = SamplingParams(),
+            on_token: Optional[Callable] = None, record_logprobs: bool = False,
+            ignore_eos: bool = False) -> Request:
+        """Queue a request (admitted at a later ``step()``). ``on_token(request, token)`` is
+        called on the thread running ``step()`` right after each token is sampled; True
+        finishes the request (``stop``)."""
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens {max_tokens}: must be >= 1")
+        check_sampling(params.temperature, params.top_k, params.top_p, spell=str)
+        total = len(prompt) + max_tokens
+        if total > self.config.max_sequence_length:
+            raise ValueError(f"a prompt of {len(prompt)} tokens plus max_tokens {max_tokens} is "
+                             f"{total} tokens, over the engine's --max-sequence-length "
+                             f"{self.config.max_sequence_length}; shorten the prompt or "
+                             f"max_tokens")
+        if self.allocator.blocks_for(total) > self.allocator.num_blocks:
+            raise ValueError(f"a request of {total} tokens needs "
+                             f"{self.allocator.blocks_for(total)} KV blocks, more than the "
+                             f"pool's --num-blocks {self.allocator.num_blocks}")
+        with self._lock:
+            request = Request(self._next_id, list(prompt), max_tokens, params, on_token,
+                              record_logprobs, ignore_eos)
+            request.generator = torch.Generator().manual_seed(params.seed)
+            self._next_id += 1
+            self._queue.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Its rows and blocks are freed at the next ``step()`` (a finished one: nothing)."""
+        with self._lock:
+            request.cancelled = True
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._queue or self._running)
+
+    # --- one iteration --------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list:
+        """One iteration (module docstring); the requests that finished in it."""
+        self.model.eval()
+        finished: list[Request] = []
+        with self._lock:
+            for request in [r for r in self._queue if r.cancelled]:
+                self._queue.remove(request)
+                request.finish = "cancelled"
+                finished.append(request)
+            for request in [r for r in self._running if r.cancelled and r.finish is None]:
+                request.finish = "cancelled"
+                self._retire(request)
+                finished.append(request)
+            self._admit()
+        budget = self.config.prefill_chunk
+        for request in list(self._running):
+            left = len(request.prompt) - request.cached
+            if left <= 0 or budget <= 0:
+                continue
+            n = min(left, budget)
+            budget -= n
+            self._prefill(request, n, finished)
+        decoding = [r for r in self._running if r.cached >= len(r.prompt) and r.finish is None]
+        if decoding:
+            self._decode(decoding, finished)
+        self.stats["steps"] += 1
+        self.stats.update(free_blocks=self.allocator.free, used_blocks=self.allocator.used,
+                          queued=len(self._queue), running=len(self._running))
+        return finished
+
+    def _admit(self) -> None:
+        while self._queue and len(self._running) < self.config.max_batch:
+            request = self._queue[0]
+            blocks = self.allocator.allocate(
+                self.allocator.blocks_for(len(request.prompt) + request.max_tokens))
+            if blocks is None:
+                return  # in arrival order: the head waits for blocks, the rest behind it
+            self._queue.pop(0)
+            request.blocks = blocks
+            self._running.append(request)
+
+    def _retire(self, request: Request) -> None:
+        self.allocator.release(request.blocks)
+        request.blocks = []
+        self._running.remove(request)
+
+    def _forward(self, requests: list, ids: torch.Tensor, positions: torch.Tensor, decode: bool):
+        """Full-vocabulary fp32 logits [b, s, V] of ``ids`` after each request's cache, and the
+        exit step of each row (decode with an exit rule) or None."""
+        from megatron.core import tensor_parallel
+
+        rows = [(r.blocks, r.cached) for r in requests]
+        new = ids.size(1)
+        clock = time.perf_counter()
+        kv, mask = self.kv.view(rows, new)
+        gathered = time.perf_counter()
+        depth = None
+        if self.exit_rule is not None and decode:
+            logits, depth = early_exit.decode_step(self.model, ids, positions, kv,
+                                                   self.num_loops, self.exit_rule, mask)
+        elif self.exit_rule is not None:
+            logits = early_exit.prefill(self.model, ids, positions, kv, self.num_loops, mask)
+        else:
+            logits = self.model(ids, positions, mask, num_loops=self.num_loops, kv_cache=kv)
+        if kv.entries:
+            raise ValueError(f"the batching engine cannot page loop-variant cache entries "
+                             f"({', '.join(map(str, kv.entries))}); decode with Generator")
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        logits = logits[..., :self.vocab_size].float()
+        computed = time.perf_counter()
+        self.kv.write_back(kv, rows, new)
+        for r in requests:
+            r.cached += new
+        self.stats["gather_s"] += gathered - clock + time.perf_counter() - computed
+        self.stats["forward_s"] += computed - gathered
+        return logits, depth
+
+    def _prefill(self, request: Request, n: int, finished: list) -> None:
+        device = current_device()
+        start = request.cached
+        ids = torch.tensor([request.prompt[start:start + n]], device=device)
+        positions = torch.arange(start, start + n, device=device).unsqueeze(0)
+        logits, _ = self._forward([request], ids, positions, decode=False)
+        self.stats["prefill_forwards"] += 1
+        self.stats["prefill_tokens"] += n
+        if request.cached == len(request.prompt):
+            self._emit(request, logits[0, -1], self.num_loops, finished)
+
+    def _decode(self, requests: list, finished: list) -> None:
+        device = current_device()
+        ids = torch.tensor([[r.out[-1]] for r in requests], device=device)
+        positions = torch.tensor([[r.cached] for r in requests], device=device)
+        logits, depth = self._forward(requests, ids, positions, decode=True)
+        self.stats["decode_forwards"] += 1
+        self._decode_rows += len(requests)
+        self.stats["decode_rows_max"] = max(self.stats["decode_rows_max"], len(requests))
+        self.stats["decode_rows_mean"] = self._decode_rows / self.stats["decode_forwards"]
+        depths = depth.tolist() if depth is not None else [self.num_loops] * len(requests)
+        for i, r in enumerate(requests):
+            self._emit(r, logits[i, -1], depths[i], finished)
+
+    def _emit(self, request: Request, logits: torch.Tensor, depth: int, finished: list) -> None:
+        """Sample the request's next token from its [V] logits and retire it if it is done."""
+        logits = logits.cpu().unsqueeze(0)
+        token = int(sample(logits, request.params, request.generator)[0])
+        request.out.append(token)
+        if request.record_logprobs:
+            request.logprobs.append(F.log_softmax(logits[0], dim=-1))
+        if self.exit_rule is not None:
+            request.depths.append(depth)
+        if request.on_token is not None and request.on_token(request, token):
+            request.finish = "stop"
+        elif token == self.eod and not request.ignore_eos:
+            request.finish = "stop"
+        elif len(request.out) >= request.max_tokens:
+            request.finish = "length"
+        if request.finish is not None:
+            with self._lock:
+                self._retire(request)
+            finished.append(request)

@@ -1,0 +1,133 @@
+"""Paged KV storage for the batching engine: fixed-size blocks in one pool, gathered per step.
+
+Why not megatron-core's ``DynamicInferenceContext`` (its paged cache): in megatron-core 0.16.1
+its attention path asserts flash-attn >= 2.7.3 (GPU only), and it keys its cache by layer number
+with no room for the looped model's one cache per (block, loop step slot) (the KV policies,
+megaloop/inference/kv_cache.py). So the engine keeps its own allocator and pool, and hands
+megatron-core the static cache it already uses for ``Generator``:
+
+- ``BlockAllocator``: ``num_blocks`` blocks of ``block_size`` token slots; a request holds a list
+  of them and gives them all back when it finishes (no reservation of the longest sequence);
+- ``PagedKV``: per (block, slot) key and layer, K and V pools [num_blocks * block_size, groups,
+  dim], made at the first write. ``view`` gathers the running rows into one ``LoopKVCache``
+  whose buffers are [width, rows, groups, dim], each row laid out contiguously and left-padded
+  so that every row's newest token sits in the same column; ``write_back`` scatters the new
+  tokens' K/V into their blocks.
+
+Left padding is exact with megatron-core's static path: it stores K before RoPE and rotates the
+whole cached key by column at every call (and the query by its column), and a rotary score
+depends only on the difference of the two columns, which padding does not change; learned
+absolute positions come from each row's ``position_ids``. The padding columns are hidden by an
+attention mask (``mask``); megatron-core's local core attention applies a given mask also in
+decode, Transformer Engine's does not (the engine refuses TE).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megaloop.inference.kv_cache import LoopKVCache
+
+
+class BlockAllocator:
+    """A free list of ``num_blocks`` block ids."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0, 1, ...
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, count: int) -> Optional[list[int]]:
+        """``count`` block ids, or None (nothing taken) when fewer are free."""
+        if count > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class _View(LoopKVCache):
+    """A LoopKVCache over gathered rows; its offset is the column of the new tokens."""
+
+    def __init__(self, rows: int, width: int, policy: str, offset: int):
+        super().__init__(rows, width, policy)
+        self.context.sequence_len_offset = offset
+        if offset > 0:
+            self.context.enable_decode_mode()
+
+    def advance(self, tokens: int) -> None:
+        raise RuntimeError("a gathered view is written back, not advanced")
+
+
+class PagedKV:
+    """The pools of every (block, slot) cache and layer, indexed by block id."""
+
+    def __init__(self, allocator: BlockAllocator, policy: str, device):
+        self.allocator, self.policy, self.device = allocator, policy, device
+        self.pools: dict = {}  # (block, slot) -> {layer: (K, V)}
+
+    def _slots(self, blocks: list[int], start: int, stop: int) -> list[int]:
+        """Flat pool indices of a row's tokens start..stop-1."""
+        size = self.allocator.block_size
+        return [blocks[j // size] * size + j % size for j in range(start, stop)]
+
+    def view(self, rows: list[tuple[list[int], int]], new_tokens: int):
+        """(cache, mask) for a forward of ``new_tokens`` positions per row over ``rows`` ((blocks,
+        cached length) each): every row's cached tokens end at column L = the longest cached
+        length, the new ones fill columns L..L+new_tokens-1. ``mask`` [rows, 1, new, width] is
+        True where a query may not look: a row's padding and the columns after the query."""
+        lengths = [length for _, length in rows]
+        L, b = max(lengths), len(rows)
+        width = L + new_tokens
+        # [width, b] flat pool index of every column; padding and the new columns read slot 0
+        # (a finite value: the padding is masked, the new columns are overwritten).
+        index = torch.zeros(width, b, dtype=torch.long)
+        mask = torch.ones(b, 1, new_tokens, width, dtype=torch.bool)
+        causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool).triu(1)
+        for i, (blocks, length) in enumerate(rows):
+            if length:
+                index[L - length:L, i] = torch.tensor(self._slots(blocks, 0, length))
+            mask[i, 0, :, L - length:L] = False
+            mask[i, 0, :, L:] = causal
+        index = index.flatten().to(self.device)
+        kv = _View(b, width, self.policy, L)
+        for key, layers in self.pools.items():
+            kv.dicts[key] = {
+                n: tuple(pool.index_select(0, index).view(width, b, *pool.shape[1:])
+                         for pool in (k, v)) for n, (k, v) in layers.items()}
+        return kv, mask.to(self.device)
+
+    def write_back(self, kv: _View, rows: list[tuple[list[int], int]], new_tokens: int) -> None:
+        """Scatter the new columns of every cache ``kv`` holds into the rows' blocks (their
+        lengths as given to ``view``; the caller counts the new tokens in)."""
+        L = kv.offset
+        dest = torch.tensor([self._slots(blocks, length, length + new_tokens)
+                             for blocks, length in rows], dtype=torch.long)  # [b, new]
+        dest = dest.t().flatten().to(self.device)  # column-major, as the buffers are laid out
+        size = self.allocator.num_blocks * self.allocator.block_size
+        for key, layers in kv.dicts.items():
+            pools = self.pools.setdefault(key, {})
+            for n, (k, v) in layers.items():
+                if n not in pools:
+                    pools[n] = tuple(torch.zeros((size,) + t.shape[2:], dtype=t.dtype,
+                                                 device=t.device) for t in (k, v))
+                for pool, t in zip(pools[n], (k, v)):
+                    new = t[L:L + new_tokens]
+                    pool.index_copy_(0, dest, new.reshape((-1,) + t.shape[2:]))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for layers in self.pools.values() for kv in layers.values() for t in kv)
