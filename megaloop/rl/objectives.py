@@ -69,6 +69,45 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation) -> 
     raise ValueError(f"aggregation {how!r}: use token-mean or sequence-mean")
 
 
+def aggregate_parts(per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aggregate`` as (numerator, denominator) of a part of the batch: the parts' numerators
+    summed over the parts' denominators summed is ``aggregate`` of the whole batch (so a batch
+    split into micro-batches and data-parallel ranks gets the whole batch's mean). ``token-mean``:
+    (sum over response tokens, their count); ``sequence-mean``: (sum of each completion's mean,
+    the number of completions)."""
+    mask = mask.to(per_token.dtype)
+    if how == "token-mean":
+        return (per_token * mask).sum(), mask.sum()
+    if how == "sequence-mean":
+        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=per_token.dtype)
+    raise ValueError(f"aggregation {how!r}: use token-mean or sequence-mean")
+
+
+def grpo_per_token(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[torch.Tensor],
+                   advantages: torch.Tensor, clip_eps: float = 0.2, kl_beta: float = 0.0
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """(per-token GRPO loss [B, S], the k3 KL per token (detached; None without ``ref_logp``),
+    1.0 where the ratio was clipped) before aggregation; ``grpo_loss``'s arguments. A trainer
+    that splits a batch into micro-batches sums these itself (megaloop/rl/train.py)."""
+    if kl_beta and ref_logp is None:
+        raise ValueError("kl_beta > 0 needs ref_logp (the reference policy's log-probs)")
+    ratio = torch.exp(logp - old_logp.detach())
+    adv = advantages.to(logp.dtype).unsqueeze(1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    kl = None
+    if ref_logp is not None:
+        kl = k3_kl(logp, ref_logp.detach())
+        if kl_beta:
+            per_token = per_token + kl_beta * kl
+        kl = kl.detach()
+    was_clipped = ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).to(logp.dtype).detach()
+    return per_token, kl, was_clipped
+
+
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[torch.Tensor],
               advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float = 0.2,
               kl_beta: float = 0.0, aggregation: Aggregation = "token-mean"
@@ -81,22 +120,13 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: Optional[tor
     ``kl_beta`` 0); ``advantages`` [B]: one per completion; ``mask`` [B, S]: 1 on the response
     tokens. Statistics (detached floats): ``kl`` (the k3 mean, token-mean), ``clip_fraction``
     (response tokens whose ratio was clipped)."""
-    if kl_beta and ref_logp is None:
-        raise ValueError("kl_beta > 0 needs ref_logp (the reference policy's log-probs)")
-    ratio = torch.exp(logp - old_logp.detach())
-    adv = advantages.to(logp.dtype).unsqueeze(1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    per_token, kl, was_clipped = grpo_per_token(logp, old_logp, ref_logp, advantages, clip_eps,
+                                                kl_beta)
     stats = {}
-    if ref_logp is not None:
-        kl = k3_kl(logp, ref_logp.detach())
-        if kl_beta:
-            per_token = per_token + kl_beta * kl
-        stats["kl"] = float(aggregate(kl.detach(), mask, "token-mean"))
+    if kl is not None:
+        stats["kl"] = float(aggregate(kl, mask, "token-mean"))
     loss = aggregate(per_token, mask, aggregation)
-    was_clipped = ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).to(logp.dtype)
-    stats["clip_fraction"] = float(aggregate(was_clipped.detach(), mask, "token-mean"))
+    stats["clip_fraction"] = float(aggregate(was_clipped, mask, "token-mean"))
     return loss, stats
 
 

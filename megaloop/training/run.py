@@ -68,10 +68,12 @@ def start(cfg, startup=None) -> None:
         startup.mark("process groups")
 
 
-def train(cfg, startup=None, on_trainer: Optional[Callable] = None) -> int:
+def train(cfg, startup=None, on_trainer: Optional[Callable] = None,
+          trainer_class: Optional[type] = None) -> int:
     """Build the Trainer and train (collective); returns the exit code. ``startup``: the
     StartupTimer whose phases so far the first log line reports. ``on_trainer(trainer)`` runs
-    once the trainer is built, before it trains (a caller that watches or drives it)."""
+    once the trainer is built, before it trains (a caller that watches or drives it).
+    ``trainer_class``: a Trainer subclass to build instead (train_rl.py's RLTrainer)."""
     from megaloop import runtime
     from megaloop.checkpoint.errors import CheckpointError
     from megaloop.training.exit_conditions import RunError, write_exit_status
@@ -79,7 +81,7 @@ def train(cfg, startup=None, on_trainer: Optional[Callable] = None) -> int:
 
     trainer = None
     try:
-        trainer = Trainer(cfg, startup)
+        trainer = (trainer_class or Trainer)(cfg, startup)
         if on_trainer is not None:
             on_trainer(trainer)
         trainer.train()  # writes --exit-status-file itself (before the ranks may leave)

@@ -267,7 +267,7 @@ class Trainer:
         path = checkpointing.save_checkpoint(
             ck.save, self.iteration, self.model, *optim,
             run_config=self.cfg.to_dict(), consumed_samples=self.consumed_samples,
-            extra={"skipped_iters": self.skipped}, checksums=ck.ckpt_checksums,
+            extra=self.checkpoint_extra(), checksums=ck.ckpt_checksums,
             save_rng=not ck.no_save_rng, saver=self.async_saver, strategy=self.save_strategy)
         self.last_saved = self.iteration
         if self.async_saver is None:
@@ -275,6 +275,11 @@ class Trainer:
         else:
             self.logger.print(f"> saving {path} in the background (the loop waited "
                               f"{time.time() - start:.2f} s)")
+
+    def checkpoint_extra(self) -> dict:
+        """The trainer's counters a checkpoint keeps (a subclass adds its own: the RL trainer's
+        reference policy, megaloop/rl/train.py)."""
+        return {"skipped_iters": self.skipped}
 
     def finalize_saves(self, blocking: bool) -> None:
         """--async-save: publish the pending save once every rank's writer is done (collective
