@@ -25,13 +25,24 @@ SBATCH = os.path.join(ROOT, "examples", "slurm", "pretrain_looplm.sbatch")
 TINY = BASE + ["--micro-batch-size", "2"]
 
 
-def _save(tmp_path, iters=1):
-    """Checkpoints of iterations 1..iters of TINY's 2-iteration schedule (the loads below keep
-    that schedule, so none needs a scheduler flag)."""
-    ckpt = str(tmp_path / "ckpt")
-    run_distributed(_train, 1, TINY + ["--save", ckpt, "--save-interval", "1",
-                                       "--exit-interval", str(iters)])
-    return ckpt
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(tmp_path, iters=1)``: checkpoints of iterations 1..iters of TINY's 2-iteration
+    schedule (the loads below keep that schedule, so none needs a scheduler flag) in
+    ``tmp_path/ckpt``, for the test to damage: trained once per ``iters`` in this module, then
+    copied (the tests differ in what they do to the files, not in the run that wrote them)."""
+    trained = {}
+
+    def save(tmp_path, iters=1):
+        if iters not in trained:
+            trained[iters] = str(tmp_path_factory.mktemp(f"saved{iters}") / "ckpt")
+            run_distributed(_train, 1, TINY + ["--save", trained[iters], "--save-interval", "1",
+                                               "--exit-interval", str(iters)])
+        ckpt = str(tmp_path / "ckpt")
+        shutil.copytree(trained[iters], ckpt)
+        return ckpt
+
+    return save
 
 
 def _start(rank, world, flags):
@@ -61,11 +72,11 @@ def _largest_shard(path):
 
 
 # --- architecture -------------------------------------------------------------------------------
-def test_architecture_mismatch_is_refused_by_name_even_with_finetune(tmp_path):
+def test_architecture_mismatch_is_refused_by_name_even_with_finetune(tmp_path, saved):
     from megaloop.training.checkpointing import CheckpointError, check_resume
     from megaloop.training.run_config import parse_args
 
-    ckpt = _save(tmp_path)
+    ckpt = saved(tmp_path)
     heads = TINY + ["--num-attention-heads", "2", "--load", ckpt]  # same shapes, other model
     with pytest.raises(CheckpointError, match=r"--num-attention-heads 4 in the checkpoint, 2 in "
                                               r"this run"):
@@ -84,8 +95,8 @@ def test_architecture_mismatch_is_refused_by_name_even_with_finetune(tmp_path):
 
 
 # --- checksums and damaged files ------------------------------------------------------------------
-def test_flipped_bytes_are_found_by_the_checksum_manifest(tmp_path):
-    ckpt = _save(tmp_path)
+def test_flipped_bytes_are_found_by_the_checksum_manifest(tmp_path, saved):
+    ckpt = saved(tmp_path)
     shard = _largest_shard(os.path.join(ckpt, "iter_0000001"))
     with open(shard, "r+b") as f:  # same size, a few bytes inside the tensor data changed
         f.seek(os.path.getsize(shard) // 2)
@@ -101,8 +112,8 @@ def test_flipped_bytes_are_found_by_the_checksum_manifest(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
-def test_damaged_shard_names_folder_file_and_previous_checkpoint(tmp_path, damage):
-    ckpt = _save(tmp_path, iters=2)
+def test_damaged_shard_names_folder_file_and_previous_checkpoint(tmp_path, damage, saved):
+    ckpt = saved(tmp_path, iters=2)
     folder = os.path.join(ckpt, "iter_0000002")
     shard = _largest_shard(folder)
     if damage == "truncated":
@@ -121,11 +132,11 @@ def test_damaged_shard_names_folder_file_and_previous_checkpoint(tmp_path, damag
     assert error is None and "iteration 1" in lines
 
 
-def test_tracker_with_invalid_bytes_names_the_file_and_the_fallback(tmp_path):
+def test_tracker_with_invalid_bytes_names_the_file_and_the_fallback(tmp_path, saved):
     from megaloop.training.checkpointing import CheckpointError, check_resume
     from megaloop.training.run_config import parse_args
 
-    ckpt = _save(tmp_path, iters=2)
+    ckpt = saved(tmp_path, iters=2)
     tracker = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
     with open(tracker, "wb") as f:
         f.write(b"\xff\xfe\x00garbage")
@@ -218,8 +229,8 @@ def test_shards_of_another_model_name_the_tensor_and_both_shapes(tmp_path):
     assert "\n" not in error
 
 
-def test_stale_partial_saves_are_removed_at_the_next_start(tmp_path):
-    ckpt = _save(tmp_path)
+def test_stale_partial_saves_are_removed_at_the_next_start(tmp_path, saved):
+    ckpt = saved(tmp_path)
     stale = os.path.join(ckpt, "iter_0000007.tmp")  # a save killed (SIGKILL) half-way
     os.makedirs(stale)
     with open(os.path.join(stale, "__0_0.distcp"), "wb") as f:
