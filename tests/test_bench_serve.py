@@ -46,13 +46,31 @@ def test_spread_ratio_and_verdict(bench):
     s = bench.Spread.of([1.0, 2.0, 6.0])
     assert (s.mean, s.lo, s.hi) == (3.0, 1.0, 6.0)
     assert s.fmt() == "3.0 (1.0-6.0)"
-    r = bench.ratio(bench.Spread(10.0, 8.0, 12.0), bench.Spread(2.0, 1.0, 4.0))
-    assert (r.mean, r.lo, r.hi) == (5.0, 2.0, 12.0)  # 10/2, 8/4, 12/1
+    r = bench.ratio([10.0, 12.0, 9.0], [2.0, 4.0, 3.0])  # within each repeat: 5, 3, 3
+    assert (r.mean, r.lo, r.hi) == (pytest.approx(11 / 3), 3.0, 5.0)
+    with pytest.raises(ValueError, match="pairs repeats"):
+        bench.ratio([1.0], [1.0, 2.0])
     assert bench.verdict(bench.Spread(7.0, 6.0, 8.0), 6.0) == "met"  # the range starts at 6
     assert bench.verdict(bench.Spread(5.0, 4.0, 5.9), 6.0) == "not met"
     assert bench.verdict(bench.Spread(6.5, 5.5, 7.5), 6.0).startswith("not decided")
     with pytest.raises(ValueError, match="at least one"):
         bench.Spread.of([])
+
+
+def test_verdicts_on_hand_numbers(bench):
+    tps = {(None, 1): [10.0, 20.0], (None, 16): [70.0, 100.0], ("kl:0.3", 16): [105.0, 150.0]}
+    hf = {16: [20.0, 40.0]}
+    lines = bench.verdicts(tps, hf, "kl:0.3", -0.005, "freed at once")
+    # 70/10 = 7, 100/20 = 5: the range 5-7 holds the goal 6
+    assert lines[0] == ("concurrency 16 vs 1 (full depth): 6.00 (5.00-7.00)x, goal >= 6x: not "
+                        "decided (the goal lies within the spread)")
+    assert lines[1].endswith("1.50 (1.50-1.50)x at -0.50% held-out loss, goal >= 1.4x at <= 1%: "
+                             "met")
+    assert lines[2].endswith("3.00 (2.50-3.50)x, goal >= 3x: not decided (the goal lies within "
+                             "the spread)")  # 70/20, 100/40
+    assert lines[3].endswith("freed at once")
+    over = bench.verdicts(tps, hf, "kl:0.3", 0.02, None)
+    assert over[1].endswith("not met (held-out loss +2.00% > +1%)") and len(over) == 3
 
 
 def test_summary_and_table(bench):
