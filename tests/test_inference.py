@@ -276,6 +276,34 @@ def test_exited_token_kv_is_filled_from_its_exit_step():
     assert min(depth) < 4 and same and all(same)
 
 
+def _first_step_coda(rank, world):
+    from megaloop.inference.kv_cache import LoopKVCache
+
+    setup_parallel(world)
+    model = _model({}, {"num_coda_layers": 1})
+    model.eval()
+    ids, pos, _ = lm_batch(VOCAB, SEQ, BATCH)
+    caches = {}
+    with torch.no_grad():
+        for policy in ("full", "first-step"):
+            kv = caches[policy] = LoopKVCache(BATCH, SEQ, policy)
+            # The coda's buffers start as NaN (megatron-core's are uninitialised): what was not
+            # written in the forward stays NaN.
+            kv.dicts[("coda", 3 if policy == "full" else 1)] = {
+                1: tuple(torch.full((SEQ, BATCH, 4, 8), float("nan")) for _ in range(2))}
+            model(ids[:, :PREFILL], pos[:, :PREFILL], None, kv_cache=kv)
+    full, first = caches["full"].dicts[("coda", 3)], caches["first-step"].dicts[("coda", 1)]
+    return all(torch.equal(full[n][i][:PREFILL], first[n][i][:PREFILL])
+               for n in full for i in (0, 1))
+
+
+def test_first_step_keeps_a_last_step_coda():
+    """Without an exit rule the coda runs at step T only, so under first-step its cache keeps
+    step T's K/V (those of the full policy's step-T slot), not the memory from before the
+    call."""
+    assert run_distributed(_first_step_coda, 1)[0]
+
+
 def _score(rank, world, rule_text):
     from megaloop.inference.early_exit import parse_exit, score
 

@@ -6,9 +6,10 @@
 2. admit queued requests, in arrival order, while ``max_batch`` rows and the pool's blocks allow
    (a request takes the blocks of its prompt plus ``max_tokens`` at admission, so a running row
    never runs out mid-way; one that does not fit waits for another to finish);
-3. prefill at most ``prefill_chunk`` prompt tokens (one forward per request chunk), so that a
-   long prompt is read over several steps while the running rows keep decoding; the last chunk
-   samples the request's first token;
+3. prefill at most ``prefill_chunk`` prompt tokens: one request's chunk or the whole chunks of
+   several, one forward each, so that a long prompt is read over several steps while the
+   running rows keep decoding; a prompt is cut at multiples of ``prefill_chunk`` whatever the
+   batch; its last chunk samples the request's first token;
 4. decode one token for every running row in one forward. With an exit rule each row leaves the
    loop at its own step (``early_exit.decode_step``: a row that exits at step t takes no part in
    steps t+1..T), across requests;
@@ -86,6 +87,8 @@ class Request:
     depths: list = field(default_factory=list)
     """With an exit rule: the loop steps each generated token ran (the first, from the
     prefill, ran all T)."""
+    error: Optional[BaseException] = None
+    """What ``on_token`` raised (the request was then cancelled)."""
     cancelled: bool = False
     blocks: list = field(default_factory=list)
     cached: int = 0
@@ -150,7 +153,9 @@ class InferenceEngine:
             ignore_eos: bool = False) -> Request:
         """Queue a request (admitted at a later ``step()``). ``on_token(request, token)`` is
         called on the thread running ``step()`` right after each token is sampled; True
-        finishes the request (``stop``)."""
+        finishes the request (``stop``). An exception it raises cancels that request (its
+        blocks are freed, the other rows go on): ``step()`` returns it with ``finish``
+        ``cancelled`` and the exception in ``error``."""
         if not prompt:
             raise ValueError("every prompt needs at least one token")
         if max_tokens < 1:
@@ -199,12 +204,17 @@ class InferenceEngine:
                 self._retire(request)
                 finished.append(request)
             self._admit()
+        # Whole chunks only, each request's cut at multiples of prefill_chunk: under the
+        # one-slot and mod-k KV policies a chunk reads the earlier chunks' cached (last-step /
+        # first-step) K/V, so where a prompt is cut is part of its result, and must not depend
+        # on what else is in the batch.
         budget = self.config.prefill_chunk
         for request in list(self._running):
-            left = len(request.prompt) - request.cached
-            if left <= 0 or budget <= 0:
+            n = min(self.config.prefill_chunk, len(request.prompt) - request.cached)
+            if n <= 0:
                 continue
-            n = min(left, budget)
+            if n > budget:
+                break
             budget -= n
             self._prefill(request, n, finished)
         decoding = [r for r in self._running if r.cached >= len(r.prompt) and r.finish is None]
@@ -295,11 +305,15 @@ class InferenceEngine:
             request.logprobs.append(F.log_softmax(logits[0], dim=-1))
         if self.exit_rule is not None:
             request.depths.append(depth)
-        if request.on_token is not None and request.on_token(request, token):
+        stop = False
+        if request.on_token is not None:
+            try:
+                stop = request.on_token(request, token)
+            except Exception as error:  # the other rows go on; the caller reads the error
+                request.finish, request.error = "cancelled", error
+        if request.finish is None and (stop or token == self.eod and not request.ignore_eos):
             request.finish = "stop"
-        elif token == self.eod and not request.ignore_eos:
-            request.finish = "stop"
-        elif len(request.out) >= request.max_tokens:
+        elif request.finish is None and len(request.out) >= request.max_tokens:
             request.finish = "length"
         if request.finish is not None:
             with self._lock:

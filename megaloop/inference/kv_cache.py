@@ -12,7 +12,8 @@ Which slot a core or coda step uses is the KV policy:
 - ``last-step``: one slot for all steps; a token's K/V end up those of its last step (memory
   1/T of ``full``);
 - ``first-step``: one slot holding each token's step-1 K/V; later steps read it (and their own
-  K/V for the current token) but do not keep what they wrote;
+  K/V for the current token) but do not keep what they wrote (a coda read out at the last step
+  only keeps that step's);
 - ``shared-mod-k``: step t uses slot (t - 1) mod k (Huginn's KV sharing; k = T is ``full``).
 
 A loop variant that keeps state of its own across decoded tokens (SpiralFormer's coarse steps:
@@ -55,6 +56,7 @@ class LoopKVCache:
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
         self.entries: dict = {}
         self._redirects: dict = {}
+        self._first_written: set = set()  # first-step: (block, offset) written at step 1
 
     @property
     def offset(self) -> int:
@@ -64,6 +66,7 @@ class LoopKVCache:
     def advance(self, tokens: int) -> None:
         """After a forward over ``tokens`` new positions."""
         self.context.sequence_len_offset += tokens
+        self._first_written.clear()
         if self.context.sequence_len_offset > 0:
             self.context.enable_decode_mode()
 
@@ -93,7 +96,12 @@ class LoopKVCache:
             kv_dict = {n: (k.index_select(1, self._rows), v.index_select(1, self._rows))
                        for n, (k, v) in full.items()}
         saved = None
-        if self.policy == "first-step" and step is not None and step > 1 and kv_dict:
+        if self.policy == "first-step" and step == 1:
+            self._first_written.add((block, self.offset))
+        elif self.policy == "first-step" and step is not None and kv_dict and \
+                (block, self.offset) in self._first_written:
+            # Only a block that wrote these tokens' step-1 K/V in this forward keeps them: a
+            # coda read out at step T only (no exit rule) keeps its only K/V, step T's.
             start = self.offset
             rows = slice(start, start + new_tokens)
             saved = {n: (k[rows].clone(), v[rows].clone()) for n, (k, v) in kv_dict.items()}

@@ -79,29 +79,36 @@ class PagedKV:
         self.allocator, self.policy, self.device = allocator, policy, device
         self.pools: dict = {}  # (block, slot) -> {layer: (K, V)}
 
-    def _slots(self, blocks: list[int], start: int, stop: int) -> list[int]:
-        """Flat pool indices of a row's tokens start..stop-1."""
+    def _slots(self, rows: list[tuple[list[int], int]], start: torch.Tensor, count: int):
+        """[count, b] flat pool indices of tokens start[i] .. start[i]+count-1 of each row i;
+        negative token indices (a row's left padding) read slot 0."""
         size = self.allocator.block_size
-        return [blocks[j // size] * size + j % size for j in range(start, stop)]
+        width = max(len(blocks) for blocks, _ in rows)
+        table = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks, _ in rows],
+                             dtype=torch.long)  # [b, blocks]
+        token = start.unsqueeze(0) + torch.arange(count).unsqueeze(1)  # [count, b]
+        real = token >= 0
+        token = token.clamp(min=0)
+        block = table.gather(1, (token // size).clamp(max=width - 1).t()).t()
+        return torch.where(real, block * size + token % size, 0)
 
     def view(self, rows: list[tuple[list[int], int]], new_tokens: int):
         """(cache, mask) for a forward of ``new_tokens`` positions per row over ``rows`` ((blocks,
         cached length) each): every row's cached tokens end at column L = the longest cached
         length, the new ones fill columns L..L+new_tokens-1. ``mask`` [rows, 1, new, width] is
         True where a query may not look: a row's padding and the columns after the query."""
-        lengths = [length for _, length in rows]
-        L, b = max(lengths), len(rows)
+        lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
+        L, b = int(lengths.max()), len(rows)
         width = L + new_tokens
-        # [width, b] flat pool index of every column; padding and the new columns read slot 0
-        # (a finite value: the padding is masked, the new columns are overwritten).
+        # [width, b] flat pool index of every column: the cached tokens, then slot 0 for the new
+        # columns (overwritten by the forward); padding reads slot 0 too (finite, and masked).
         index = torch.zeros(width, b, dtype=torch.long)
-        mask = torch.ones(b, 1, new_tokens, width, dtype=torch.bool)
-        causal = torch.ones(new_tokens, new_tokens, dtype=torch.bool).triu(1)
-        for i, (blocks, length) in enumerate(rows):
-            if length:
-                index[L - length:L, i] = torch.tensor(self._slots(blocks, 0, length))
-            mask[i, 0, :, L - length:L] = False
-            mask[i, 0, :, L:] = causal
+        if L:
+            index[:L] = self._slots(rows, lengths - L, L)
+        column = torch.arange(width)
+        padding = column.view(1, width) < (L - lengths).view(b, 1)  # [b, width]
+        after = column.view(1, width) > L + torch.arange(new_tokens).view(new_tokens, 1)
+        mask = (padding.view(b, 1, 1, width) | after.view(1, 1, new_tokens, width))
         index = index.flatten().to(self.device)
         kv = _View(b, width, self.policy, L)
         for key, layers in self.pools.items():
@@ -114,9 +121,9 @@ class PagedKV:
         """Scatter the new columns of every cache ``kv`` holds into the rows' blocks (their
         lengths as given to ``view``; the caller counts the new tokens in)."""
         L = kv.offset
-        dest = torch.tensor([self._slots(blocks, length, length + new_tokens)
-                             for blocks, length in rows], dtype=torch.long)  # [b, new]
-        dest = dest.t().flatten().to(self.device)  # column-major, as the buffers are laid out
+        lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
+        # Column-major [new, b], as the buffers are laid out.
+        dest = self._slots(rows, lengths, new_tokens).flatten().to(self.device)
         size = self.allocator.num_blocks * self.allocator.block_size
         for key, layers in kv.dicts.items():
             pools = self.pools.setdefault(key, {})

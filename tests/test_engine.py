@@ -1,0 +1,257 @@
+"""The batching engine against each request decoded alone: requests of different prompt lengths,
+arriving at different steps, decoded together give the tokens (greedy and sampled) and the
+logits of ``Generator`` decoding each alone, for every KV policy, with and without an exit rule
+and with chunked prefill; a long prompt's chunks do not stall the running rows; early exit runs
+only the rows still in the loop at each step; cancelled and finished requests free their blocks;
+a request that does not fit waits; an oversized one is refused."""
+
+import pytest
+import torch
+
+from distributed import run_distributed, setup_parallel
+from flags import llama_style
+
+VOCAB = 256
+V = VOCAB - 6  # the tokenizer's vocabulary (the model's is padded)
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24], [30, 31]]
+ARRIVE = [0, 1, 1, 3]  # the engine step each request is added before
+MAX_TOKENS = [8, 6, 7, 5]
+
+
+def _model(num_loops=4):
+    from megaloop.model.config import LoopConfig
+    from megaloop.model.looped_gpt import build_model
+
+    model_cfg = llama_style(num_layers=4, hidden_size=32, num_attention_heads=4,
+                            max_position_embeddings=64)
+    loop = LoopConfig(num_loops=num_loops, num_prelude_layers=1, num_coda_layers=1)
+    model = build_model(model_cfg, loop, VOCAB, tp_size=1)
+    with torch.no_grad():  # exit probabilities spread token by token: rows exit at their own step
+        model.exit_gate.linear.weight.mul_(40.0)
+    model.eval()
+    return model
+
+
+def _engine(model, policy="full", rule=None, **config):
+    from megaloop.inference.early_exit import parse_exit
+    from megaloop.inference.engine import EngineConfig, InferenceEngine
+
+    config = {"max_sequence_length": 32, "max_batch": 8, "block_size": 4, **config}
+    return InferenceEngine(model, V, kv_policy=policy, exit_rule=rule and parse_exit(rule),
+                           config=EngineConfig(**config))
+
+
+def _params(i, temperature):
+    from megaloop.inference.generate import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_k=20 if temperature else 0, seed=i + 1)
+
+
+def _alone(model, prompt, max_tokens, policy, rule, params):
+    """``Generator`` on the prompt alone: (tokens, log-softmax of each token's logits, depths)."""
+    from megaloop.inference.early_exit import parse_exit
+    from megaloop.inference.generate import Generator
+
+    gen = Generator(model, V, kv_policy=policy, exit_rule=rule and parse_exit(rule))
+    seen, logits = [], gen._logits
+
+    def record(ids, kv):
+        out = logits(ids, kv)
+        seen.append(torch.log_softmax(out[0, -1].cpu(), -1))
+        return out
+
+    gen._logits = record
+    out = gen.generate([prompt], max_tokens, params)[0]
+    return out, torch.stack(seen), gen.depths
+
+
+def _alone_chunked(model, prompt, max_tokens, policy, rule, params, chunk):
+    """The prompt prefilled ``chunk`` tokens per forward into a dense LoopKVCache (no paging, no
+    padding), then decoded: under the one-slot and mod-k policies a chunk reads the earlier
+    chunks' cached K/V as decoding does, so chunking is part of what is computed."""
+    from megaloop.inference import early_exit
+    from megaloop.inference.generate import sample
+    from megaloop.inference.kv_cache import LoopKVCache
+
+    rule = rule and early_exit.parse_exit(rule)
+    T = model.loop.num_loops
+    kv = LoopKVCache(1, len(prompt) + max_tokens, policy)
+    generator = torch.Generator().manual_seed(params.seed)
+    seq, out, seen, depths = list(prompt), [], [], []
+    while len(out) < max_tokens:
+        start = kv.offset
+        n = min(chunk, len(prompt) - start) if start < len(prompt) else 1
+        ids = torch.tensor([seq[start:start + n]])
+        pos = torch.arange(start, start + n).unsqueeze(0)
+        causal = torch.ones(n, start + n, dtype=torch.bool).triu(start + 1)[None, None]
+        if rule is not None and start >= len(prompt):
+            logits, depth = early_exit.decode_step(model, ids, pos, kv, T, rule)
+            depths.append(int(depth[0]))
+        elif rule is not None:
+            logits = early_exit.prefill(model, ids, pos, kv, T, causal)
+        else:
+            logits = model(ids, pos, causal, num_loops=T, kv_cache=kv)
+        kv.advance(n)
+        if kv.offset < len(prompt):
+            continue
+        logits = logits[0, -1, :V].float().unsqueeze(0)
+        seen.append(torch.log_softmax(logits[0], -1))
+        token = int(sample(logits, params, generator)[0])
+        out.append(token)
+        seq.append(token)
+    return out, torch.stack(seen), depths
+
+
+def _batched_vs_alone(rank, world, policy, rule, temperature, chunk):
+    setup_parallel(world)
+    model = _model()
+    engine = _engine(model, policy, rule, prefill_chunk=chunk)
+    requests, step = [], 0
+    while step <= max(ARRIVE) or engine.has_work():
+        for i, arrive in enumerate(ARRIVE):
+            if arrive == step:
+                requests.append(engine.add(PROMPTS[i], MAX_TOKENS[i], _params(i, temperature),
+                                           record_logprobs=True))
+        engine.step()
+        step += 1
+    results = []
+    for i, r in enumerate(requests):
+        params = _params(i, temperature)
+        if chunk >= len(r.prompt) or policy == "full":
+            out, logp, depths = _alone(model, r.prompt, r.max_tokens, policy, rule, params)
+        else:
+            out, logp, depths = _alone_chunked(model, r.prompt, r.max_tokens, policy, rule,
+                                               params, chunk)
+        results.append((r.out, out, (torch.stack(r.logprobs) - logp).abs().max().item(),
+                        r.depths[1:], depths, r.finish))
+    return results, engine.stats
+
+
+CASES = [("full", None, 0.0, 256), ("full", None, 1.0, 3), ("full", "q:0.5", 0.0, 3),
+         ("last-step", "q:0.5", 1.0, 256), ("last-step", "q:0.5", 0.0, 2),
+         ("first-step", None, 1.0, 3), ("first-step", "q:0.5", 0.0, 256),
+         ("shared-mod-2", "kl:0.5", 0.0, 256), ("shared-mod-2", "q:0.5", 1.0, 3)]
+
+
+@pytest.mark.parametrize("policy,rule,temperature,chunk", CASES,
+                         ids=[f"{p}-{r}-t{t:g}-chunk{c}" for p, r, t, c in CASES])
+def test_batched_equals_alone(policy, rule, temperature, chunk):
+    """Staggered requests batched == each alone: tokens, logits within 1e-5, exit depths."""
+    results, stats = run_distributed(_batched_vs_alone, 1, policy, rule, temperature, chunk)[0]
+    for batched, alone, logit_gap, depths, alone_depths, finish in results:
+        assert batched == alone and logit_gap < 1e-5 and depths == alone_depths, \
+            (batched, alone, logit_gap, depths, alone_depths)
+        assert finish == "length"
+    assert stats["decode_rows_max"] > 1  # requests really shared decode forwards
+    if rule is not None and rule.startswith("q"):
+        assert len({d for r in results for d in r[3]}) > 1  # rows exited at different steps
+    assert stats["used_blocks"] == 0 and stats["running"] == stats["queued"] == 0
+
+
+def _no_stall(rank, world):
+    setup_parallel(world)
+    model = _model()
+    engine = _engine(model, prefill_chunk=4, max_sequence_length=48)
+    running = [engine.add(p, 20, _params(i, 0.0)) for i, p in enumerate(PROMPTS[:2])]
+    while any(r.cached < len(r.prompt) for r in running):  # 3 + 7 prompt tokens, 4 a step
+        engine.step()
+    long = engine.add(list(range(40, 62)), 3, _params(9, 0.0))  # 22 tokens: 6 chunks of <= 4
+    gained, prefilling = [], 0
+    while long.cached < len(long.prompt):
+        before = [len(r.out) for r in running]
+        engine.step()
+        gained.append([len(r.out) - b for r, b in zip(running, before)])
+        prefilling += 1
+    return gained, prefilling, len(long.out)
+
+
+def test_chunked_prefill_does_not_stall_decoding():
+    """While a 22-token prompt is prefilled 4 tokens per step, each running row gets exactly one
+    token per step; the long prompt's first token comes with its last chunk, and that step's
+    decode forward already takes it in (two tokens)."""
+    gained, prefilling, first = run_distributed(_no_stall, 1)[0]
+    assert prefilling == 6 and gained == [[1, 1]] * 6 and first == 2, (gained, prefilling)
+
+
+def _rows_per_step(rank, world):
+    setup_parallel(world)
+    model = _model()
+    calls = []  # (tokens, rows) of every call of the shared core
+    model.core.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(tuple(kwargs["hidden_states"].shape[:2])),
+        with_kwargs=True)
+    engine = _engine(model, "full", "q:0.5", prefill_chunk=256)
+    requests = [engine.add(p, 6, _params(i, 0.0)) for i, p in enumerate(PROMPTS)]
+    observed, expected = [], []
+    while engine.has_work():
+        calls.clear()
+        before = [len(r.depths) for r in requests]
+        engine.step()
+        # The decode forward's core calls: one token per row (the prompts are longer than one).
+        observed.append([rows for tokens, rows in calls if tokens == 1])
+        # Its tokens' exit steps: the new depths except a request's first (from its prefill).
+        depths = [d for r, b in zip(requests, before) for j, d in enumerate(r.depths)
+                  if j >= b and j > 0]
+        expected.append([n for n in (sum(d >= t for d in depths) for t in range(1, 5)) if n])
+    return observed, expected
+
+
+def test_early_exit_runs_only_the_rows_still_in_the_loop():
+    """The rows entering loop step t of each decode forward (counted at the core's input) are
+    those whose exit step is >= t, across requests."""
+    observed, expected = run_distributed(_rows_per_step, 1)[0]
+    assert observed == expected, (observed, expected)
+    assert any(len(set(step)) > 1 for step in observed)  # some rows left before step T
+
+
+def _cancel_and_queue(rank, world):
+    setup_parallel(world)
+    model = _model()
+    result = {}
+    engine = _engine(model)
+    total = engine.allocator.num_blocks
+    a, b = engine.add(PROMPTS[0], 10, _params(0, 0.0)), engine.add(PROMPTS[1], 10, _params(1, 0.0))
+    engine.step()
+    engine.step()
+    engine.cancel(a)
+    done = engine.step()
+    result["cancel"] = (done == [a], a.finish, engine.allocator.free,
+                        total - engine.allocator.blocks_for(len(b.prompt) + 10), len(a.out))
+    engine.cancel(b)
+    engine.step()
+    result["all_free"] = engine.allocator.free == total and not engine.has_work()
+    # A pool of 5 blocks of 4: a request of 3 + 10 tokens takes 4, so a second one waits.
+    engine = _engine(model, num_blocks=5)
+    first, second = (engine.add(PROMPTS[i], 10, _params(i, 0.0)) for i in (0, 2))
+    steps, first_done = 0, None
+    while second.cached == 0:
+        engine.step()
+        steps += 1
+        if first.finish is not None and first_done is None:
+            first_done = steps
+    result["queued"] = (first_done, steps, len(first.out), first.finish)
+    while engine.has_work():
+        engine.step()
+    alone = _alone(model, PROMPTS[2], 10, "full", None, _params(2, 0.0))[0]
+    result["second"] = (second.out == alone, second.finish)
+    try:
+        engine.add(list(range(30)), 3, _params(0, 0.0))
+    except ValueError as error:
+        result["refused"] = str(error)
+    return result
+
+
+def test_cancel_frees_blocks_and_a_full_pool_queues():
+    r = run_distributed(_cancel_and_queue, 1)[0]
+    at_once, finish, free, expected_free, tokens = r["cancel"]
+    # Two tokens in the first step (the prefill's and a decode), one in the second; none after
+    # the cancel: only the other request's blocks are taken.
+    assert at_once and finish == "cancelled" and free == expected_free and tokens == 3
+    assert r["all_free"]
+    first_done, admitted, first_tokens, first_finish = r["queued"]
+    # The first's 10 tokens take 9 steps (two in the first); the second is admitted (and
+    # prefilled) in the step after, not before: it waited instead of failing.
+    assert (first_done, admitted, first_tokens, first_finish) == (9, 10, 10, "length")
+    assert r["second"] == (True, "length")
+    assert r["refused"] == ("a prompt of 30 tokens plus max_tokens 3 is 33 tokens, over the "
+                            "engine's --max-sequence-length 32; shorten the prompt or max_tokens")
