@@ -143,3 +143,79 @@ def test_midtrain_corpus_loss_of_each_row_is_that_checkpoints(midtrain):
         assert shown[arm] == pytest.approx(loss, abs=6e-4), (arm, shown, losses)
     # the three differ by more than the table's rounding: a row with another's number fails
     assert min(abs(a - b) for i, a in enumerate(losses) for b in losses[i + 1:]) > 2e-3
+
+
+def test_rl_problem_choice_on_hand_made_accuracies():
+    rl = load_script("rl")
+
+    def ev(cells):  # a depth_sweep.json with the trained depth 4 only
+        by_family = {}
+        for (family, k), acc in cells.items():
+            by_family.setdefault(family, {})[str(k)] = acc
+        return {"depths": [{"depth": 4, "tasks": {"by_family": by_family}}]}
+
+    # two seeds; means: a k=1 0.8, a k=2 0.4, a k=3 0.25, b k=1 0.5, b k=2 0.1
+    evals = [ev({("a", 1): 0.9, ("a", 2): 0.5, ("a", 3): 0.2, ("b", 1): 0.5, ("b", 2): 0.1}),
+             ev({("a", 1): 0.7, ("a", 2): 0.3, ("a", 3): 0.3, ("b", 1): 0.5, ("b", 2): 0.1})]
+    family, ks, means, inside = rl.pick_problems(evals, 4)
+    assert (family, ks, inside) == ("a", [2, 3], True)  # a has two k in 20-60%, b one
+    assert means[("a", 3)] == pytest.approx(0.25)
+    # nothing in range: the cell closest to 40%
+    evals = [ev({("a", 1): 0.9, ("b", 1): 0.1, ("b", 2): 0.15})]
+    assert rl.pick_problems(evals, 4)[::3] == ("b", False)
+    assert rl.pick_problems(evals, 4)[1] == [2]
+
+
+@pytest.fixture(scope="module")
+def rl_study(midtrain):
+    _, out = midtrain  # the same folder: the mid-training runs are reused
+    script = load_script("rl")
+    assert script.main(["--size", "tiny", "--output-dir", str(out)]) == 0
+    return script, out
+
+
+def test_rl_study_starts_each_seed_from_its_midtrained_checkpoint(rl_study):
+    from megaloop.checkpoint.format import read_common
+    from megaloop.checkpoint.tracker import resolve
+
+    script, out = rl_study
+    md = (out / "studies" / "rl.md").read_text()
+    for needle in ["| checkpoint | held-out accuracy | vs before RL | gain per seed | reward mean "
+                   "| solve rate | groups with equal rewards | KL to the reference (k3) | "
+                   "gradient norm |", "| mid-trained (before RL) |", "| GRPO |",
+                   "| RLTT (exit_pdf) |", "| RLTT (exit_pdf) - GRPO |",
+                   "Verdicts: a difference is *beyond spread* when"]:
+        assert needle in md, f"rl.md lacks {needle!r}:\n{md}"
+    assert "nan" not in md
+    with open(out / "studies" / "rl.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    mid = out / "runs" / "midtrain" / "looped_1_x_2_mid_trained__sft" / "seed_1234" / "ckpt"
+    wanted = {"grpo": ("grpo", None), "rltt__exit_pdf": ("rltt", "exit_pdf")}
+    for arm, (objective, weighting) in wanted.items():
+        run = out / "runs" / "rl" / arm / "seed_1234"
+        common = read_common(resolve(str(run / "ckpt"), None))
+        reference = common["extra"]["rl_reference"]
+        assert reference["kind"] == "checkpoint"
+        assert os.path.dirname(reference["path"]) == str(mid)
+        rl = common["run_config"]["rl"]
+        assert (rl["objective"], rl["loop_weighting"]) == (objective, weighting)
+        records = [json.loads(line) for line in open(run / "train.jsonl")]
+        assert [r["iteration"] for r in records] == list(
+            range(1, script.RL["tiny"]["steps"] + 1))
+
+
+def test_rl_problems_are_the_chosen_cells_and_held_out(rl_study):
+    script, out = rl_study
+    data = out / "data"
+    evals = [json.load(open(out / "runs" / "midtrain" / "looped_1_x_2_mid_trained__sft"
+                            / "seed_1234" / "eval" / "depth_sweep.json"))]
+    family, ks, _, _ = script.pick_problems(evals, script.midtrain.SHAPE["tiny"][1])
+    tag = f"{family}_{'_'.join(map(str, ks))}"
+    read = [json.loads(line) for line in open(data / f"rl_train_{tag}.jsonl")]
+    held = [json.loads(line) for line in open(data / f"rl_heldout_{tag}.jsonl")]
+    sizes = script.RL["tiny"]
+    for items, per_k in ((read, sizes["train"]), (held, sizes["heldout"])):
+        assert {(t["family"], t["k"]) for t in items} == {(family, k) for k in ks}
+        assert len(items) == per_k * len(ks)
+    others = {t["question"] for t in map(json.loads, open(data / "tasks.jsonl"))}
+    assert not {t["question"] for t in held} & ({t["question"] for t in read} | others)

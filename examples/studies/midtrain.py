@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from study import (ROOT, Study, accuracy_by_k, figure, in_child, mean_sd,  # noqa: E402
-                   md_table, spread, verdict_cell, _quietly)
+                   md_table, slug, spread, verdict_cell, _quietly)
 
 # (K, T): T = 4 as in Closing the Loop's recipe; one layer at cpu size, so that the 9 runs of
 # 3 seeds fit well under an hour on 2 busy cores
@@ -87,8 +87,28 @@ def _make_sft(data: str, wanted: dict) -> bool:
     return True
 
 
-def main(argv=None) -> int:
-    study = Study("midtrain", __doc__, argv)
+def evaluate_once(study: Study, arm: str, run: dict, depths: list, extra: tuple,
+                  tasks: bool = True, tag: str = "eval") -> dict:
+    """``study.evaluate`` of ``run``'s checkpoint, reused when the same evaluation of the same
+    finished run (its done.json, rewritten by a new run) was made before."""
+    out = os.path.join(study.run_dir, slug(arm), f"seed_{run['seed']}", tag)
+    stamp = os.path.join(out, "done.json")
+    key = {"ckpt": run["ckpt"], "depths": depths, "extra": list(extra), "tasks": tasks,
+           "task_file": study.task_file,
+           "trained": os.path.getmtime(os.path.join(run["dir"], "done.json"))}
+    if os.path.isfile(stamp) and json.load(open(stamp)) == key:
+        with open(os.path.join(out, "depth_sweep.json")) as f:
+            return json.load(f)
+    result = study.evaluate(arm, run["ckpt"], depths, tasks=tasks, extra=extra, tag=tag,
+                            seed=run["seed"])
+    with open(stamp, "w") as f:
+        json.dump(key, f)
+    return result
+
+
+def stages(study: Study) -> tuple[dict, dict, int]:
+    """Train (or reuse) the three checkpoints of every seed and evaluate them at depths 1..T:
+    ({checkpoint: [run per seed]}, {checkpoint: [depth_sweep.json per seed]}, T)."""
     size = study.size["name"]
     K, T = SHAPE[size]
     iters = STAGE[size]
@@ -110,9 +130,19 @@ def main(argv=None) -> int:
     # Every checkpoint scored on the same held-out problems and the same held-out corpus
     # documents (the first eval-iters x global-batch windows), at depths 1..T.
     corpus = ("--input-file", heldout, "--eval-iters", str(study.size["eval_iters"]))
-    evals = {arm: [study.evaluate(f"{looped} {arm}" if arm != BEFORE else f"{looped} pretrained",
-                                  r["ckpt"], list(range(1, T + 1)), extra=corpus, seed=r["seed"])
+    evals = {arm: [evaluate_once(study, f"{looped} {arm}" if arm != BEFORE else
+                                 f"{looped} pretrained", r, list(range(1, T + 1)), corpus)
                    for r in rs] for arm, rs in runs.items()}
+    return runs, evals, T
+
+
+def main(argv=None) -> int:
+    study = Study("midtrain", __doc__, argv)
+    size = study.size["name"]
+    K, T = SHAPE[size]
+    iters = STAGE[size]
+    lr = study.size["lr"] / 3
+    runs, evals, T = stages(study)
 
     def at(ev, depth):
         return next(d for d in ev["depths"] if d["depth"] == depth)
@@ -160,7 +190,7 @@ def main(argv=None) -> int:
     axes[0].set_ylim(0, 1.02)
     axes[0].legend(fontsize=8)
     axes[1].set_xlabel("iteration of the second stage")
-    axes[1].set_ylabel("training objective (SFT: response tokens only), one line per seed")
+    axes[1].set_ylabel("training loss (SFT: response tokens), per seed")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     s = study.size
