@@ -7,7 +7,8 @@ must be the same text both ways.
 
 The two lm-eval runs and the server run in processes forked from this one (which has imported
 torch and megatron-core already: a fresh interpreter pays seconds for them each time), running
-the tools' own main() with their argv; the server starts while the first run evaluates. One
+the tools' own main() with their argv; the server starts while the first run evaluates, and the
+second run evaluates against it alongside the first. One
 real interpreter of tools/run_lm_eval.py is the refusal test's."""
 
 import glob
@@ -199,16 +200,21 @@ def test_megaloop_model_equals_local_completions_and_teacher_forcing(ckpt, tmp_p
     server = _fork_tool("serve.py", ["--load", ckpt[0], "--port", str(port), "--model-name",
                                      "looped", "--log-level", "warning"], {},
                         str(tmp_path / "server"))
+    served_run = None
     try:
         url = _wait_ready(server, port, str(tmp_path / "server"))
+        # The served run evaluates while the first one does (its own HF_HOME: no shared cache).
+        served_run = _fork_tool("run_lm_eval.py", _lm_eval_args(
+            served_at, "local-completions",
+            f"model=looped,base_url={url},num_concurrent=1,max_retries=1", tasks),
+            _hf_env(str(tmp_path / "hf_home_served")), served_at)
         table = _finish(ours_run, ours_at, 400)
         assert "megaloop_demo_mc" in table and "acc" in table  # lm-eval's results table
-        _finish(_fork_tool("run_lm_eval.py", _lm_eval_args(
-            served_at, "local-completions",
-            f"model=looped,base_url={url},num_concurrent=1,max_retries=1", tasks), env,
-            served_at), served_at, 400)
+        _finish(served_run, served_at, 400)
     finally:
-        for proc in (ours_run, server):
+        for proc in (ours_run, server, served_run):
+            if proc is None:
+                continue
             if proc.is_alive():
                 proc.terminate()  # the server: SIGTERM stops it as Ctrl-C does
                 proc.join(15)
