@@ -50,6 +50,30 @@ def _restore_te_attention_env():
     os.environ.update(saved)
 
 
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted(flags, world)``: the JSONL records of ``flags`` trained start to end on
+    ``world`` forked ranks (run_helpers.trained_records), trained once per session for each
+    distinct (flags, world): resume tests in several files compare with the same straight run
+    (tests/test_checkpoint.py, tests/test_scale_async_save.py). Each call gets its own copy."""
+    import copy
+
+    from distributed import run_distributed
+    from run_helpers import trained_records
+
+    runs = {}
+
+    def records(flags, world):
+        key = (tuple(flags), world)
+        if key not in runs:
+            log = tmp_path_factory.mktemp("uninterrupted") / "run.jsonl"
+            runs[key] = run_distributed(trained_records, world,
+                                        [*flags, "--log-jsonl", str(log)])[0]
+        return copy.deepcopy(runs[key])
+
+    return records
+
+
 PLAIN_ITERS = 3
 
 

@@ -48,3 +48,11 @@ def records(path) -> list:
     """The JSONL records of a run's --log-jsonl file."""
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def trained_records(rank, world, argv) -> list:
+    """In a forked rank: ``argv`` (with --log-jsonl) trained start to end as the script trains
+    it; rank 0 returns the run's JSONL records (the others None)."""
+    code, trainer = train(argv)
+    assert code == 0, code
+    return records(trainer.cfg.logging.log_jsonl) if rank == 0 else None

@@ -51,10 +51,9 @@ def _losses(records):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_stop_and_resume_reproduces_every_loss_bitwise(tmp_path, tp):
+def test_stop_and_resume_reproduces_every_loss_bitwise(tmp_path, tp, uninterrupted):
     par = ["--tensor-model-parallel-size", str(tp)]
-    straight = run_distributed(_train, tp, RESUME + par + ["--log-jsonl",
-                                                           str(tmp_path / "a.jsonl")])[0][1]
+    straight = uninterrupted(RESUME + par, tp)
     ckpt = str(tmp_path / "ckpt")
     first = RESUME + par + ["--save", ckpt, "--load", ckpt, "--log-jsonl",
                             str(tmp_path / "b.jsonl")]
@@ -79,9 +78,9 @@ def test_stop_and_resume_reproduces_every_loss_bitwise(tmp_path, tp):
         assert any(r["loss"] != ref[r["iteration"]] for r in no_rng)
 
 
-def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path):
+def test_sigterm_on_one_rank_saves_exits_and_resumes_exactly(tmp_path, uninterrupted):
     flags = RESUME + ["--tensor-model-parallel-size", "2"]
-    straight = run_distributed(_train, 2, flags + ["--log-jsonl", str(tmp_path / "a.jsonl")])[0][1]
+    straight = uninterrupted(flags, 2)
     ckpt = str(tmp_path / "ckpt")
     run = flags + ["--save", ckpt, "--load", ckpt, "--exit-signal-handler",
                    "--log-jsonl", str(tmp_path / "b.jsonl")]
@@ -119,7 +118,8 @@ def _killed_save(rank, world, flags, kill_point):
 
 
 @pytest.mark.parametrize("kill_point", ["after-write", "before-latest"])
-def test_run_killed_mid_save_resumes_from_previous_checkpoint(tmp_path, kill_point):
+def test_run_killed_mid_save_resumes_from_previous_checkpoint(tmp_path, kill_point,
+                                                              uninterrupted):
     ckpt = str(tmp_path / "ckpt")
     flags = RESUME + ["--train-iters", "3", "--save", ckpt, "--load", ckpt, "--save-interval", "1",
                       "--log-jsonl", str(tmp_path / "b.jsonl")]
@@ -132,8 +132,7 @@ def test_run_killed_mid_save_resumes_from_previous_checkpoint(tmp_path, kill_poi
     assert proc.exitcode == -signal.SIGKILL
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "1"
 
-    straight = run_distributed(_train, 1, RESUME + ["--train-iters", "3", "--log-jsonl",
-                                                    str(tmp_path / "a.jsonl")])[0][1]
+    straight = uninterrupted(RESUME + ["--train-iters", "3"], 1)
     reason, _, it = run_distributed(_train, 1, flags)[0]
     assert reason is None and it == 3
     train = [r for r in _records(tmp_path / "b.jsonl") if r["split"] == "train"]

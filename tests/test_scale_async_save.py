@@ -87,7 +87,8 @@ def _killed_during_async_save(rank, world, flags):
     return _train(rank, world, flags)
 
 
-def test_kill_during_async_save_resumes_bitwise_from_the_previous_checkpoint(tmp_path):
+def test_kill_during_async_save_resumes_bitwise_from_the_previous_checkpoint(tmp_path,
+                                                                            uninterrupted):
     ckpt = str(tmp_path / "ckpt")
     flags = RESUME + ["--tensor-model-parallel-size", "2", "--save", ckpt, "--load", ckpt,
                       "--save-interval", "2", "--async-save",
@@ -107,8 +108,7 @@ def test_kill_during_async_save_resumes_bitwise_from_the_previous_checkpoint(tmp
     assert open(os.path.join(ckpt, TRACKER)).read() == "2"  # iteration 4 was never published
     assert not os.path.isdir(os.path.join(ckpt, "iter_0000004"))
 
-    tp2 = RESUME + ["--tensor-model-parallel-size", "2"]
-    straight = run_distributed(_train, 2, tp2 + ["--log-jsonl", str(tmp_path / "a.jsonl")])[0][1]
+    straight = uninterrupted(RESUME + ["--tensor-model-parallel-size", "2"], 2)
     reason, _, it = run_distributed(_train, 2, flags)[0]
     assert reason is None and it == 6
     train = [r for r in _records(tmp_path / "b.jsonl") if r["split"] == "train"]
