@@ -7,6 +7,7 @@ which flag comes from a freshly built optimizer (megatron-core's own grouping, n
 """
 
 import math
+import shutil
 
 import pytest
 
@@ -102,6 +103,24 @@ def test_override_takes_every_group_lr_from_the_flags(tmp_path, layout, decouple
                     cosine_lr(step, values["--lr"], values["--min-lr"]), rel=1e-12), (flag, step)
 
 
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """``first_run(tmp_path, decoupled)``: FIRST's run saved at SAVED_AT, in ``tmp_path/ckpt``:
+    trained once per ``decoupled`` in this module, copied for each refusal below."""
+    trained = {}
+
+    def copy(tmp_path, decoupled):
+        if decoupled not in trained:
+            trained[decoupled] = str(tmp_path_factory.mktemp("first") / "ckpt")
+            run_distributed(_train, 1, SCHED + _flags(FIRST, decoupled) + [
+                "--save", trained[decoupled], "--exit-interval", str(SAVED_AT)])
+        ckpt = str(tmp_path / "ckpt")
+        shutil.copytree(trained[decoupled], ckpt)
+        return ckpt
+
+    return copy
+
+
 @pytest.mark.parametrize("change,fragment", [
     (["--train-iters", "10"], "10 in this run, 6 in the checkpoint"),   # extending the run
     (["--lr", "2e-3"], "--lr 0.002 in this run, 0.001 in the checkpoint"),
@@ -110,10 +129,9 @@ def test_override_takes_every_group_lr_from_the_flags(tmp_path, layout, decouple
                                                           "checkpoint, None in this run"),
 ], ids=["train-iters", "lr", "decoupled-lr", "no-decoupled-lr"])
 def test_a_resume_that_does_not_fit_is_one_line_and_exit_code_2(tmp_path, capfd, change,
-                                                                 fragment):
-    ckpt = str(tmp_path / "ckpt")
+                                                                 fragment, first_run):
     flags = SCHED + _flags(FIRST, decoupled="decoupled" in change[0])
-    run_distributed(_train, 1, flags + ["--save", ckpt, "--exit-interval", str(SAVED_AT)])
+    ckpt = first_run(tmp_path, "decoupled" in change[0])
     capfd.readouterr()
     for flag, value in zip(change[::2], change[1::2]):  # replace (or drop) the flag's value
         at = flags.index(flag)
