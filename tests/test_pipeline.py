@@ -7,22 +7,15 @@ the objective, per-step losses, exit probabilities, grad norm, the gradient of e
 loss of the next step (tests/test_training.py::_compare).
 """
 
-import functools
-
 import pytest
 import torch
 
 from distributed import run_distributed
 from test_training import _compare, _one_step
+from test_training import one_rank_step as _reference  # the single-rank run, cached
 
 MB2 = ["--micro-batch-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
-
-
-@functools.lru_cache(maxsize=None)
-def _reference(extra: tuple):
-    """The single-rank run (cached: several pipelined layouts share one reference)."""
-    return run_distributed(_one_step, 1, list(extra))[0]
 
 
 def _comparable(result):

@@ -1,5 +1,7 @@
 """Trainer equivalences: TP=2 and DP=2 against one rank, for the same weights and global batch."""
 
+import functools
+
 import pytest
 import torch
 
@@ -46,9 +48,16 @@ def _compare(ref, other, tol=2e-5):
     assert abs(next1 - next2) < tol
 
 
+@functools.lru_cache(maxsize=None)
+def one_rank_step(extra: tuple):
+    """``_one_step`` on one rank, run once per session for each ``extra``: the reference of the
+    layouts compared with it here and in tests/test_pipeline.py (callers only read it)."""
+    return run_distributed(_one_step, 1, list(extra))[0]
+
+
 @pytest.fixture(scope="module")
 def single_rank():
-    return run_distributed(_one_step, 1, ["--micro-batch-size", "2"])[0]
+    return one_rank_step(("--micro-batch-size", "2"))
 
 
 def test_tp2_equals_tp1_after_optimizer_step(single_rank):
