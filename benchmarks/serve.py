@@ -547,6 +547,11 @@ def main(argv=None) -> int:
     print(f"\nload average {' '.join(load)} at the end; figures: mean (range) over "
           f"{a.repeats} repeats\n")
     print(table(rows))
+    for (i, c), cs in sorted(cells.items()):
+        chunks, tokens = sum(x.chunks for x in cs), sum(sum(x.tokens) for x in cs)
+        if chunks != tokens:  # the inter-token gaps are then gaps between chunks
+            print(f"note: {servers[i].label} exit {servers[i].exit_rule or 'off'} c{c}: {chunks} "
+                  f"token chunks for {tokens} tokens")
     if hf_runs:
         print("\n| Hugging Face generate() (export-hf folder, no KV cache) | batch | output tok/s |"
               "\n|---|---|---|")
