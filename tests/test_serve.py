@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,17 +39,22 @@ def ckpt(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(load: str, extra: list, log_path: str):
-    """(client, log path) of a tools/serve.py subprocess on a free port, killed at the end."""
+def serving(load: str, extra: list, log_path: str, launcher: tuple = (), procs: list = None):
+    """(client, log path) of a tools/serve.py subprocess on a free port (``launcher``: e.g.
+    torchrun's command), killed at the end; the process is appended to ``procs``."""
     port = free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tools", "serve.py"), "--load", load,
-             "--host", "127.0.0.1", "--port", str(port), *extra],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            [*(launcher or [sys.executable]), os.path.join(ROOT, "tools", "serve.py"), "--load",
+             load, "--host", "127.0.0.1", "--port", str(port), *extra],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, OMP_NUM_THREADS="1") if launcher else None)
+    if procs is not None:
+        procs.append(proc)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     try:
-        deadline = time.monotonic() + 90
+        ready_s = 300 if launcher else 180  # (a loaded machine; torchrun starts slower)
+        deadline = time.monotonic() + ready_s
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"the server exited ({proc.returncode}):\n{open(log_path).read()}")
@@ -58,7 +64,7 @@ def serving(load: str, extra: list, log_path: str):
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"the server was not ready in 90 s:\n{open(log_path).read()}")
+                pytest.fail(f"the server was not ready in {ready_s} s:\n{open(log_path).read()}")
             time.sleep(0.2)
         yield client, log_path
     finally:
@@ -129,6 +135,34 @@ def test_text_prompt_echo_and_stop(server):
     assert cut["choices"][0]["finish_reason"] == "stop"
 
 
+def _assert_same_choices(got: list, want: list) -> None:
+    """The same texts, finish reasons and tokens; log-probs to 1e-5 (a batched forward sums in
+    another order than a forward of one row: the last bits differ)."""
+    def numbers(choices):
+        out = []
+        for c in choices:
+            lp = c["logprobs"]
+            out.append(None if lp is None else (lp["token_logprobs"], [
+                sorted(t.items()) if t else t for t in lp["top_logprobs"]]))
+        return out
+
+    def rest(choices):
+        return [{**c, "logprobs": c["logprobs"] and {"tokens": c["logprobs"]["tokens"],
+                                                     "text_offset": c["logprobs"]["text_offset"]}}
+                for c in choices]
+
+    assert [rest(c) for c in got] == [rest(c) for c in want]
+    for g, w in zip(got, want):
+        for a, b in zip(numbers(g), numbers(w)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a[0] == pytest.approx(b[0], abs=1e-5)
+                for ta, tb in zip(a[1], b[1]):
+                    if ta is not None:
+                        assert [k for k, _ in ta] == [k for k, _ in tb]
+                        assert [v for _, v in ta] == pytest.approx([v for _, v in tb], abs=1e-5)
+
+
 def test_concurrent_requests_equal_sequential(server):
     client, log_path = server
     bodies = [dict(prompt=[5, 6, 7, 8], max_tokens=8, temperature=0, logprobs=2),
@@ -138,7 +172,7 @@ def test_concurrent_requests_equal_sequential(server):
     sequential = [_complete(client, **b)["choices"] for b in bodies]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         concurrent_ = list(pool.map(lambda b: _complete(client, **b)["choices"], bodies * 2))
-    assert concurrent_ == sequential * 2
+    _assert_same_choices(concurrent_, sequential * 2)
     lines = [x for x in open(log_path).read().splitlines() if "POST /v1/completions 200" in x]
     assert len(lines) >= 12  # one log line per request
 
@@ -204,15 +238,58 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
     assert len(_ids(good["choices"][0]["text"])) <= 3
 
 
-def test_serve_refuses_a_torchrun_launch(monkeypatch, capsys):
+def test_serve_refuses_a_tensor_parallel_size_other_than_the_launch(monkeypatch, capsys):
+    """Every rank of the server is tensor parallel: a size that is not the launch's is refused
+    (exit 2) before any process group starts."""
     spec = importlib.util.spec_from_file_location("serve_tool",
                                                   os.path.join(ROOT, "tools", "serve.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert tool.main(["--load", "nowhere", "--port", "1"]) == 2
-    assert "not supported yet" in capsys.readouterr().err
+    assert tool.main(["--load", "nowhere", "--port", "1", "--tensor-model-parallel-size",
+                      "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--tensor-model-parallel-size 4: this launch has 2 ranks" in err, err
+    assert not torch.distributed.is_initialized()
+
+
+def test_tp2_server_under_torchrun_answers_as_tp1(server, ckpt, tmp_path):
+    """``torchrun --nproc-per-node 2 tools/serve.py --tensor-model-parallel-size 2``: rank 0
+    answers HTTP (greedy ids of two prompts, a sampled request with a seed and n, a stop string,
+    a stream) exactly as the TP=1 server does; SIGTERM stops every rank (nothing hangs)."""
+    client, _ = server
+    bodies = [dict(prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=10, temperature=0),
+              dict(prompt=[11, 12, 13], max_tokens=8, temperature=0.9, seed=4, n=2),
+              dict(prompt=[5, 6, 7, 8], max_tokens=10, temperature=0, logprobs=2)]
+    want = [_complete(client, **b) for b in bodies]
+    # A stop string every rank's row hook must see (rank 1 ends the row where rank 0 does).
+    bodies.append(dict(prompt=[5, 6, 7, 8], max_tokens=10, temperature=0,
+                       stop=want[0]["choices"][0]["text"].split()[2]))
+    want.append(_complete(client, **bodies[-1]))
+    assert want[-1]["choices"][0]["finish_reason"] == "stop"
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port()))
+    procs, log = [], str(tmp_path / "tp2.log")
+    with serving(ckpt, ["--tensor-model-parallel-size", "2"], log, launcher, procs) as (tp2, _):
+        got = [_complete(tp2, **b) for b in bodies]
+        streamed = _events(tp2, bodies[0])
+        for w, g in zip(want, got):
+            assert [c["text"] for c in g["choices"]] == [c["text"] for c in w["choices"]]
+            assert g["usage"] == w["usage"]
+        assert got[2]["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            want[2]["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+        for i, choice in enumerate(want[0]["choices"]):
+            assert "".join(c["choices"][0]["text"] for c in streamed
+                           if c["choices"][0]["index"] == i) == choice["text"]
+        assert tp2.get("/stats").json()["decode_rows_max"] >= 2
+        procs[0].send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
+        procs[0].wait(timeout=90)
+    text = open(log).read()
+    # torchrun waits for its ranks, then kills those still alive ("forcefully exiting")
+    assert "forcefully" not in text and "SIGKILL" not in text, text[-3000:]
+    assert "Finished server process" in text, text[-3000:]
+    assert text.count("megaloop.serve: serving") == 1  # rank 0 only
 
 
 def test_out_of_range_requests_are_refused_as_generate_refuses_them(server):

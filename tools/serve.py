@@ -9,12 +9,18 @@
     curl -sN localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
 
-``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming, ``n``, stop strings),
-``GET /v1/models[/{id}]``, ``GET /health`` and vLLM's tokenizer endpoints: see
-megaloop/inference/server.py. ``--num-loops``, ``--kv-policy`` and ``--exit`` are those of
-tools/generate.py and apply to every request; ``--max-prompts-per-request``, ``--max-n`` and
-``--max-request-tokens`` limit one request. The model runs in this one process at TP=1 and
-requests are answered one at a time; serving under torchrun (TP>1) is not supported yet.
+Tensor parallel: every rank holds a slice of the model; rank 0 serves HTTP and the ranks step
+the same batch in lockstep (the other ranks open no port):
+
+    torchrun --nproc-per-node 2 tools/serve.py --tensor-model-parallel-size 2 --load CKPT
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming, ``n``, stop strings,
+``ignore_eos``), ``GET /v1/models[/{id}]``, ``GET /health``, ``GET /stats`` (the batching
+engine's counters) and vLLM's tokenizer endpoints: see megaloop/inference/server.py. Concurrent
+requests are decoded together by the batching engine (megaloop/inference/engine.py; its knobs
+``--max-batch``, ``--block-size``, ``--num-blocks``, ``--prefill-chunk``). ``--num-loops``,
+``--kv-policy`` and ``--exit`` are those of tools/generate.py and apply to every request;
+``--max-prompts-per-request``, ``--max-n`` and ``--max-request-tokens`` limit one request.
 """
 
 from __future__ import annotations
@@ -34,7 +40,12 @@ from megaloop.inference.flags import add_ckpt_step_flag, add_generation_flags  #
 from megaloop.inference.limits import RequestLimits  # noqa: E402
 
 
+ENGINE_FLAGS = ("max_batch", "block_size", "num_blocks", "prefill_chunk")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from megaloop.inference.engine import EngineConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True,
                    help="megaloop checkpoint directory, or a folder written by export-hf")
@@ -43,68 +54,95 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--model-name", default=None,
                    help="the model id /v1/models reports (default: the --load folder's name)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="tensor-parallel size; must equal the launch's ranks (torchrun "
+                        "--nproc-per-node; default: that number)")
     add_generation_flags(p)
     add_dataclass_args(p, RequestLimits)
+    # The engine's knobs; its --max-sequence-length is the model's context.
+    add_dataclass_args(p, EngineConfig, only=ENGINE_FLAGS)
     p.add_argument("--log-level", default="info", help="debug | info | warning (default info)")
     return p
 
 
+def _ignore(signum, frame):
+    """A rank other than 0 stops when rank 0 tells it to (a signal there would break off a
+    forward that rank 0 and the others are inside)."""
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        if runtime.is_rank_zero():
-            print("error: tools/serve.py runs the model in one process at TP=1; serving with "
-                  "tensor parallelism (a torchrun launch) is not supported yet: start it with "
-                  "python", file=sys.stderr)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank_zero = runtime.is_rank_zero()
+
+    def refuse(message: str) -> int:
+        if rank_zero:
+            print(f"error: {message}", file=sys.stderr)
         return 2
+
+    if args.tensor_model_parallel_size not in (None, world):
+        return refuse(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: this "
+                      f"launch has {world} rank{'s' if world > 1 else ''}, and every rank of the "
+                      f"server is tensor parallel: launch it with torchrun --nproc-per-node "
+                      f"{args.tensor_model_parallel_size}, or leave the flag out")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        print("error: the server needs FastAPI and uvicorn: pip install -e '.[serve]'",
-              file=sys.stderr)
-        return 2
+        return refuse("the server needs FastAPI and uvicorn: pip install -e '.[serve]'")
+    from megaloop.inference.engine import EngineConfig
     from megaloop.inference.loading import check_generation_flags
 
     limits = dataclass_from_args(RequestLimits, args)
+    engine_config = EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
     try:
         limits.check()
+        engine_config.validate()
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
                                       ckpt_step=args.ckpt_step)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refuse(str(exc))
 
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=args.log_level.upper() if rank_zero else "WARNING",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runtime.quiet_megatron()
+    from megaloop.inference.jobs import ModelService
     from megaloop.inference.loading import context_length, load_for_generation, setup_processes
-    from megaloop.inference.jobs import Engine
     from megaloop.inference.server import serve
     from megaloop.parallel import initialize
 
-    # SIGTERM shuts down like Ctrl-C: the server stops, the process group is destroyed.
+    # SIGTERM and Ctrl-C on rank 0 end its model loop between two steps; it then tells the other
+    # ranks to stop. They ignore both: torchrun signals every rank.
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    setup_processes()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, (lambda *_: stop.set()) if rank_zero else _ignore)
+    tp = setup_processes()
     try:
         try:
-            model, tokenizer, run = load_for_generation(args.load, 1, ckpt_step=args.ckpt_step)
+            model, tokenizer, run = load_for_generation(args.load, tp, ckpt_step=args.ckpt_step)
         except (ValueError, FileNotFoundError) as exc:
-            print(f"error: --load {args.load}: {exc}", file=sys.stderr)
-            return 2
+            return refuse(f"--load {args.load}: {exc}")
+        context = context_length(run)
+        if context is not None:
+            engine_config.max_sequence_length = context
         name = args.model_name or os.path.basename(os.path.normpath(args.load))
         try:
-            engine = Engine(model, tokenizer, name, num_loops=args.num_loops,
-                            kv_policy=args.kv_policy, exit_rule=rule,
-                            max_length=context_length(run), limits=limits)
+            service = ModelService(model, tokenizer, name, num_loops=args.num_loops,
+                                   kv_policy=args.kv_policy, exit_rule=rule, max_length=context,
+                                   limits=limits, engine_config=engine_config)
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return refuse(str(exc))
+        if not rank_zero:
+            service.follow()
+            return 0
         logging.getLogger("megaloop.serve").info(
-            "serving %s (%d loop steps, kv-policy %s, exit %s) on http://%s:%d", name,
-            engine.num_loops, args.kv_policy, args.exit or "none", args.host, args.port)
-        started = serve(engine, args.host, args.port, args.log_level.lower(), stop)
+            "serving %s (%d loop steps, kv-policy %s, exit %s, TP %d, up to %d rows per step) "
+            "on http://%s:%d", name, service.num_loops, args.kv_policy, args.exit or "none", tp,
+            engine_config.max_batch, args.host, args.port)
+        try:
+            started = serve(service, args.host, args.port, args.log_level.lower(), stop)
+        finally:
+            service.runner.lockstep.close()  # (done already, unless serving failed to start)
     finally:
         initialize.destroy()
     return 0 if started else 1

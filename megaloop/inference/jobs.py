@@ -1,5 +1,6 @@
 """The server's model side (tools/serve.py, megaloop/inference/server.py): requests validated into
-jobs, one job at a time on the model's thread, and the responses built from a job's results.
+jobs, run by the batching engine on the model's thread (megaloop/inference/batcher.py), and the
+responses built from a job's results.
 
 Special tokens, one rule everywhere: a request's text (a completion prompt, a chat message, the
 text of ``/tokenize``) is read with the pieces of the end-of-document and BOS tokens (``</s>``,
@@ -9,19 +10,15 @@ those tokens, as Hugging Face tokenizers read text. A prompt of token ids is tak
 Where the numbers come from:
 
 - a generated token's log-probs are those of the distribution it was drawn from (the logits the
-  ``Generator`` samples from, before temperature / top-k / top-p; with the server's KV policy and
-  exit rule);
+  engine samples from, before temperature / top-k / top-p; with the server's KV policy and exit
+  rule);
 - a prompt token's log-probs come from one full forward of the prompt (no cache) through all
   ``--num-loops`` steps, read out at the last step (an ``--exit`` rule does not apply to them).
 
-Each generated token passes through the Generator's per-token hook (``Engine._on_token``): it
-checks the stop strings (stopping the row there), hands the text to a streaming response, and
-ends the job when its client has left.
+Each generated token passes through its row's per-token hook (``batcher.Row.on_token``): it
+checks the stop strings (stopping the row there) and hands the text to a streaming response.
 """
 
-import concurrent.futures
-import logging
-import queue
 import random
 import threading
 import time
@@ -34,107 +31,105 @@ from megaloop.inference.limits import RequestLimits
 from megaloop.inference.openai_api import (ChatCompletionRequest, CompletionRequest,
                                            RequestError, usage)
 
-log = logging.getLogger("megaloop.serve")
-
 # A chat request without max_tokens, for a model whose context is unknown.
 DEFAULT_CHAT_TOKENS = 256
-
-
-class Cancelled(Exception):
-    """The job's client has left: generation ends at the job's next token."""
 
 
 class Job:
     """One request's validated work, its rows (every prompt ``n`` times, in the order of the
     response's choices) and, filled in on the model thread token by token, their results."""
 
-    def __init__(self, prompts, n, max_tokens, params, stop, logprobs=None, echo=False):
+    def __init__(self, prompts, n, max_tokens, params, stop, logprobs=None, echo=False,
+                 ignore_eos=False):
         self.prompts, self.n, self.max_tokens, self.params = prompts, n, max_tokens, params
-        self.stop, self.logprobs, self.echo = stop, logprobs, echo
+        self.stop, self.logprobs, self.echo, self.ignore_eos = stop, logprobs, echo, ignore_eos
         self.rows = [p for p in prompts for _ in range(n)]
         self.cancelled = threading.Event()
         # Streaming: emit(row, text, finish_reason or None), called on the model thread.
         self.emit: Optional[Callable] = None
-        self.outs = [[] for _ in self.rows]  # generated ids (EOD included)
-        self.texts = [""] * len(self.rows)  # each row's answer (ending before a stop string)
-        self.finish = ["length"] * len(self.rows)
-        self.cut = [None] * len(self.rows)  # where a stop string cut the text (characters)
-        self.sent = [""] * len(self.rows)  # streamed so far
+        # Set on the model thread (batcher.JobRunner): each row's state, its engine keys and
+        # finished Requests, the prompts' log-prob rows (echo), the job's future.
+        self.state: list = []
+        self.keys: list = []
+        self.requests: dict = {}
+        self.prompt_scores: dict = {}
+        self.future = None
+        self.error: Optional[Exception] = None  # a row's hook raised: the job fails
         self.depths: list = []  # executed loop steps of its decoded tokens (with --exit)
+
+    @property
+    def outs(self) -> list:  # generated ids of each row (EOD included)
+        return [r.out for r in self.state] or [[] for _ in self.rows]
+
+    @property
+    def texts(self) -> list:  # each row's answer (ending before a stop string)
+        return [r.text for r in self.state]
+
+    @property
+    def finish(self) -> list:
+        return [r.finish for r in self.state]
+
+    @property
+    def cut(self) -> list:  # where a stop string cut each row's text (characters)
+        return [r.cut for r in self.state]
 
     def usage(self) -> dict:
         return usage(sum(len(p) for p in self.prompts), sum(len(o) for o in self.outs))
 
 
-def _recording_generator_class():
-    from megaloop.inference.generate import Generator
-
-    class RecordingGenerator(Generator):
-        """A Generator that keeps the log-softmax of the logits each forward samples from
-        (``[b, V]`` per forward, on the CPU) when ``record`` is a list."""
-
-        record: Optional[list] = None
-
-        def _logits(self, ids, kv):
-            logits = super()._logits(ids, kv)
-            if self.record is not None:
-                self.record.append(torch.log_softmax(logits[:, -1].float(), -1).cpu())
-            return logits
-
-    return RecordingGenerator
-
-
-class Engine:
-    """The loaded model, its tokenizer and how it generates; runs jobs on the thread that calls
-    ``run_jobs`` (the one that loaded the model)."""
+class ModelService:
+    """The loaded model, its tokenizer and how it generates: validates requests into jobs, runs
+    them with the batching engine (on the thread that calls ``run_jobs``, the one that loaded the
+    model; ``follow`` on the other tensor-parallel ranks), and builds the responses."""
 
     def __init__(self, model, tokenizer, model_name: str, num_loops: Optional[int] = None,
                  kv_policy: str = "full", exit_rule=None, max_length: Optional[int] = None,
-                 limits: Optional[RequestLimits] = None):
+                 limits: Optional[RequestLimits] = None, engine_config=None):
+        from megaloop.inference.batcher import JobRunner
         from megaloop.inference.chat import ChatTemplate
+        from megaloop.inference.engine import EngineConfig, InferenceEngine
 
+        if engine_config is None:
+            engine_config = EngineConfig(**({"max_sequence_length": max_length}
+                                            if max_length else {}))
+        self.engine_config = engine_config
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.vocab_size, self.eod = tokenizer.vocab_size, tokenizer.eod
         self.max_length = max_length
         self.limits = limits or RequestLimits()
         self.created = int(time.time())
-        self._gen_kw = dict(num_loops=num_loops, kv_policy=kv_policy, exit_rule=exit_rule,
-                            eod=tokenizer.eod)
-        # Built once, so that a bad combination (an exit rule without a cache...) fails at
-        # startup and its warnings print once; used by one request at a time.
-        self._gen = _recording_generator_class()(self.model, self.vocab_size, **self._gen_kw)
-        self.num_loops = self._gen.num_loops
-        self._queue: queue.Queue = queue.Queue()
-        self.serving = False  # the model thread takes jobs (GET /health)
+        self.num_loops = num_loops or model.loop.num_loops
+
+        def new_engine():
+            return InferenceEngine(model, self.vocab_size, num_loops=num_loops,
+                                   kv_policy=kv_policy, eod=tokenizer.eod, exit_rule=exit_rule,
+                                   config=engine_config)
+
+        # Built now, so that a bad combination (an exit rule without a cache...) fails at
+        # startup and its warnings print once.
+        self.runner = JobRunner(tokenizer, new_engine, self.prompt_log_probs)
         self._specials = self._parsed_specials()
         self.chat = ChatTemplate(tokenizer, self.tokenize)
 
     # --- the model thread ---------------------------------------------------------------------
-    def submit(self, fn) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn))
-        return future
+    def submit(self, job: Job):
+        """Queue ``job`` for the model thread: a Future of its result (batcher.JobRunner)."""
+        return self.runner.submit(job)
 
     def run_jobs(self, keep_going) -> None:
-        """Run queued jobs one at a time while ``keep_going()``."""
-        self.serving = True
-        try:
-            while keep_going():
-                try:
-                    future, fn = self._queue.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if not future.set_running_or_notify_cancel():
-                    continue  # its client left while it waited
-                try:
-                    future.set_result(fn())
-                except Exception as exc:  # reported to the request that sent it
-                    future.set_exception(exc)
-                except BaseException as exc:  # Ctrl-C / SIGTERM: it fails, the server stops
-                    future.set_exception(RuntimeError("the server is shutting down"))
-                    raise exc
-        finally:
-            self.serving = False
+        self.runner.run_jobs(keep_going)
+
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: step in lockstep with rank 0 until it stops."""
+        self.runner.follow()
+
+    @property
+    def serving(self) -> bool:
+        return self.runner.serving
+
+    @property
+    def stats(self) -> dict:
+        return self.runner.stats
 
     # --- tokenizer (event-loop thread) ----------------------------------------------------------
     def special_tokens(self) -> dict:
@@ -237,6 +232,8 @@ class Engine:
                            what="the prompt" if len(prompts) == 1 else f"prompt {i}")
             except ValueError as exc:
                 raise RequestError(400, str(exc), "max_tokens") from None
+            if max_tokens > 0:
+                self._check_engine_fit(len(p) + max_tokens)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(s == "" for s in stop):
             raise RequestError(400, "stop strings must not be empty", "stop")
@@ -249,7 +246,19 @@ class Engine:
             check_sampling(params.temperature, params.top_k, params.top_p, spell=str)
         except ValueError as exc:
             raise RequestError(400, str(exc), str(exc).split()[0]) from None
-        return Job(prompts, n, max_tokens, params, stop, logprobs, echo)
+        return Job(prompts, n, max_tokens, params, stop, logprobs, echo, bool(req.ignore_eos))
+
+    def _check_engine_fit(self, total: int) -> None:
+        """One row of ``total`` tokens (prompt plus max_tokens) fits the engine's limits."""
+        cfg, allocator = self.engine_config, self.runner.lockstep.engine.allocator
+        if total > cfg.max_sequence_length:
+            raise RequestError(400, f"a row of {total} tokens (prompt plus max_tokens) exceeds "
+                                    f"the engine's {cfg.max_sequence_length} tokens per row; "
+                                    f"shorten the prompt or lower max_tokens", "max_tokens")
+        if allocator.blocks_for(total) > allocator.num_blocks:
+            raise RequestError(400, f"a row of {total} tokens (prompt plus max_tokens) needs "
+                                    f"{allocator.blocks_for(total)} KV blocks; this server has "
+                                    f"{allocator.num_blocks} (--num-blocks)", "max_tokens")
 
     def _prompt_ids(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -281,72 +290,6 @@ class Engine:
                                     f"{self.vocab_size})", "prompt")
 
     # --- the model's work (model thread) ------------------------------------------------------
-    def run(self, job: Job):
-        """Generates every row of ``job`` (its outs, texts, finish reasons); returns (the
-        log-prob rows [n, V] each generated token was drawn from, or None; the prompts'
-        teacher-forced log-prob rows [len - 1, V], or None), per row."""
-        rows = [None] * len(job.rows)
-        if job.max_tokens > 0:
-            gen = self._gen
-            gen.depths = []  # (early exit) the executed steps of this request's tokens
-            gen.record = [] if job.logprobs is not None else None
-            try:
-                gen.generate(job.rows, job.max_tokens, job.params,
-                             on_token=lambda i, t: self._on_token(job, i, t))
-            except Cancelled:
-                log.info("job cancelled (its client left) after %d of at most %d tokens",
-                         sum(len(o) for o in job.outs), len(job.rows) * job.max_tokens)
-                raise
-            finally:
-                record, gen.record = gen.record, None
-                job.depths = gen.depths
-            if record is not None:
-                first = min(len(p) for p in job.rows)
-                # The forward at index f predicts position first + f of every row.
-                rows = [torch.stack([record[len(p) - first + j][i] for j in range(len(out))])
-                        if out else None
-                        for i, (p, out) in enumerate(zip(job.rows, job.outs))]
-        elif job.emit is not None:
-            for i in range(len(job.rows)):
-                job.emit(i, "", "length")
-        prompt_rows = [None] * len(job.rows)
-        if job.echo and job.logprobs is not None:
-            prompt_rows = [self.prompt_log_probs(p) for p in job.rows]
-        return rows, prompt_rows
-
-    def _on_token(self, job: Job, i: int, token: int) -> bool:
-        """The Generator's hook for row ``i``'s new ``token``: True ends the row."""
-        from megaloop.inference.generate import continuation_text
-
-        if job.cancelled.is_set():
-            raise Cancelled()
-        out = job.outs[i]
-        out.append(token)
-        ended = token == self.eod or len(out) >= job.max_tokens
-        if not (ended or job.stop or job.emit):
-            return False  # nothing reads the text before the row ends
-        ids = out[:-1] if token == self.eod else out
-        text = continuation_text(self.tokenizer, job.rows[i], ids) if ids else ""
-        cut = min((at for at in (text.find(s) for s in job.stop) if at >= 0), default=-1)
-        if cut >= 0:
-            text, ended, job.cut[i] = text[:cut], True, cut
-        if ended:
-            job.texts[i] = text
-            job.finish[i] = "length" if cut < 0 and token != self.eod else "stop"
-        if job.emit is not None:
-            shown = text
-            if not ended:
-                # Held back: what may still turn out to be the start of a stop string, and an
-                # incomplete character (a byte piece decodes to U+FFFD until its last byte).
-                shown = text[:max(0, len(text) - max((len(s) for s in job.stop), default=1)
-                                  + 1)].rstrip("\ufffd")
-            sent = job.sent[i]
-            delta = shown[len(sent):] if shown.startswith(sent) else ""
-            if delta or ended:
-                job.sent[i] = sent + delta
-                job.emit(i, delta, job.finish[i] if ended else None)
-        return ended
-
     @torch.no_grad()
     def prompt_log_probs(self, ids: list[int]) -> torch.Tensor:
         """Teacher-forced log-probs [len(ids) - 1, V]: row j is the distribution of token j + 1
@@ -396,7 +339,7 @@ class Engine:
 
     def _logprobs(self, job: Job, i: int, rows, prompt_rows) -> dict:
         prompt, out = job.rows[i], job.outs[i]
-        if out and out[-1] == self.eod:
+        if out and out[-1] == self.eod and not job.ignore_eos:
             out = out[:-1]
         entries, start = [], len(self.tokenizer.detokenize(prompt))
         if job.echo:

@@ -10,7 +10,8 @@ fill some in): ``presence_penalty`` and ``frequency_penalty`` 0, ``logit_bias`` 
 ``best_of`` 1 and ``suffix`` empty (completions), ``tools`` empty, ``tool_choice`` "none",
 ``parallel_tool_calls``, ``response_format`` ``{"type": "text"}`` and ``store`` false (chat).
 ``user`` is accepted and written to the request's log line (that is what it is for: telling end
-users apart). Standard library and pydantic only.
+users apart). ``ignore_eos`` (vLLM's extension, both endpoints): true generates past the
+end-of-document token up to ``max_tokens``. Standard library and pydantic only.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class _Body(BaseModel):
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[StrictStr] = None
+    # vLLM's extension: generate past the end-of-document token, to max_tokens (fixed output
+    # lengths, e.g. for a benchmark); that token is then text as any other.
+    ignore_eos: Optional[StrictBool] = False
 
     def refuse_unknown(self) -> None:
         extra = dict(self.model_extra or {})

@@ -31,13 +31,14 @@ of tools/serve.py; a request beyond one gets HTTP 400 naming the limit and its f
 
 Threads. The model is not re-entrant, and its process state is per thread (the CUDA current
 device; on CPU the shim's device-rewriting mode). So the model runs on the thread that loaded it
-(the main thread), which takes one job at a time from a queue; uvicorn's event loop runs in a
-second thread, where validation, tokenization and the responses happen. A client that
-leaves (its connection closes) has its job cancelled: a running one stops at its next token (the
-Generator's per-token hook checks), a queued one never starts.
+(the main thread), which decodes every request's rows together with the batching engine
+(megaloop/inference/batcher.py: new requests join between steps); uvicorn's event loop runs in
+a second thread, where validation, tokenization and the responses happen. A client that leaves
+(its connection closes) has its rows cancelled, freed at the next engine step; a queued request
+never starts. ``GET /stats`` (megaloop's own) reports the engine's counters after its last step.
 
-Not done yet: iteration-level batching (requests run one after another, each its own batch) and
-tensor parallelism (one process at TP=1; ``tools/serve.py`` refuses a torchrun launch).
+Tensor parallelism (a torchrun launch): rank 0 serves HTTP and every rank steps the same batch
+(megaloop/inference/lockstep.py); the other ranks open no port.
 """
 
 import asyncio
@@ -48,7 +49,7 @@ import time
 import uuid
 from typing import Optional
 
-from megaloop.inference.jobs import Engine, Job
+from megaloop.inference.jobs import Job, ModelService
 from megaloop.inference.openai_api import (ChatCompletionRequest, CompletionRequest,
                                            DetokenizeRequest, RequestError, TokenizeRequest)
 
@@ -118,16 +119,16 @@ class _Stream:
     """A job's server-sent events: the chunks of OpenAI's streaming format, as the model thread
     hands over each row's text; the job is cancelled when the client leaves."""
 
-    def __init__(self, engine: Engine, job: Job, request, chat: bool, include_usage: bool,
+    def __init__(self, service: ModelService, job: Job, request, chat: bool, include_usage: bool,
                  user_note: str):
-        self.engine, self.job, self.request, self.chat = engine, job, request, chat
+        self.service, self.job, self.request, self.chat = service, job, request, chat
         self.include_usage, self.user_note = include_usage, user_note
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def _chunk(self, choices: list, **extra) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else
-                "text_completion", "created": self.created, "model": self.engine.model_name,
+                "text_completion", "created": self.created, "model": self.service.model_name,
                 "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
@@ -143,14 +144,14 @@ class _Stream:
         loop, job = asyncio.get_running_loop(), self.job
         events: asyncio.Queue = asyncio.Queue()
         job.emit = lambda *e: loop.call_soon_threadsafe(events.put_nowait, e)
-        future = self.engine.submit(lambda: self.engine.run(job))
+        future = self.service.submit(job)
         # After the job's last emit (the same thread, in order): the end of its events.
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
         outcome = "cancelled: the client left"
         try:
             for i, p in enumerate(job.rows):  # first chunks: the role, or the echoed prompt
                 if self.chat or job.echo:
-                    text = "" if self.chat else self.engine.tokenizer.detokenize(p)
+                    text = "" if self.chat else self.service.tokenizer.detokenize(p)
                     yield self._chunk([self._choice(i, text, None, role=True)])
             while True:
                 try:
@@ -187,9 +188,9 @@ class _Stream:
             self.request.state.note = f"stream {outcome}; {_note(job)}{self.user_note}"
 
 
-async def _generate(engine: Engine, job: Job, request):
+async def _generate(service: ModelService, job: Job, request):
     """Run ``job`` on the model thread; cancel it if the client leaves first (None then)."""
-    future = engine.submit(lambda: engine.run(job))
+    future = service.submit(job)
     waiting = asyncio.wrap_future(future)
     try:
         while True:
@@ -204,8 +205,8 @@ async def _generate(engine: Engine, job: Job, request):
             waiting.cancel()  # and the job's future: a queued job never starts
 
 
-def create_app(engine: Engine):
-    """The FastAPI application serving ``engine``."""
+def create_app(service: ModelService):
+    """The FastAPI application serving ``service``."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import StreamingResponse
@@ -226,14 +227,20 @@ def create_app(engine: Engine):
         return _error(exc.status_code, str(exc.detail))
 
     def model_card() -> dict:
-        return {"id": engine.model_name, "object": "model", "created": engine.created,
-                "owned_by": "megaloop", "max_model_len": engine.max_length}
+        return {"id": service.model_name, "object": "model", "created": service.created,
+                "owned_by": "megaloop", "max_model_len": service.max_length}
 
     @app.get("/health")
     async def health():
-        if not engine.serving:
+        if not service.serving:
             return _error(503, "the model thread is not taking requests")
-        return {"status": "ok", "model": engine.model_name}
+        return {"status": "ok", "model": service.model_name}
+
+    # megaloop's own: the batching engine's counters after its last step (forwards, rows per
+    # decode forward, KV blocks in use...), for benchmarks and monitoring.
+    @app.get("/stats")
+    async def stats():
+        return service.stats
 
     @app.get("/v1/models")
     async def models():
@@ -241,59 +248,59 @@ def create_app(engine: Engine):
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != engine.model_name:
+        if model_id != service.model_name:
             return _error(404, f"model {model_id!r} is not served here; this server serves "
-                               f"{engine.model_name!r}", "model")
+                               f"{service.model_name!r}", "model")
         return model_card()
 
     # vLLM's tokenizer endpoints: lm-eval's local-completions finds them and tokenizes with the
     # served model's own tokenizer (no Hugging Face tokenizer needed on the client).
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        specials = engine.special_tokens()
-        return {"tokenizer_class": type(engine.tokenizer).__name__,
+        specials = service.special_tokens()
+        return {"tokenizer_class": type(service.tokenizer).__name__,
                 "eos_token": specials["eos_token"][0],
                 "bos_token": specials["bos_token"][0] if "bos_token" in specials else None,
-                "pad_token": None, "model_max_length": engine.max_length,
-                "vocab_size": engine.vocab_size}
+                "pad_token": None, "model_max_length": service.max_length,
+                "vocab_size": service.vocab_size}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         try:
-            engine.check_model(req.model)
-            tokens = engine.tokenize(req.prompt)
+            service.check_model(req.model)
+            tokens = service.tokenize(req.prompt)
         except RequestError as exc:
             return _error(exc.status, exc.message, exc.param)
         except Exception as exc:  # e.g. the null tokenizer reads only integers
             return _error(400, f"the tokenizer cannot read the prompt: {exc}", "prompt")
-        if req.add_special_tokens and engine.tokenizer.bos is not None:
-            tokens = [engine.tokenizer.bos] + tokens
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_length}
+        if req.add_special_tokens and service.tokenizer.bos is not None:
+            tokens = [service.tokenizer.bos] + tokens
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": service.max_length}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        bad = [i for i in req.tokens if not 0 <= i < engine.vocab_size]
-        if req.model is not None and req.model != engine.model_name:
+        bad = [i for i in req.tokens if not 0 <= i < service.vocab_size]
+        if req.model is not None and req.model != service.model_name:
             return _error(404, f"model {req.model!r} is not served here", "model")
         if bad:
             return _error(400, f"token id {bad[0]} is outside the vocabulary (size "
-                               f"{engine.vocab_size})", "tokens")
-        return {"prompt": engine.tokenizer.detokenize(req.tokens)}
+                               f"{service.vocab_size})", "tokens")
+        return {"prompt": service.tokenizer.detokenize(req.tokens)}
 
     async def answer(req, request: Request, chat: bool):
         user_note = f" user={req.user}" if req.user else ""
         try:
-            job = engine.prepare_chat(req) if chat else engine.prepare(req)
+            job = service.prepare_chat(req) if chat else service.prepare(req)
             if req.stream:
                 include = bool(req.stream_options and req.stream_options.include_usage)
-                stream = _Stream(engine, job, request, chat, include, user_note)
+                stream = _Stream(service, job, request, chat, include, user_note)
                 return StreamingResponse(stream.events(), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            result = await _generate(engine, job, request)
+            result = await _generate(service, job, request)
             if result is None:
                 request.state.note = f"cancelled: the client left; {_note(job)}{user_note}"
                 return _error(499, "the client closed the connection")
-            body = engine.respond_chat(job, result) if chat else engine.respond(job, result)
+            body = service.respond_chat(job, result) if chat else service.respond(job, result)
         except RequestError as exc:
             request.state.note = exc.message
             return _error(exc.status, exc.message, exc.param)
@@ -315,20 +322,20 @@ def create_app(engine: Engine):
     return app
 
 
-def serve(engine: Engine, host: str, port: int, log_level: str = "info",
+def serve(service: ModelService, host: str, port: int, log_level: str = "info",
           stop: Optional[threading.Event] = None) -> bool:
     """Serve until Ctrl-C or ``stop`` is set: uvicorn in a second thread, the model's jobs on
     this one. False if the server never started (e.g. the port is taken: uvicorn logs why)."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(engine), host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(create_app(service), host=host, port=port, log_level=log_level,
                             access_log=False)  # the middleware logs one line per request
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     try:
         stop = stop or threading.Event()
-        engine.run_jobs(lambda: thread.is_alive() and not stop.is_set())
+        service.run_jobs(lambda: thread.is_alive() and not stop.is_set())
     except KeyboardInterrupt:
         pass
     finally:
