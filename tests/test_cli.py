@@ -27,7 +27,7 @@ print("LOADED:" + ",".join(loaded))
 
 @pytest.mark.parametrize("script", ["pretrain_looplm.py", "tools/convert_checkpoint.py",
                                     "tools/preprocess_data.py", "tools/generate.py",
-                                    "tools/evaluate.py"])
+                                    "tools/evaluate.py", "train_rl.py"])
 def test_help_imports_neither_megatron_nor_torch(script):
     path = os.path.join(ROOT, script)
     proc = subprocess.run([sys.executable, "-c", _PROBE.format(script=path)], cwd=ROOT,

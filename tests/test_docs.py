@@ -272,7 +272,7 @@ def flags_of(program: str) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=None)
 def _all_flags() -> frozenset[str]:
-    programs = (["pretrain_looplm.py", "torchrun", "-m megaloop.gpu_check"]
+    programs = (["pretrain_looplm.py", "train_rl.py", "torchrun", "-m megaloop.gpu_check"]
                 + sorted(os.path.relpath(p, ROOT) for pattern in
                          ("tools/*.py", "examples/studies/*.py", "benchmarks/*.py")
                          for p in glob.glob(os.path.join(ROOT, pattern))

@@ -183,9 +183,10 @@ def test_rltt_last_weights_equal_grpo(env_file, tmp_path):
 
 
 def test_equal_rewards_change_no_parameter(env_file, tmp_path):
-    # 0.1 is not the mean of 0.1s in floats: (r - mean) / (std + eps) would be ~1e-11, which
-    # Adam's normalisation turns into a full-size update.
+    # The mean of three 0.1s is not 0.1 in floats: (r - mean) / (std + eps) would be ~1e-11,
+    # which Adam's normalisation turns into a full-size update.
     argv = [*MODEL, *RL, "--env", env_file, "--env-args", "constant=0.1", "--train-iters", "2",
+            "--group-size", "3",
             "--weight-decay", "0", "--log-jsonl", str(tmp_path / "log.jsonl")]
     code, before, after, records, _ = run_distributed(_rl, 1, argv)[0]
     assert code == 0 and not _changed(before, after)

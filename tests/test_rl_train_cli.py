@@ -1,0 +1,118 @@
+"""train_rl.py as a user runs it: the whole script (train_rl.main) on 2 CPU ranks (TP=2) on the
+shipped demo-tasks environment with a sentencepiece tokenizer, and the refusals of bad flags
+before any process group (one line naming the flag, exit code 2)."""
+
+import json
+import os
+import random
+
+import pytest
+
+from distributed import run_distributed
+from flags import LLAMA_STYLE_FLAGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = os.path.join(ROOT, "examples", "lm_eval_tasks", "demo_tasks.jsonl")
+TINY = [*LLAMA_STYLE_FLAGS, "--transformer-impl", "auto", "--distributed-backend", "auto",
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--max-position-embeddings", "128", "--num-loops", "3"]
+
+
+def _main(rank, world, argv):
+    import sys
+
+    sys.path.insert(0, ROOT)
+    import train_rl
+
+    return train_rl.main(argv)
+
+
+def _first_word(text):
+    words = text.split()
+    return words[0].rstrip(".") if words else ""
+
+
+def test_train_rl_runs_on_demo_tasks(tmp_path):
+    import importlib.util
+
+    from megaloop.data.tokenizers import train_sentencepiece
+
+    spec = importlib.util.spec_from_file_location(
+        "make_demo_corpus", os.path.join(ROOT, "tools", "make_demo_corpus.py"))
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    rng = random.Random(0)
+    sp = train_sentencepiece([corpus.document(rng, 6) for _ in range(300)], str(tmp_path / "sp"),
+                             vocab_size=512)
+    log, rollouts = tmp_path / "rl.jsonl", tmp_path / "rollouts.jsonl"
+    argv = [*TINY, "--tensor-model-parallel-size", "2", "--tokenizer-type",
+            "SentencePieceTokenizer", "--tokenizer-model", sp, "--env", "demo-tasks",
+            "--env-path", TASKS, "--env-limit", "12", "--prompts-per-step", "3",
+            "--group-size", "2", "--max-new-tokens", "4", "--micro-batch-size", "3",
+            "--train-iters", "2", "--objective", "rltt", "--kl-beta", "0.1",
+            "--save", str(tmp_path / "ckpt"), "--log-jsonl", str(log),
+            "--rollout-log", str(rollouts)]
+    assert run_distributed(_main, 2, argv) == [0, 0]
+    records = [json.loads(x) for x in open(log)]
+    assert [r["iteration"] for r in records] == [1, 2]
+    for r in records:
+        assert len(r["step_log_probs"]) == 3 and all(v < 0 for v in r["step_log_probs"])
+        assert 0 <= r["solve_rate"] <= 1 and r["response_length"] >= 1
+    rows = [json.loads(x) for x in open(rollouts)]
+    assert len(rows) == 2 * 3 * 2
+    tasks = {json.loads(x)["question"]: str(json.loads(x)["answer"]) for x in open(TASKS)}
+    for row in rows:  # the demo-tasks reward, written out: the first word is the answer
+        assert row["answer"] == tasks[row["prompt"]]
+        assert row["reward"] == float(_first_word(row["completion"]) == row["answer"])
+    assert open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read().strip() == "2"
+
+
+def _refusals(rank, world, cases):
+    from megaloop.rl.train import configure
+
+    out = []
+    for argv in cases:
+        try:
+            configure(argv)
+            out.append(None)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+REFUSALS = [
+    (["--loop-weighting", "uniform"], "--loop-weighting uniform weighs RLTT"),
+    (["--objective", "rltt", "--loop-weighting-alpha", "2"], "--loop-weighting-alpha"),
+    (["--objective", "rltt", "--loop-weighting", "exit_pdf", "--num-loops", "1"],
+     "exit_pdf reads the exit gate"),
+    (["--prompts-per-step", "3", "--group-size", "3"], "9 completions per data-parallel "
+                                                         "rank"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
+    (["--temperature", "0"], "--temperature 0"),
+    (["--env", "nope"], "--env nope"),
+    (["--prompts-per-step", "20"], "has only 12 prompts"),
+    (["--max-new-tokens", "125"], "exceeds --max-position-embeddings 128"),
+    (["--env-args", "size"], "--env-args size: expected KEY=VALUE"),
+]
+
+
+def test_bad_flags_are_refused_before_any_process_group(tmp_path):
+    from test_rl_train import ENV
+
+    (tmp_path / "even_sum.py").write_text(ENV)
+    base = [*TINY, "--tokenizer-type", "NullTokenizer", "--vocab-size", "63", "--env",
+            f"{tmp_path / 'even_sum.py'}:EvenSum", "--env-args", "size=12",
+            "--prompts-per-step", "4", "--group-size", "2", "--micro-batch-size", "2"]
+    messages = run_distributed(_refusals, 1, [base] + [base + extra for extra, _ in REFUSALS])[0]
+    assert messages[0] is None  # the base command is valid
+    for (extra, want), got in zip(REFUSALS, messages[1:]):
+        assert got is not None and want in got, (extra, got)
+        assert "\n" not in got
+
+
+@pytest.mark.parametrize("flag", ["--data-path", "--global-batch-size", "--seq-length",
+                                  "--eval-iters", "--random-depth-mean"])
+def test_pretraining_only_flags_are_not_flags_of_train_rl(flag):
+    from megaloop.rl.config import build_parser
+
+    assert flag not in build_parser()._option_string_actions
