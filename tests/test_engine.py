@@ -257,3 +257,80 @@ def test_cancel_frees_blocks_and_a_full_pool_queues():
     assert r["second"] == (True, "length")
     assert r["refused"] == ("a prompt of 30 tokens plus max_tokens 3 is 33 tokens, over the "
                             "engine's --max-sequence-length 32; shorten the prompt or max_tokens")
+
+
+def _stops(rank, world):
+    from megaloop.inference.engine import EngineConfig, InferenceEngine
+
+    setup_parallel(world)
+    model = _model()
+    # A prompt whose greedy continuation has a token at k >= 1 not seen before it: that token
+    # is made EOD, so the request ends right there.
+    for prompt in PROMPTS:
+        greedy = _alone(model, prompt, 6, "full", None, _params(0, 0.0))[0]
+        firsts = [k for k in range(1, 6) if greedy[k] not in greedy[:k]]
+        if firsts:
+            break
+    k = firsts[0]
+    engine = InferenceEngine(model, V, eod=greedy[k], config=EngineConfig(max_sequence_length=32))
+
+    def hook(request, token):
+        if len(request.out) == 2:
+            raise ConnectionError("client gone")
+
+    at_eod = engine.add(prompt, 6, _params(0, 0.0))
+    past_eod = engine.add(prompt, 6, _params(0, 0.0), ignore_eos=True)
+    said_stop = engine.add(prompt, 6, _params(0, 0.0), on_token=lambda r, t: len(r.out) == 1)
+    raised = engine.add(prompt, 6, _params(0, 0.0), on_token=hook)
+    while engine.has_work():
+        engine.step()
+    return greedy, k, [(r.out, r.finish, type(r.error).__name__) for r in
+                    (at_eod, past_eod, said_stop, raised)], engine.allocator.used
+
+
+def test_eod_ignore_eos_and_on_token_end_a_request():
+    """EOD ends a request ("stop", EOD kept) unless ignore_eos; on_token returning True ends it
+    ("stop"); one raising cancels only its own request, which carries the error; all blocks come
+    back."""
+    greedy, k, (at_eod, past_eod, said_stop, raised), used = run_distributed(_stops, 1)[0]
+    assert at_eod == (greedy[:k + 1], "stop", "NoneType")
+    assert past_eod == (greedy, "length", "NoneType")
+    assert said_stop == (greedy[:1], "stop", "NoneType")
+    assert raised == (greedy[:2], "cancelled", "ConnectionError") and used == 0
+
+
+def _refusals(rank, world):
+    from megaloop.inference.engine import EngineConfig, InferenceEngine
+    from megaloop.model.config import LoopConfig
+    from megaloop.model.looped_gpt import build_model
+
+    setup_parallel(world)
+    model = _model()
+    reasons = []
+    learned = build_model(llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                      max_position_embeddings=64, transformer_impl="local",
+                                      position_embedding_type="learned_absolute"),
+                          LoopConfig(num_loops=2), VOCAB)
+    for m, kwargs in ((model, {"kv_policy": "none"}),
+                      (learned, {"config": EngineConfig(max_sequence_length=100)})):
+        try:
+            InferenceEngine(m, V, **kwargs)
+        except ValueError as error:
+            reasons.append(str(error))
+    spiral = build_model(llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                     max_position_embeddings=64, transformer_impl="local"),
+                         LoopConfig(num_loops=2, loop_resolutions="1/2,1"), VOCAB)
+    try:
+        InferenceEngine(spiral, V)
+    except ValueError as error:
+        reasons.append(str(error))
+    return reasons
+
+
+def test_what_the_engine_cannot_batch_is_refused():
+    reasons = run_distributed(_refusals, 1)[0]
+    assert len(reasons) == 3, reasons
+    no_cache, positions, spiral = reasons
+    assert no_cache.startswith("kv_policy none: the batching engine decodes from its paged KV")
+    assert positions.startswith("--max-sequence-length 100 exceeds the model's")
+    assert spiral.startswith("the batching engine cannot batch SpiralFormer models")
