@@ -145,6 +145,8 @@ def test_batched_equals_alone(policy, rule, temperature, chunk):
             (batched, alone, logit_gap, depths, alone_depths)
         assert finish == "length"
     assert stats["decode_rows_max"] > 1  # requests really shared decode forwards
+    # Decode forwards over unchanged rows reused the last one's gathered cache.
+    assert stats["gathers"] < stats["decode_forwards"] + stats["prefill_forwards"]
     if rule is not None and rule.startswith("q"):
         assert len({d for r in results for d in r[3]}) > 1  # rows exited at different steps
     assert stats["used_blocks"] == 0 and stats["running"] == stats["queued"] == 0

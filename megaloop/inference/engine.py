@@ -16,8 +16,9 @@
 5. retire the rows that reached EOD, ``max_tokens`` or whose ``on_token`` said stop.
 
 The KV cache is paged (megaloop/inference/paged_kv.py, which says why not megatron-core's
-dynamic context): every forward gathers its rows into one left-padded static cache with an
-attention mask for the padding, and writes the new tokens' K/V back into their blocks. Every KV
+dynamic context): a forward gathers its rows into one left-padded static cache with an
+attention mask for the padding (decode forwards over the same rows reuse it while it has spare
+columns), and writes the new tokens' K/V back into their blocks. Every KV
 policy works as in ``Generator`` (the gathered view is a ``LoopKVCache``).
 
 Each request samples from its own CPU generator seeded by its ``SamplingParams.seed``, one draw
@@ -40,6 +41,11 @@ from megaloop.inference import early_exit
 from megaloop.inference.flags import check_num_loops, check_sampling
 from megaloop.inference.generate import SamplingParams, sample
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
+
+
+# Columns a decode forward's gathered cache keeps free, so that the next SPARE_COLUMNS decode
+# forwards over the same rows reuse it instead of gathering every cached token again.
+SPARE_COLUMNS = 32
 
 
 @dataclass
@@ -142,10 +148,11 @@ class InferenceEngine:
         self._running: list[Request] = []
         self._next_id = 0
         self.stats: dict = {"steps": 0, "decode_forwards": 0, "prefill_forwards": 0,
-                            "prefill_tokens": 0, "decode_rows_max": 0, "decode_rows_mean": 0.0,
+                            "prefill_tokens": 0, "gathers": 0, "decode_rows_max": 0, "decode_rows_mean": 0.0,
                             "forward_s": 0.0, "gather_s": 0.0, "free_blocks": num_blocks,
                             "used_blocks": 0, "queued": 0, "running": 0}
         self._decode_rows = 0
+        self._decode_view = None  # (request ids, the last decode forward's gathered cache)
 
     # --- the caller's side ----------------------------------------------------------------
     def add(self, prompt: list, max_tokens: int, params: SamplingParams = SamplingParams(),
@@ -249,7 +256,14 @@ class InferenceEngine:
         rows = [(r.blocks, r.cached) for r in requests]
         new = ids.size(1)
         clock = time.perf_counter()
-        kv, mask = self.kv.view(rows, new)
+        key = tuple(r.id for r in requests)
+        kv = None
+        if decode and self._decode_view is not None and self._decode_view[0] == key:
+            kv, mask = self.kv.next_decode(self._decode_view[1], rows) or (None, None)
+        if kv is None:
+            kv, mask = self.kv.view(rows, new, spare=SPARE_COLUMNS if decode else 0)
+            self.stats["gathers"] += 1
+        self._decode_view = (key, kv) if decode else self._decode_view
         gathered = time.perf_counter()
         depth = None
         if self.exit_rule is not None and decode:

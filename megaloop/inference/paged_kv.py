@@ -12,7 +12,9 @@ megatron-core the static cache it already uses for ``Generator``:
   dim], made at the first write. ``view`` gathers the running rows into one ``LoopKVCache``
   whose buffers are [width, rows, groups, dim], each row laid out contiguously and left-padded
   so that every row's newest token sits in the same column; ``write_back`` scatters the new
-  tokens' K/V into their blocks.
+  tokens' K/V into their blocks. Consecutive decode forwards over the same rows reuse one
+  gathered view with spare columns (``next_decode``): every row grows by one token per forward,
+  so the layout stays aligned and only the new column is written back.
 
 Left padding is exact with megatron-core's static path: it stores K before RoPE and rotates the
 whole cached key by column at every call (and the query by its column), and a rotary score
@@ -92,30 +94,52 @@ class PagedKV:
         block = table.gather(1, (token // size).clamp(max=width - 1).t()).t()
         return torch.where(real, block * size + token % size, 0)
 
-    def view(self, rows: list[tuple[list[int], int]], new_tokens: int):
+    def view(self, rows: list[tuple[list[int], int]], new_tokens: int, spare: int = 0):
         """(cache, mask) for a forward of ``new_tokens`` positions per row over ``rows`` ((blocks,
         cached length) each): every row's cached tokens end at column L = the longest cached
-        length, the new ones fill columns L..L+new_tokens-1. ``mask`` [rows, 1, new, width] is
-        True where a query may not look: a row's padding and the columns after the query."""
+        length, the new ones fill columns L..L+new_tokens-1 (``spare`` more columns are
+        allocated for ``next_decode``)."""
         lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
         L, b = int(lengths.max()), len(rows)
-        width = L + new_tokens
+        width = L + new_tokens + spare
         # [width, b] flat pool index of every column: the cached tokens, then slot 0 for the new
         # columns (overwritten by the forward); padding reads slot 0 too (finite, and masked).
         index = torch.zeros(width, b, dtype=torch.long)
         if L:
             index[:L] = self._slots(rows, lengths - L, L)
-        column = torch.arange(width)
-        padding = column.view(1, width) < (L - lengths).view(b, 1)  # [b, width]
-        after = column.view(1, width) > L + torch.arange(new_tokens).view(new_tokens, 1)
-        mask = (padding.view(b, 1, 1, width) | after.view(1, 1, new_tokens, width))
         index = index.flatten().to(self.device)
         kv = _View(b, width, self.policy, L)
         for key, layers in self.pools.items():
             kv.dicts[key] = {
                 n: tuple(pool.index_select(0, index).view(width, b, *pool.shape[1:])
                          for pool in (k, v)) for n, (k, v) in layers.items()}
-        return kv, mask.to(self.device)
+        kv.layers = self._layers()
+        return kv, self.mask(lengths, L, new_tokens)
+
+    def next_decode(self, kv: _View, rows: list[tuple[list[int], int]]):
+        """(cache, mask) of the decode forward after ``kv``'s for the same rows, each one token
+        longer, reusing ``kv``'s buffers (they hold the last forward's new column already, as
+        written back): None when it has no spare column or the pools changed."""
+        lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
+        L = int(lengths.max())
+        if L != kv.offset + 1 or L + 1 > kv.max_sequence_length or kv.layers != self._layers():
+            return None
+        kv.context.sequence_len_offset = L
+        kv._first_written.clear()
+        return kv, self.mask(lengths, L, 1)
+
+    def _layers(self) -> int:
+        return sum(len(layers) for layers in self.pools.values())
+
+    def mask(self, lengths: torch.Tensor, L: int, new_tokens: int) -> torch.Tensor:
+        """[rows, 1, new, L + new] True where a query may not look: a row's left padding (its
+        cached tokens end at column L) and the columns after the query."""
+        width, b = L + new_tokens, len(lengths)
+        column = torch.arange(width)
+        padding = column.view(1, width) < (L - lengths).view(b, 1)
+        after = column.view(1, width) > L + torch.arange(new_tokens).view(new_tokens, 1)
+        return (padding.view(b, 1, 1, width) | after.view(1, 1, new_tokens, width)).to(
+            self.device)
 
     def write_back(self, kv: _View, rows: list[tuple[list[int], int]], new_tokens: int) -> None:
         """Scatter the new columns of every cache ``kv`` holds into the rows' blocks (their
