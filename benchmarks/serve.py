@@ -11,7 +11,8 @@ and one with ``--exit RULE``, and driven through the ``openai`` client (asyncio)
 prompt ``--prompt-length`` held-out token ids, every answer ``--max-tokens`` tokens
 (``ignore_eos``; a server that refuses that field is asked without it and the table shows the
 tokens it returned). Per cell: output tokens/s over the cell's wall time, time to first token and
-the gaps between a stream's token chunks (inter-token latency), p50/p99 over the cell's requests.
+inter-token latency (per request: from its first token to its last over the tokens in between,
+which holds when a server sends several tokens in one chunk), p50/p99 over the cell's requests.
 Hugging Face ``generate()`` runs in this process on the folder ``export-hf`` writes, the first
 prompts of the same set, batch 1 and 16, greedy, exactly ``--max-tokens`` new tokens.
 
@@ -100,7 +101,7 @@ class Cell:
     wall_s: float
     tokens: list  # completion tokens of each request (from the usage chunk)
     ttft_s: list  # send -> first token chunk, per request
-    itl_s: list  # gaps between consecutive token chunks, all requests
+    itl_s: list  # (last token's arrival - first's) / (tokens - 1), per request
     chunks: int  # token chunks received in all
 
     @classmethod
@@ -108,8 +109,11 @@ class Cell:
         """From each request's (send time, token-chunk arrival times, completion tokens or None:
         then its chunks are counted)."""
         ttft = [a[0] - sent for sent, a, _ in results if a]
-        itl = [y - x for _, a, _ in results for x, y in zip(a, a[1:])]
         tokens = [t if t is not None else len(a) for _, a, t in results]
+        # A server may put several tokens into one chunk (text that arrived together): the gap
+        # between chunks is not a token's. Per request: the time from its first token to its
+        # last over the tokens in between (GenAI-Perf's inter-token latency).
+        itl = [(a[-1] - a[0]) / (t - 1) for (_, a, _), t in zip(results, tokens) if t > 1 and a]
         return cls(wall_s, tokens, ttft, itl, sum(len(a) for _, a, _ in results))
 
     @property
@@ -549,7 +553,7 @@ def main(argv=None) -> int:
     print(table(rows))
     for (i, c), cs in sorted(cells.items()):
         chunks, tokens = sum(x.chunks for x in cs), sum(sum(x.tokens) for x in cs)
-        if chunks != tokens:  # the inter-token gaps are then gaps between chunks
+        if chunks != tokens:  # several tokens' text in one chunk (or a token without text)
             print(f"note: {servers[i].label} exit {servers[i].exit_rule or 'off'} c{c}: {chunks} "
                   f"token chunks for {tokens} tokens")
     if hf_runs:

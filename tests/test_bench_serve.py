@@ -31,9 +31,11 @@ def test_cell_from_arrival_times(bench):
     cell = bench.Cell.of(1.0, [(0.0, [0.1, 0.3, 0.6], 3), (0.05, [0.2, 0.25], None)])
     assert cell.tokens == [3, 2]
     assert cell.ttft_s == pytest.approx([0.1, 0.15])
-    assert cell.itl_s == pytest.approx([0.2, 0.3, 0.05])
+    assert cell.itl_s == pytest.approx([0.25, 0.05])  # (0.6 - 0.1) / 2, (0.25 - 0.2) / 1
     assert cell.chunks == 5
     assert cell.tokens_per_s == pytest.approx(5.0)  # 5 tokens in 1 s
+    # 4 tokens in 2 chunks (a server sending two tokens' text at once): 0.3 s over 3 gaps
+    assert bench.Cell.of(1.0, [(0.0, [0.1, 0.4], 4)]).itl_s == pytest.approx([0.1])
 
 
 def test_percentile_interpolates(bench):
@@ -78,11 +80,11 @@ def test_summary_and_table(bench):
     s = bench.summarize(cells)
     assert (s["tok/s"].lo, s["tok/s"].hi) == (2.0, 4.0)  # 4 tokens in 2 s and in 1 s
     assert (s["ttft50"].lo, s["ttft50"].hi) == pytest.approx((100.0, 300.0))  # ms
-    assert (s["itl50"].lo, s["itl50"].hi) == pytest.approx((100.0, 200.0))
+    assert (s["itl50"].lo, s["itl50"].hi) == pytest.approx((100 / 3, 200 / 3))  # 3 gaps
     text = bench.table([("this tree", "off", 16, 16, s)])
     assert text.splitlines()[2] == ("| this tree | off | 16 | 16 | 4.0 | 3.0 (2.0-4.0) | "
-                                    "200 (100-300) | 200 (100-300) | 150.0 (100.0-200.0) | "
-                                    "150.0 (100.0-200.0) |")
+                                    "200 (100-300) | 200 (100-300) | 50.0 (33.3-66.7) | "
+                                    "50.0 (33.3-66.7) |")
 
 
 def test_disconnect_log_line(bench):
