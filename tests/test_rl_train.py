@@ -145,7 +145,7 @@ def _pretrained(rank, world, argv, path):
 
 def test_resume_mid_rl_is_bitwise(env_file, tmp_path):
     argv = [*MODEL, *RL, "--env", env_file, "--train-iters", "3", "--kl-beta", "0.5",
-            "--use-distributed-optimizer", "--micro-batch-size", "2"]
+            "--use-distributed-optimizer", "--prompts-per-step", "2", "--micro-batch-size", "2"]
     pre = str(tmp_path / "pretrained")
     run_distributed(_pretrained, 1, argv, pre)
     straight = run_distributed(_rl, 2, argv + [
@@ -253,3 +253,5 @@ def test_loss_and_grad_norm_equal_a_hand_computation(env_file, tmp_path):
         assert r["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
         assert r["grad_norm"] == pytest.approx(norm, rel=1e-4)
     assert records[1]["kl"] > 0  # step 2's policy is not the reference: the KL term counts
+    # One update per rollout batch: the policy scores as the one that sampled (ratio 1).
+    assert [r["clip_fraction"] for r in records] == [0.0, 0.0]

@@ -93,6 +93,7 @@ REFUSALS = [
     (["--prompts-per-step", "20"], "has only 12 prompts"),
     (["--max-new-tokens", "125"], "exceeds --max-position-embeddings 128"),
     (["--env-args", "size"], "--env-args size: expected KEY=VALUE"),
+    (["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: RL scores the sampled tokens"),
 ]
 
 
@@ -116,3 +117,43 @@ def test_pretraining_only_flags_are_not_flags_of_train_rl(flag):
     from megaloop.rl.config import build_parser
 
     assert flag not in build_parser()._option_string_actions
+
+
+def test_plot_run_draws_the_rl_telemetry(tmp_path):
+    """tools/plot_run.py on an RL log draws megaloop/rl/plot.py's panels; each line holds the
+    records' values (per loop step: one line per t)."""
+    import sys
+
+    import torch
+
+    from megaloop.rl.plot import draw_rl_run
+    from megaloop.rl.telemetry import step_record
+
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for step in (1, 2, 3):
+        rewards = torch.randint(0, 2, (2, 3), generator=g).double()
+        mask = torch.ones(6, 4)
+        logp = -torch.rand(3, 6, 4, generator=g)
+        records.append({**step_record(step, rewards, mask, logp, logp[-1], logp[-1] * 0.9),
+                        "grad_norm": 0.5 * step, "loss": 0.1 / step, "clip_fraction": 0.0,
+                        "exit_probs": [0.2, 0.3, 0.5]})
+    path = tmp_path / "rl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import plot_run
+    finally:
+        sys.path.remove(os.path.join(ROOT, "tools"))
+    assert plot_run.main([str(path), "--output", str(tmp_path / "rl.png")]) == 0
+    assert os.path.getsize(tmp_path / "rl.png") > 0
+    fig, panels = draw_rl_run(records)
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    lines = {ax.get_title(): [list(line.get_ydata()) for line in ax.lines]
+             for ax in fig.axes}
+    assert set(panels) <= set(axes)
+    assert lines["log-prob per loop step"] == [[r["step_log_probs"][t] for r in records]
+                                               for t in range(3)]
+    assert lines["reward and solve rate"][0] == [r["reward_mean"] for r in records]
+    assert lines["KL to the reference"] == [[r["kl"] for r in records]]
+    assert lines["exit distribution"] == [[0.2] * 3, [0.3] * 3, [0.5] * 3]

@@ -44,6 +44,12 @@ def main(argv=None) -> int:
     except ImportError:
         print("error: plotting needs matplotlib: pip install -e '.[eval]'", file=sys.stderr)
         return 2
+    from megaloop.rl.plot import is_rl_run, plot_rl_run
+
+    if is_rl_run(records):  # train_rl.py's telemetry (megaloop/rl/plot.py)
+        panels = plot_rl_run(records, output, title=os.path.basename(args.jsonl))
+        print(f"wrote {output} ({len(records)} RL records; panels: {', '.join(panels)})")
+        return 0
     unknown = unknown_keys(records)
     if unknown:
         print(f"warning: keys this tool does not draw: {', '.join(unknown)}", file=sys.stderr)

@@ -199,6 +199,14 @@ class RLRunConfig(RunConfig):
                 raise ValueError(f"{flag} is not supported by train_rl.py (its rollouts and "
                                  f"log-probs call the model directly, outside DDP's forward); "
                                  f"drop it")
+        for flag, p in (("--hidden-dropout", self.model.hidden_dropout),
+                        ("--attention-dropout", self.model.attention_dropout)):
+            if p:
+                raise ValueError(f"{flag} {p}: RL scores the sampled tokens under the policy "
+                                 f"that sampled them (no dropout); a dropout mask in the update "
+                                 f"would score another policy and move the ratio off 1 (clipped "
+                                 f"for no reason). Pass --hidden-dropout 0 --attention-dropout 0 "
+                                 f"(Megatron-LM's defaults are 0.1)")
         if loop.exit_loss == "adaptive-gate":
             raise ValueError("--exit-loss adaptive-gate trains only the exit gate: not an RL "
                              "objective; use the checkpoint's --exit-loss")

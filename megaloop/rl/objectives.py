@@ -81,7 +81,8 @@ def aggregate_parts(per_token: torch.Tensor, mask: torch.Tensor, how: Aggregatio
         return (per_token * mask).sum(), mask.sum()
     if how == "sequence-mean":
         per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=per_token.dtype)
+        return per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=per_token.dtype,
+                                           device=per_token.device)
     raise ValueError(f"aggregation {how!r}: use token-mean or sequence-mean")
 
 

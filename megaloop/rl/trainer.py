@@ -134,7 +134,8 @@ class RLTrainer(Trainer):
     @torch.no_grad()
     def _score(self, r):
         """Micro-batches of the rollouts with the sampling ("old") policy's and the reference's
-        log-probs, the loop weights and the advantages; and the per-step log-probs [T, B, S]."""
+        log-probs, the loop weights and the advantages; and per micro-batch the per-step
+        log-probs [T, b, S] and exit distribution (None without a gate) of the sampling policy."""
         policy, rl = unwrap(self.model), self.rl
         policy.eval()  # no dropout: the log-probs of the policy that sampled
         advantages = group_advantages(r.rewards).flatten()
@@ -159,7 +160,7 @@ class RLTrainer(Trainer):
                             "advantages": advantages[b0:b0 + mbs].to(current_device()),
                             "old": self._weighted(old_steps, weights),
                             "ref": self._weighted(ref_steps, weights)})
-            steps.append(old_steps)
+            steps.append((old_steps, exit_probs))
         policy.train()
         return batches, steps
 
@@ -208,14 +209,15 @@ class RLTrainer(Trainer):
     def _telemetry(self, step: int, r, batches: list, steps: list) -> dict:
         """The step's telemetry over the whole global batch (every data-parallel rank's
         rollouts gathered), and its rollouts in --rollout-log."""
-        T = self.num_loops
         width = max(b["mask"].size(1) for b in batches)
 
         def pad(x):  # [..., S] -> [..., width]
             return torch.nn.functional.pad(x.cpu().double(), (0, width - x.size(-1)))
 
         mine = {"rewards": r.rewards, "mask": torch.cat([pad(b["mask"]) for b in batches]),
-                "steps": torch.cat([pad(s) for s in steps], dim=1),
+                "steps": torch.cat([pad(s) for s, _ in steps], dim=1),
+                "exit": (torch.cat([pad(e) for _, e in steps], dim=1)
+                         if steps[0][1] is not None else None),
                 "old": torch.cat([pad(b["old"]) for b in batches]),
                 "ref": torch.cat([pad(b["ref"]) for b in batches]),
                 "rows": self._rollout_rows(r) if self.rl.rollout_log else None}
@@ -231,7 +233,11 @@ class RLTrainer(Trainer):
         record = step_record(step, torch.cat([p["rewards"] for p in everyone]), cat("mask"),
                              cat("steps", dim=1), cat("old"), cat("ref"),
                              solve_threshold=self.rl.solve_threshold)
-        assert len(record["step_log_probs"]) == T
+        if everyone[0]["exit"] is not None:  # the sampling policy's p_t, over response tokens
+            mask, exits = cat("mask"), cat("exit", dim=1)
+            record["exit_probs"] = [float((e * mask).sum() / mask.sum().clamp(min=1))
+                                    for e in exits]
+            record["p0"] = record["exit_probs"][0]
         if self.rl.rollout_log and torch.distributed.get_rank() == 0:
             write_rollouts(self.rl.rollout_log, step, [row for p in everyone for row in p["rows"]])
         return record
