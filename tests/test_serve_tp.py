@@ -254,3 +254,28 @@ def _scripted_one_row(rank, world):
     setup_parallel(world)
     service = _service()
     return Generator(service.model, service.vocab_size, eod=EOD).generate([[5, 6, 7]], 6)[0]
+
+
+def _ignore_eos(rank, world):
+    from megaloop.inference.generate import Generator
+
+    setup_parallel(world)
+    service = _service()
+    free = Generator(service.model, service.vocab_size).generate([[5, 6, 7]], 8)[0]
+    service.eod = service.runner.eod = service.tokenizer.eod = free[2]  # EOD is its 3rd token
+    service.runner.lockstep.engine = service.runner.lockstep.new_engine()  # (with that EOD)
+    stops, ignores = _job([[5, 6, 7]], 8), _job([[5, 6, 7]], 8)
+    ignores.ignore_eos = True
+    _run(service, [stops, ignores])
+    return free, stops.outs[0], stops.finish[0], ignores.outs[0], ignores.finish[0], \
+        ignores.texts[0]
+
+
+def test_ignore_eos_generates_past_the_end_of_document():
+    """The end-of-document id set to the 3rd token the model would generate: a row stops
+    there; with ignore_eos it goes on to max_tokens, the tokens of decoding without EOD."""
+    free, stops, why, ignores, why_ignored, text = run_distributed(_ignore_eos, 1)[0]
+    eod = free[2]
+    assert stops == free[:free.index(eod) + 1] and why == "stop"
+    assert ignores == free and why_ignored == "length"
+    assert text == " " + " ".join(map(str, free))  # EOD's piece is text like any other
