@@ -227,6 +227,8 @@ class InferenceEngine:
         decoding = [r for r in self._running if r.cached >= len(r.prompt) and r.finish is None]
         if decoding:
             self._decode(decoding, finished)
+        else:
+            self._decode_view = None  # nothing to reuse it for: free its copy of the cache
         self.stats["steps"] += 1
         self.stats.update(free_blocks=self.allocator.free, used_blocks=self.allocator.used,
                           queued=len(self._queue), running=len(self._running))
