@@ -9,8 +9,14 @@ checked against the runs themselves:
   into windows, cross-entropy of the last loop step's log-softmax written out; the three
   checkpoints' losses differ, so a row showing another checkpoint's number fails.
 
-Whether mid-training helps is for the cpu-size results (examples/studies/results/midtrain.md),
-not for this test.
+and rl.py (GRPO against RLTT with exit_pdf weights through train_rl.py) from those mid-trained
+checkpoints: its choice of problems on hand-made accuracies; each arm's RL checkpoint names its
+seed's mid-trained checkpoint as the frozen reference and carries the arm's objective and loop
+weighting; its training prompts and held-out problems are the chosen (family, k) cells, the
+held-out ones disjoint from the training prompts and from the mid-training study's held-out set.
+
+Whether mid-training or RL helps is for the cpu-size results (examples/studies/results/
+midtrain.md, rl.md), not for this test.
 """
 
 import importlib.util

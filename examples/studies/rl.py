@@ -34,17 +34,18 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import midtrain  # noqa: E402
-from study import (ROOT, Study, figure, in_child, mean_sd, md_table, slug, spread,  # noqa: E402
+from study import (ROOT, Study, in_child, mean_sd, md_table, slug, spread,  # noqa: E402
                    verdict_cell, _quietly)
 
 # RL steps, prompts (groups) per step, group size, held-out and training problems per k
 RL = {"tiny": dict(steps=2, prompts=4, group=4, heldout=16, train=40),
-      "cpu": dict(steps=10, prompts=16, group=8, heldout=100, train=400),
+      "cpu": dict(steps=30, prompts=16, group=8, heldout=100, train=400),
       "gpu": dict(steps=200, prompts=32, group=8, heldout=400, train=5000)}
 MAX_NEW_TOKENS = 4  # " 14." and the end of document: an answer is at most 4 tokens here
 TEMPERATURE = 0.9   # Closing the Loop's
 LR_FRACTION = 1 / 30  # of the size's pretraining LR, constant (no warmup: few steps)
 RANGE = (0.2, 0.6)
+LAST = 5  # the table's telemetry after RL: the mean over each run's last LAST steps
 TRAIN_SEED, HELDOUT_SEED = 31, 41
 ARMS = {"GRPO": ["--objective", "grpo"],
         "RLTT (exit_pdf)": ["--objective", "rltt", "--loop-weighting", "exit_pdf"]}
@@ -133,7 +134,7 @@ def train_rl(study: Study, arm: str, argv: list, seed: int) -> dict:
     os.makedirs(d, exist_ok=True)
     ckpt, log = os.path.join(d, "ckpt"), os.path.join(d, "train.jsonl")
     argv = list(argv) + ["--log-jsonl", log, "--save", ckpt]
-    done = os.path.join(d, "done.json")
+    done, timing = os.path.join(d, "done.json"), os.path.join(d, "seconds.json")
     start = time.time()
     if os.path.isfile(done) and json.load(open(done)) == argv:
         study.say(f"reusing {arm}, seed {seed} (same flags, finished before)")
@@ -144,11 +145,13 @@ def train_rl(study: Study, arm: str, argv: list, seed: int) -> dict:
         in_child(_quietly, _train_rl, os.path.join(d, "train.log"), argv)
         with open(done, "w") as f:
             json.dump(argv, f)
+        with open(timing, "w") as f:  # the run's own wall time, for the table when reused
+            json.dump(time.time() - start, f)
     records = [json.loads(line) for line in open(log)]
+    seconds = json.load(open(timing)) if os.path.isfile(timing) else float("nan")
     study.say(f"RL {arm}, seed {seed}: last step's solve rate {records[-1]['solve_rate']:.3f} "
-              f"({time.time() - start:.0f} s)")
-    return {"dir": d, "ckpt": ckpt, "records": records, "seed": seed,
-            "seconds": time.time() - start}
+              f"({seconds:.0f} s)")
+    return {"dir": d, "ckpt": ckpt, "records": records, "seed": seed, "seconds": seconds}
 
 
 def rl_flags(study: Study, T: int, K: int, ckpt: str, env_path: str, seed: int) -> list:
@@ -200,25 +203,37 @@ def main(argv=None) -> int:
     rows = [["mid-trained (before RL)", spread(before), "-", "-"] + ["-"] * len(TELEMETRY)]
     for arm in ARMS:
         gains = [a - b for a, b in zip(after[arm], before)]
-        last = [run["records"][-1] for run in rl_runs[arm]]
+        last = [run["records"][-LAST:] for run in rl_runs[arm]]
         rows.append([arm, spread(after[arm]), verdict_cell(after[arm], before),
                      " ".join(f"{g:+.3f}" for g in gains)]
-                    + [spread([rec[key] for rec in last if key in rec], 4)
+                    + [spread([sum(rec[key] for rec in recs) / len(recs) for recs in last], 4)
                        for key, _ in TELEMETRY])
     first = {arm: [run["records"][0] for run in rl_runs[arm]] for arm in ARMS}
     start_rows = [[arm] + [spread([rec[key] for rec in first[arm] if key in rec], 4)
                            for key, _ in TELEMETRY] for arm in ARMS]
     seconds = {arm: spread([run["seconds"] for run in rl_runs[arm]], 0) for arm in ARMS}
 
-    fig, axes = figure(len(TELEMETRY) + 1)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # 2 x 3: the curves (the solve rate stands for the reward mean: equal under 0/1 rewards),
+    # the sampled tokens' log-prob at the last loop step, and the held-out accuracy
+    fig, grid = plt.subplots(2, 3, figsize=(16, 8))
+    axes = list(grid.flat)
+    curves = [c for c in TELEMETRY if c[0] != "reward_mean"] + [
+        ("last_step_log_prob", f"log-prob of the sampled tokens at step {T}")]
     for i, arm in enumerate(ARMS):
         for j, run in enumerate(rl_runs[arm]):
             steps = [rec["iteration"] for rec in run["records"]]
-            for ax, (key, label) in zip(axes, TELEMETRY):
-                ax.plot(steps, [rec.get(key, float("nan")) for rec in run["records"]],
-                        color=f"C{i}", lw=1, alpha=0.8, label=arm if j == 0 else None)
+            for ax, (key, label) in zip(axes, curves):
+                values = [rec["step_log_probs"][-1] if key == "last_step_log_prob" else
+                          rec.get(key, float("nan")) for rec in run["records"]]
+                ax.plot(steps, values, color=f"C{i}", lw=1, alpha=0.8,
+                        label=arm if j == 0 else None)
                 ax.set_xlabel("RL step")
-                ax.set_ylabel(f"{label}, one line per seed")
+                ax.set_ylabel(f"{label}, one line per seed", fontsize=8)
         m, sd = mean_sd(after[arm])
         axes[-1].errorbar([i + 1], [m], yerr=[0 if sd != sd else sd], fmt="o", capsize=3,
                           color=f"C{i}", label=arm)
@@ -226,8 +241,8 @@ def main(argv=None) -> int:
     axes[-1].errorbar([0], [m], yerr=[0 if sd != sd else sd], fmt="o", capsize=3, color="grey",
                       label="before RL")
     axes[-1].set_xticks(range(len(ARMS) + 1), ["before"] + list(ARMS), fontsize=8)
-    axes[-1].set_ylabel("held-out accuracy (mean ± sd over seeds)")
-    axes[-1].set_ylim(0, 1.02)
+    axes[-1].set_ylabel("held-out accuracy (mean ± sd over seeds)", fontsize=8)
+    axes[-1].set_ylim(0, max(0.3, 2 * max(before + sum(after.values(), []))))
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -248,7 +263,8 @@ def main(argv=None) -> int:
          f"{s['lr'] * LR_FRACTION:g}, no weight decay, clip 0.2, KL beta 0 (the KL to the "
          f"reference is logged), token-mean. Seconds per RL run: "
          + "; ".join(f"{a} {v}" for a, v in seconds.items()) + ".",
-         "## Held-out accuracy before and after RL, and the last step's telemetry",
+         f"## Held-out accuracy before and after RL, and the telemetry of the last {LAST} "
+         f"steps (each run's mean)",
          md_table(["checkpoint", "held-out accuracy", "vs before RL", "gain per seed"]
                   + [label for _, label in TELEMETRY], rows),
          "## RLTT (exit_pdf) - GRPO after RL",
