@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the six studies one after another; each writes OUTPUT/studies/<name>.md and .png.
+# Run the eight studies one after another (rl starts from midtrain's checkpoints); each writes OUTPUT/studies/<name>.md and .png.
 #   bash examples/studies/run_all.sh --size cpu --output-dir studies_out   (3 seeds per arm: about
 #       20-60 min per study on 2 shared cores; the reasoning studies train 400 iterations)
 #   bash examples/studies/run_all.sh --size tiny --output-dir /tmp/studies    (the test's size)
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 for study in loop_vs_dense gate_collapse norm_placement dense_to_loop multi_resolution \
-             extrapolation; do
+             extrapolation midtrain rl; do
     echo "== $study"
     $PY "examples/studies/$study.py" "$@"
 done
