@@ -257,7 +257,7 @@ class RLTrainer(Trainer):
 
     # --- the loop ------------------------------------------------------------------------------
     def _train_loop(self, exits):
-        tr, log, ck = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
+        tr, log = self.cfg.training, self.cfg.logging
         self.describe()
         while self.iteration < tr.train_iters:
             start = time.time()
@@ -290,11 +290,7 @@ class RLTrainer(Trainer):
                 from megaloop.training.exit_conditions import RunError
 
                 raise RunError(f"{diverged}. {self._after_divergence()}")
-            if ck.save and ck.save_interval and (self.iteration % ck.save_interval == 0
-                                                 or self.save_due):
-                self.save_due = not applied
-                if applied:
-                    self.save()
+            self.save_if_due(applied)
             reason = exits.reason(self.iteration)
             if reason is not None:
                 return reason

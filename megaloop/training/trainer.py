@@ -257,6 +257,17 @@ class Trainer:
             self.model.disable_forward_pre_hook(param_sync=True)
             self.model.enable_forward_pre_hook()
 
+    def save_if_due(self, applied: bool) -> None:
+        """After a step (``applied``: it was not skipped): save at a --save-interval iteration.
+        Nothing is saved while steps are being skipped (`latest` stays on the weights from
+        before them); a save that falls there is made after the first step applied again."""
+        ck = self.cfg.checkpoint
+        if ck.save and ck.save_interval and (self.iteration % ck.save_interval == 0
+                                             or self.save_due):
+            self.save_due = not applied
+            if applied:
+                self.save()
+
     def save(self) -> None:
         self.sync_params()
         ck = self.cfg.checkpoint
@@ -473,7 +484,7 @@ class Trainer:
                 f"(e.g. --lr {lr / 10:g}), a longer --lr-warmup-iters or a smaller --clip-grad")
 
     def _train_loop(self, exits: ExitConditions) -> Optional[str]:
-        tr, log, ck = self.cfg.training, self.cfg.logging, self.cfg.checkpoint
+        tr, log = self.cfg.training, self.cfg.logging
         world = torch.distributed.get_world_size()
         self.describe()
         window_start, window_iters, window_flops, window_samples = time.time(), 0, 0.0, 0
@@ -536,14 +547,7 @@ class Trainer:
                 raise RunError(f"{diverged}. {self._after_divergence()}")
             if self.iteration % tr.eval_interval == 0 and self.iteration < tr.train_iters:
                 self.log_eval()
-            if ck.save and ck.save_interval and (self.iteration % ck.save_interval == 0
-                                                 or self.save_due):
-                # Nothing is saved while steps are being skipped (`latest` stays on the weights
-                # from before them); a save that falls there is made after the first step
-                # applied again.
-                self.save_due = not applied
-                if applied:
-                    self.save()
+            self.save_if_due(applied)
             reason = exits.reason(self.iteration)
             if reason is not None:
                 return reason
