@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import midtrain  # noqa: E402
-from study import (ROOT, Study, in_child, mean_sd, md_table, slug, spread,  # noqa: E402
+from study import (ROOT, Study, in_child, mean_sd, md_table, spread,  # noqa: E402
                    verdict_cell, _quietly)
 
 # RL steps, prompts (groups) per step, group size, held-out and training problems per k
@@ -130,21 +130,10 @@ def _train_rl(argv):
 
 def train_rl(study: Study, arm: str, argv: list, seed: int) -> dict:
     """One RL run (reused when it finished before with the same flags); like Study.train."""
-    d = os.path.join(study.run_dir, slug(arm), f"seed_{seed}")
-    os.makedirs(d, exist_ok=True)
-    ckpt, log = os.path.join(d, "ckpt"), os.path.join(d, "train.jsonl")
-    argv = list(argv) + ["--log-jsonl", log, "--save", ckpt]
-    done, timing = os.path.join(d, "done.json"), os.path.join(d, "seconds.json")
     start = time.time()
-    if os.path.isfile(done) and json.load(open(done)) == argv:
-        study.say(f"reusing {arm}, seed {seed} (same flags, finished before)")
-    else:
-        for stale in (log, done):
-            if os.path.exists(stale):
-                os.remove(stale)
-        in_child(_quietly, _train_rl, os.path.join(d, "train.log"), argv)
-        with open(done, "w") as f:
-            json.dump(argv, f)
+    d, ckpt, log, _, ran = study.run_once(arm, seed, argv, _train_rl)
+    timing = os.path.join(d, "seconds.json")
+    if ran:
         with open(timing, "w") as f:  # the run's own wall time, for the table when reused
             json.dump(time.time() - start, f)
     records = [json.loads(line) for line in open(log)]

@@ -259,25 +259,33 @@ class Study:
         """``train`` once per seed of this size (``self.seeds``); the runs in seed order."""
         return [self.train(arm, flags, iters, seed=seed) for seed in self.seeds]
 
+    def run_once(self, arm: str, seed: int, argv: list, entry) -> tuple:
+        """``entry(argv)`` (a training entry point's main) in a child, logging to and saving
+        in the folder of ``arm`` at ``seed``, unless a run with the same flags finished there
+        before; (folder, checkpoint, JSONL log, the full argv, whether it ran now)."""
+        d = os.path.join(self.run_dir, slug(arm), f"seed_{seed}")
+        os.makedirs(d, exist_ok=True)
+        ckpt, log = os.path.join(d, "ckpt"), os.path.join(d, "train.jsonl")
+        argv = list(argv) + ["--log-jsonl", log, "--save", ckpt]
+        done = os.path.join(d, "done.json")  # written after a finished run: rerunning reuses it
+        if os.path.isfile(done) and json.load(open(done)) == argv:
+            self.say(f"reusing {arm}, seed {seed} (same flags, finished before)")
+            return d, ckpt, log, argv, False
+        for stale in (log, done):
+            if os.path.exists(stale):
+                os.remove(stale)
+        in_child(_quietly, entry, os.path.join(d, "train.log"), argv)
+        with open(done, "w") as f:
+            json.dump(argv, f)
+        return d, ckpt, log, argv, True
+
     def train(self, arm: str, flags: list, iters=None, seed=None) -> dict:
         """Train one arm (at ``seed``, default --seed); {"dir", "ckpt", "log", "records",
         "seconds", "seed"}."""
         seed = self.args.seed if seed is None else seed
-        d = os.path.join(self.run_dir, slug(arm), f"seed_{seed}")
-        os.makedirs(d, exist_ok=True)
-        ckpt, log = os.path.join(d, "ckpt"), os.path.join(d, "train.jsonl")
-        argv = self.base_flags(iters, seed) + list(flags) + ["--log-jsonl", log, "--save", ckpt]
-        done = os.path.join(d, "done.json")  # written after a finished run: rerunning reuses it
         start = time.time()
-        if os.path.isfile(done) and json.load(open(done)) == argv:
-            self.say(f"reusing {arm} (same flags, finished before)")
-        else:
-            for stale in (log, done):
-                if os.path.exists(stale):
-                    os.remove(stale)
-            in_child(_quietly, _pretrain, os.path.join(d, "train.log"), argv)
-            with open(done, "w") as f:
-                json.dump(argv, f)
+        d, ckpt, log, argv, _ = self.run_once(arm, seed, self.base_flags(iters, seed) + list(flags),
+                                              _pretrain)
         records = [json.loads(line) for line in open(log)]
         valid = [r for r in records if r["split"] == "valid"]
         self.say(f"trained {arm}, seed {seed}: final validation loss {valid[-1]['loss']:.4f} "
