@@ -27,15 +27,18 @@ STUDIES = {
                        "constant LR, no warmup, beta 0.5",
                        "warmup + cosine, beta 0.05"]),
     "norm_placement": (["final validation objective", "drop, second half", "plateau",
-                        "objective vs pre", "at loop step 1", "layer 1 / layer 2 at step 2"],
+                        "objective vs pre", "at loop step 1", "layer 1 / layer 2 at step 2",
+                        "Machine: "],
                        ["| ouro |", "| pre |", "| magic |", "| post |", "| sandwich |"]),
     "dense_to_loop": (["per-step loss after conversion",
                        "per-step loss after continued training", "final loss",
-                       "final loss vs dense, continued"],
+                       "final loss vs dense, continued", "left the plateau",
+                       "left the initial plateau", "Machine: "],
                       ["looped as it is", "input mixing + smoothed exit loss",
                        "input mixing + smoothed + stepwise LoRA", "dense, continued"]),
     "multi_resolution": (["FLOPs / iteration", "vs full", "training FLOPs",
-                          "final validation loss", "loss vs full resolution", "pre-norm"],
+                          "final validation loss", "loss vs full resolution", "pre-norm",
+                          "left the plateau", "unigram entropy", "Machine: "],
                          ["full resolution (plain loop)", "Anchor", "MeSH"]),
     "extrapolation": (["| arm | depth | regime | loss | accuracy | accuracy vs depth 3 |",
                        "training horizon", "extrapolation", "pointer chasing"],
@@ -63,6 +66,24 @@ def test_spread_and_verdict_rule_on_hand_computed_numbers():
     # one seed: no sd, no verdict
     assert math.isnan(mean_sd([2.0])[1]) and spread([2.0]) == "2.000"
     assert verdict_cell([2.0], [1.0]) == "+1.000, one seed: no verdict"
+
+
+def test_unigram_entropy_of_a_hand_made_corpus(tmp_path):
+    """The plateau level the loss studies compare against: the entropy of the token
+    frequencies over every document of the .bin/.idx."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from multi_resolution import unigram_entropy
+
+    prefix = str(tmp_path / "toy")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for doc in ([5, 5, 7], [5, 9, 5, 7, 5, 5]):  # 9 tokens: 5 six times, 7 twice, 9 once
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    expected = -(6 / 9 * math.log(6 / 9) + 2 / 9 * math.log(2 / 9) + 1 / 9 * math.log(1 / 9))
+    assert math.isclose(unigram_entropy(prefix), expected, rel_tol=1e-12)
 
 
 @pytest.fixture(scope="module")

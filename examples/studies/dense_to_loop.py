@@ -22,6 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from multi_resolution import PLATEAU_MARGIN, machine, unigram_entropy  # noqa: E402
 from study import Study, figure, in_child, md_table, spread, verdict_cell  # noqa: E402
 
 SHAPE = {"tiny": 2, "cpu": 3, "gpu": 8}  # dense layers
@@ -107,6 +108,7 @@ def without_tokenizer(flags: list) -> list:
 
 
 def main(argv=None) -> int:
+    load_at_start = os.getloadavg()
     study = Study("dense_to_loop", __doc__, argv)
     layers = SHAPE[study.size["name"]]
     iters = study.size["iters"]
@@ -121,8 +123,10 @@ def main(argv=None) -> int:
     # model -> per seed: (per-step loss after conversion, after continued training, final loss)
     results = {name: [] for name in [*CONVERSIONS, "dense, continued"]}
     curves = {name: [] for name in results}
+    dense_loss = []  # per seed: the dense model's final validation loss before conversion
     for seed in study.seeds:  # each seed: its own dense model, conversions and continuations
         dense = study.train("dense", dense_flags, seed=seed)
+        dense_loss.append([r for r in dense["records"] if r["split"] == "valid"][-1]["loss"])
         folder = in_child(export_as_llama, dense["ckpt"],
                           os.path.join(study.run_dir, f"dense_llama_{seed}"))
         for name, flags in CONVERSIONS.items():
@@ -153,8 +157,11 @@ def main(argv=None) -> int:
         return " / ".join(spread([v[t] for v in values]) for t in range(len(values[0])))
 
     dense_final = [r[2] for r in results["dense, continued"]]
+    plateau = unigram_entropy(study.data_prefix)
+    left = sum(v < plateau - PLATEAU_MARGIN for v in dense_loss)
     rows = [[name, per_step([r[0] for r in rs]), per_step([r[1] for r in rs]),
              spread([r[2] for r in rs]),
+             f"{sum(r[2] < plateau - PLATEAU_MARGIN for r in rs)} of {len(rs)}",
              "-" if name == "dense, continued" else verdict_cell([r[2] for r in rs],
                                                                  dense_final)]
             for name, rs in results.items()]
@@ -176,11 +183,17 @@ def main(argv=None) -> int:
     study.write(
         "Dense-to-loop conversion",
         f"python examples/studies/dense_to_loop.py --size {study.size['name']}",
-        [f"A {layers}-layer dense model trained for {iters} iterations, converted to "
+        [machine(load_at_start),
+         f"A {layers}-layer dense model (pre-norm, LR {study.size['lr']} with warmup and cosine "
+         f"decay) trained for {iters} iterations: final validation loss {spread(dense_loss)}; "
+         f"it left the initial plateau (the corpus's unigram entropy, {plateau:.3f} nats; final "
+         f"loss more than {PLATEAU_MARGIN} below) in {left} of {len(dense_loss)} seeds. It is "
+         f"converted to "
          f"T = {T} (the whole decoder is the core) and continued for {iters} more; the dense "
          f"model continued for the same {iters}. Held-out loss per loop step:",
          md_table(["model", "per-step loss after conversion", "per-step loss after continued "
-                   "training", "final loss", "final loss vs dense, continued"], rows)],
+                   "training", "final loss", "left the plateau",
+                   "final loss vs dense, continued"], rows)],
         figure=fig)
     return 0
 

@@ -22,6 +22,28 @@ from study import Study, figure, md_table, spread, verdict_cell  # noqa: E402
 
 SHAPE = {"tiny": (1, 1, 4), "cpu": (1, 2, 4), "gpu": (2, 4, 4)}  # (P = C, K, T)
 SCHEDULE = "1/8,1/4,1/2,1"
+# An arm has left the initial plateau (the loss of predicting token frequencies alone) when its
+# final validation loss is this many nats below it: the loop trains at all, not only counts tokens.
+PLATEAU_MARGIN = 1.0
+
+
+def unigram_entropy(prefix: str) -> float:
+    """Entropy (nats per token) of the corpus's token frequencies: the loss of a model that
+    predicts them alone, the level of the plateau a run starts on."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    counts = np.bincount(np.concatenate([ds.get(i) for i in range(len(ds))]))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def machine(load_at_start: tuple) -> str:
+    """The machine a table was made on: cores, threads per run, load (other jobs share it)."""
+    return (f"Machine: {os.cpu_count()} CPU cores, {os.environ.get('STUDY_THREADS', 'all')} "
+            f"torch thread(s) per run, one run at a time; load average {load_at_start[0]:.1f} "
+            f"(1 min) at the start, {os.getloadavg()[2]:.1f} (15 min) at the end.")
 
 
 def flops_per_iteration(argv: list) -> float:
@@ -36,6 +58,7 @@ def flops_per_iteration(argv: list) -> float:
 
 
 def main(argv=None) -> int:
+    load_at_start = os.getloadavg()
     study = Study("multi_resolution", __doc__, argv)
     P, K, T = SHAPE[study.size["name"]]
     common = ["--num-layers", str(P + K + P), "--num-prelude-layers", str(P),
@@ -56,6 +79,7 @@ def main(argv=None) -> int:
              for arm, rs in runs.items()}
     loss = {arm: [v["loss"] for v in vs] for arm, vs in final.items()}
     per_iter = {arm: flops_per_iteration(rs[0]["argv"]) for arm, rs in runs.items()}
+    plateau = unigram_entropy(study.data_prefix)
     rows = []
     fig, axes = figure(1)
     for i, (arm, arm_runs) in enumerate(runs.items()):
@@ -68,6 +92,7 @@ def main(argv=None) -> int:
                      f"{per_iter[arm] * study.size['iters']:.3e}", spread(loss[arm]),
                      spread([v["step_losses"][-1] for v in final[arm]]),
                      f"{sum(r['seconds'] for r in arm_runs) / len(arm_runs):.0f}",
+                     f"{sum(v < plateau - PLATEAU_MARGIN for v in loss[arm])} of {len(arm_runs)}",
                      "-" if arm == base else verdict_cell(loss[arm], loss[base])])
     axes[0].set_xscale("log")
     axes[0].set_xlabel("training FLOPs")
@@ -78,10 +103,13 @@ def main(argv=None) -> int:
         "Multi-resolution recursion (SpiralFormer) vs the full-resolution loop",
         f"python examples/studies/multi_resolution.py --size {study.size['name']}",
         [f"Layout {P} + {K} x {T} + {P}, pre-norm (every arm trains at LR "
-         f"{study.size['lr']}; the ouro scheme is slow at it), same tokens for every arm.",
+         f"{study.size['lr']}; the ouro scheme is slow at it), same tokens for every arm. "
+         f"Plateau: the corpus's unigram entropy, {plateau:.3f} nats; an arm left it when its "
+         f"final validation loss is more than {PLATEAU_MARGIN} below (seeds where it did).",
+         machine(load_at_start),
          md_table(["arm", "FLOPs / iteration", "vs full", "training FLOPs",
                    "final validation loss", "loss at the last step", "wall s per run",
-                   "loss vs full resolution"], rows)],
+                   "left the plateau", "loss vs full resolution"], rows)],
         figure=fig)
     return 0
 

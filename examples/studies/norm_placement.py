@@ -18,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from multi_resolution import machine  # noqa: E402
 from study import Study, figure, md_table, spread, verdict_cell  # noqa: E402
 
 SHAPE = {"tiny": (2, 2), "cpu": (3, 3), "gpu": (8, 4)}  # (K, T)
@@ -25,6 +26,7 @@ SCHEMES = ("ouro", "pre", "magic", "post", "sandwich")
 
 
 def main(argv=None) -> int:
+    load_at_start = os.getloadavg()
     study = Study("norm_placement", __doc__, argv)
     K, T = SHAPE[study.size["name"]]
     runs = {s: study.train_seeds(s, ["--num-layers", str(K), "--num-loops", str(T),
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
     study.write(
         "Norm placement", f"python examples/studies/norm_placement.py --size "
                           f"{study.size['name']}",
-        [f"Layout {K} x {T}, LR {study.size['lr']} with warmup and cosine decay, exit KL beta "
+        [machine(load_at_start),
+         f"Layout {K} x {T}, LR {study.size['lr']} with warmup and cosine decay, exit KL beta "
          f"0.1; plateau: the second half lowered the training loss by less than a tenth of the "
          f"first half (seeds where it did).",
          md_table(["scheme", "final validation objective", "per-step validation loss",
