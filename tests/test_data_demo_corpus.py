@@ -6,6 +6,8 @@ import json
 import os
 import re
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -75,20 +77,20 @@ def test_hops_family_answers_follow_one_cycle(tmp_path):
     checked = 0
     for line in open(tmp_path / "h_sft.jsonl"):
         row = json.loads(line)
-        m = re.match(r"((?:[A-H]{2} ){7}[A-H]{2})\. from ([A-H]) go (\d)\.$", row["prompt"])
+        m = re.match(r"((?:[A-H]{2} ){7}[A-H]{2})\. go (\d) from ([A-H])$", row["prompt"])
         table = dict(arrow for arrow in m.group(1).split())
-        node, k = m.group(2), int(m.group(3))
+        node, k = m.group(3), int(m.group(2))
         seen = {node}
         for _ in range(k):
             node = table[node]
             seen.add(node)
-        walk, n = m.group(2), 0
+        walk, n = m.group(3), 0
         while True:  # the cycle through every node
             walk, n = table[walk], n + 1
-            if walk == m.group(2):
+            if walk == m.group(3):
                 break
         assert n == 8 and len(seen) == k + 1, row
-        assert row["response"] == f"answer: {node}."
+        assert row["response"] == f"{node}."  # right after the start: no cue (see hops)
         checked += 1
     assert checked == 50
     for name, flags in (("a", []), ("b", ["--families", "arithmetic,binding,pointers",
@@ -96,3 +98,33 @@ def test_hops_family_answers_follow_one_cycle(tmp_path):
         tool.main(["--output", str(tmp_path / f"{name}.jsonl"), "--num-docs", "100",
                    "--seed", "9", *flags])
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+
+
+def test_one_step_share_skews_training_k_only(tmp_path):
+    """--one-step-share P: a training problem has k = 1 with probability P + (1 - P) / max_steps
+    (the share, then the uniform draw), answers still follow the table, and the held-out problems
+    are the same bytes as without the flag (their k stays uniform)."""
+    tool = load_tool()
+    common = ["--num-docs", "20", "--families", "hops", "--prose-fraction", "0", "--num-sft",
+              "1200", "--seed", "5", "--max-steps", "6"]
+    for name, share in (("skew", "0.4"), ("flat", "0")):
+        tool.main(["--output", str(tmp_path / f"{name}.jsonl"), *common,
+                   "--sft-output", str(tmp_path / f"{name}_sft.jsonl"),
+                   "--tasks-output", str(tmp_path / f"{name}_tasks.jsonl"),
+                   "--one-step-share", share])
+    ks = {}
+    for name in ("skew", "flat"):
+        rows = [json.loads(line) for line in open(tmp_path / f"{name}_sft.jsonl")]
+        for row in rows:
+            m = re.match(r"((?:[A-H]{2} ){7}[A-H]{2})\. go (\d) from ([A-H])$", row["prompt"])
+            table, node = dict(arrow for arrow in m.group(1).split()), m.group(3)
+            for _ in range(int(m.group(2))):
+                node = table[node]
+            assert row["response"] == f"{node}."
+        ks[name] = sum(" go 1 from " in row["prompt"] for row in rows) / len(rows)
+    # expected shares 0.4 + 0.6 / 6 = 0.5 and 1 / 6; binomial sd over 1200 draws <= 0.015
+    assert abs(ks["skew"] - 0.5) < 0.05 and abs(ks["flat"] - 1 / 6) < 0.05, ks
+    assert (tmp_path / "skew_tasks.jsonl").read_bytes() == \
+        (tmp_path / "flat_tasks.jsonl").read_bytes()
+    with pytest.raises(SystemExit):
+        tool.main(["--output", str(tmp_path / "x.jsonl"), "--one-step-share", "1.5"])

@@ -97,13 +97,17 @@ HOP_NODES = list(string.ascii_uppercase[:8])
 
 
 def hops(rng: random.Random, k: int) -> tuple[str, str]:
-    """``EB AF ... . from C go 3.`` -> the node 3 arrows on (``EB``: an arrow from E to B):
+    """``EB AF ... . go 3 from C`` -> the node 3 arrows on (``EB``: an arrow from E to B):
     pointer chasing sized for small models (8 nodes, about 20 tokens with a tokenizer that makes
     each arrow one piece, so that a hop is one attention look-up). The arrows form one cycle
     through all 8 nodes, so the k nodes visited are distinct (k < 8: no shortcut through a short
     cycle or a fixed point), and they are listed in shuffled order, so no hop can be read off a
     position: the k-hop task of "Reasoning with Latent Thoughts: On the Power of Looped
-    Transformers" (Saunshi et al., 2025) in the short contexts a CPU run trains on."""
+    Transformers" (Saunshi et al., 2025) in the short contexts a CPU run trains on. The question
+    ends with the start node and the answer follows it with no cue in between (``ANSWER_CUE``):
+    the answer is predicted at the start's own position, so one hop is one look-up; with a cue
+    after the start, even k = 1 first needs a layer that carries the start forward, and no model
+    at CPU size learned that within 1000 iterations (2026-12-02)."""
     cycle = HOP_NODES[:]
     rng.shuffle(cycle)
     pairs = list(zip(cycle, cycle[1:] + cycle[:1]))
@@ -112,20 +116,35 @@ def hops(rng: random.Random, k: int) -> tuple[str, str]:
     table = dict(pairs)
     for _ in range(k):
         node = table[node]
-    return " ".join(f"{s}{t}" for s, t in pairs) + f". from {start} go {k}.", node
+    return " ".join(f"{s}{t}" for s, t in pairs) + f". go {k} from {start}", node
 
 
 TASKS = [arithmetic, binding, pointers]
 FAMILIES = {f.__name__: f for f in TASKS + [hops]}
+# What comes between a question and its answer: " answer:" (the word is part of the trained
+# response in --sft-output), none for hops (see its docstring).
+ANSWER_CUE = {"hops": ""}
 
 
-def problem(rng: random.Random, max_steps: int, tasks: list = TASKS) -> tuple[str, str]:
-    return rng.choice(tasks)(rng, rng.randint(1, max_steps))
+def cue(family: str) -> str:
+    return ANSWER_CUE.get(family, " answer:")
+
+
+def problem(rng: random.Random, max_steps: int, tasks: list = TASKS,
+            one_step_share: float = 0.0) -> tuple[str, str, str]:
+    """A training problem (family, question, answer): k uniform over 1..max_steps, except that a share ``one_step_share``
+    of the problems has k = 1. Small models learn the single step (one look-up) only when it
+    is common enough, and a model that cannot do one step cannot learn to chain k of them. The
+    extra draw is made only when the share is positive, so the default output is unchanged."""
+    family = rng.choice(tasks)
+    if one_step_share > 0 and rng.random() < one_step_share:
+        return (family.__name__, *family(rng, 1))
+    return (family.__name__, *family(rng, rng.randint(1, max_steps)))
 
 
 def task_item(rng: random.Random, max_steps: int, tasks: list = TASKS) -> dict:
     """A held-out problem for evaluation: its family, its k (steps or hops), the prompt as the
-    corpus writes it (``... answer:``), the answer, and four choices (the answer and three
+    corpus writes it (ending in its family's cue, ``... answer:``), the answer, and four choices (the answer and three
     distractors of the same kind) with the answer's index."""
     family = rng.choice(tasks)
     k = rng.randint(1, max_steps)
@@ -134,19 +153,19 @@ def task_item(rng: random.Random, max_steps: int, tasks: list = TASKS) -> dict:
         if family is hops else [str(v) for v in range(100)]
     choices = [answer] + rng.sample([c for c in pool if c != answer], 3)
     rng.shuffle(choices)
-    return {"family": family.__name__, "k": k, "question": f"{question} answer:",
+    return {"family": family.__name__, "k": k, "question": question + cue(family.__name__),
             "answer": answer, "choices": choices, "gold": choices.index(answer)}
 
 
 def document(rng: random.Random, max_steps: int, tasks: list = TASKS,
-             prose_fraction: float = 0.4) -> str:
+             prose_fraction: float = 0.4, one_step_share: float = 0.0) -> str:
     parts = []
     for _ in range(rng.randint(2, 6)):
         if rng.random() < prose_fraction:
             parts.append(prose(rng))
         else:
-            question, answer = problem(rng, max_steps, tasks)
-            parts.append(f"{question} answer: {answer}.")
+            family, question, answer = problem(rng, max_steps, tasks, one_step_share)
+            parts.append(f"{question}{cue(family)} {answer}.")
     return "\n".join(parts)
 
 
@@ -169,8 +188,14 @@ def main(argv=None) -> None:
                         f"8-node pointer chasing, short enough for CPU-sized models)")
     p.add_argument("--prose-fraction", type=float, default=0.4,
                    help="probability that a document part is prose rather than a problem")
+    p.add_argument("--one-step-share", type=float, default=0.0,
+                   help="share of the training problems (corpus and --sft-output) drawn with "
+                        "k = 1, the rest uniform over 1..--max-steps; held-out problems stay "
+                        "uniform over k")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
+    if not 0 <= args.one_step_share <= 1:
+        p.error(f"--one-step-share {args.one_step_share} is not in [0, 1]")
     unknown = [f for f in args.families.split(",") if f not in FAMILIES]
     if unknown:
         p.error(f"--families {args.families}: unknown {', '.join(unknown)}; choose from "
@@ -184,7 +209,8 @@ def main(argv=None) -> None:
     with open(args.output, "w") as f:
         while (size < args.size_mb * 2**20) if args.size_mb else (written < args.num_docs):
             line = json.dumps({"text": document(rng, args.max_steps, tasks,
-                                                args.prose_fraction)}) + "\n"
+                                                args.prose_fraction,
+                                                args.one_step_share)}) + "\n"
             f.write(line)
             written, size = written + 1, size + len(line)
     print(f"wrote {written} documents ({size / 2**20:.1f} MiB) to {args.output}")
@@ -194,8 +220,11 @@ def main(argv=None) -> None:
         n = args.num_sft if args.num_sft is not None else written
         with open(args.sft_output, "w") as f:
             for _ in range(n):
-                question, answer = problem(sft_rng, args.max_steps, tasks)
-                f.write(json.dumps({"prompt": question, "response": f"answer: {answer}."}) + "\n")
+                family, question, answer = problem(sft_rng, args.max_steps, tasks,
+                                                   args.one_step_share)
+                f.write(json.dumps({"prompt": question,
+                                    "response": f"{cue(family).strip()} {answer}.".lstrip()})
+                        + "\n")
         print(f"wrote {n} prompt/response pairs to {args.sft_output}")
     if args.tasks_output:
         # Its own stream too: use another --seed than the training corpus' for held-out items.

@@ -22,11 +22,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from study import (Study, accuracy_by_k, figure, mean_sd, md_table, spread,  # noqa: E402
+from study import (HOPS, Study, accuracy_by_k, figure, mean_sd, md_table, spread,  # noqa: E402
                    verdict_cell)
 
 SHAPE = {"tiny": (1, 2), "cpu": (2, 4), "gpu": (4, 4)}  # (K, T)
-ITERS = {"tiny": 8, "cpu": 400, "gpu": 5000}
+ITERS = {"tiny": 8, "cpu": 800, "gpu": 5000}
 
 
 def main(argv=None) -> int:
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         axes[0].errorbar(ks, [m for m, _ in means], yerr=[0 if sd != sd else sd
                                                           for _, sd in means],
                          fmt="o-", capsize=3, label=arm, color=f"C{i}")
-    axes[0].axhline(1 / 8, color="grey", ls=":", lw=0.8, label="chance (1/8)")
+    axes[0].axhline(1 / 7, color="grey", ls=":", lw=0.8, label="chance (1/7)")
     axes[0].set_xlabel("hops k")
     axes[0].set_ylabel("held-out accuracy (mean ± sd over seeds)")
     axes[0].set_ylim(0, 1.02)
@@ -95,11 +95,15 @@ def main(argv=None) -> int:
     study.write(
         "Loop vs dense on k-hop pointer chasing",
         f"python examples/studies/loop_vs_dense.py --size {study.size['name']}",
-        [f"Pointer chasing over 8 nodes (chance 1/8), k = 1..{ks[-1]} hops; every arm pre-norm, "
-         f"LR {study.size['lr']} with {max(iters // 20, 1)} warmup iterations and cosine decay, "
-         f"{iters} iterations of {study.size['gbs']} x {study.size['seq']} tokens (pre-norm: "
-         f"every arm leaves the initial plateau at this LR; the looped arm trains on its last "
-         f"step's loss).",
+        [f"Pointer chasing over 8 nodes (chance 1/7: the answer is never the start), "
+         f"k = 1..{ks[-1]} hops, the answer right after the start node; a share "
+         f"{HOPS[study.size['name']]['one_step']} of the training problems at k = 1, the rest "
+         f"uniform over k (held-out problems uniform); each problem alone in its attention "
+         f"window with the loss on its answer, an untied output layer, hidden "
+         f"{study.size['hidden']}. Every arm pre-norm, LR {study.size['lr']} with "
+         f"{max(iters // 20, 1)} warmup iterations and cosine decay, {iters} iterations of "
+         f"{study.size['gbs']} x {study.size['seq']} tokens (about 6 problems per sequence); the "
+         f"looped arm trains on its last step's loss.",
          "## Validation loss and held-out accuracy by k (at the trained depth)",
          md_table(["arm", "final validation loss", "accuracy"] + [f"k={k}" for k in ks], rows),
          "## Differences in accuracy (mean difference, verdict)",

@@ -15,8 +15,10 @@ Reasoning data (``corpus="hops"``): only the 8-node pointer-chasing problems of
 ``make_demo_corpus.py --families hops`` (a 400-piece tokenizer: every arrow one piece, so a hop
 is one attention look-up), the task family where depth is needed, as question/answer pairs
 trained with the loss on the answers only (``--sft``: in the plain corpus the answer is one token
-in 35); held-out problems for k = 1..6. How long models take to leave chance on it at each size is
-a measurement, in the README's Studies section.
+in 35), packed several to a sequence but each alone in its attention window, with a share of
+k = 1 problems in the training data (``HOPS``) and a model and batch of their own
+(``HOPS_MODEL``); held-out problems uniform over k = 1..6. How long models take to leave chance
+on it at each size is a measurement, in the README's Studies section.
 
 Seeds: every arm trains ``seeds`` times (``cpu``/``gpu``: 3, ``tiny``: 1) with --seed, --seed+1,
 ...; tables give mean and sample standard deviation over the seeds, and a difference between two
@@ -57,9 +59,18 @@ SIZES = {
 # held-out problems, hardest k.
 # vocab: byte fallback's 256 + specials + ~140 pieces, among them the 56 arrows; the tiny corpus
 # has fewer distinct pieces.
-HOPS = {"tiny": dict(docs=300, pairs=600, tasks=24, max_steps=3, vocab=300),
-        "cpu": dict(docs=5000, pairs=60000, tasks=480, max_steps=6, vocab=400),
-        "gpu": dict(docs=100000, pairs=2000000, tasks=1200, max_steps=6, vocab=400)}
+# one_step: the share of training problems with k = 1 (make_demo_corpus.py --one-step-share;
+# held-out problems stay uniform over k). With k uniform, no model at cpu size learned even one
+# look-up in 4000 iterations; with about 40% of the problems at k = 1 (0.3 + 0.7 / 6) a dense
+# model learns k = 1 in a few hundred.
+HOPS = {"tiny": dict(docs=300, pairs=600, tasks=24, max_steps=3, vocab=300, one_step=0.3),
+        "cpu": dict(docs=5000, pairs=100000, tasks=480, max_steps=6, vocab=400, one_step=0.3),
+        "gpu": dict(docs=100000, pairs=2000000, tasks=1200, max_steps=6, vocab=400,
+                    one_step=0.3)}
+# The reasoning studies' model and batch (over the size's): a problem is about 20 tokens, packed
+# about 6 to a sequence, each alone in its attention window (--reset-attention-mask
+# --reset-position-ids), so 16 sequences carry about 100 answers per iteration.
+HOPS_MODEL = {"tiny": dict(hidden=32), "cpu": dict(hidden=64), "gpu": dict(hidden=512, heads=8)}
 
 VERDICT_RULE = ("a difference is *beyond spread* when |mean difference| > 2 x the pooled "
                 "standard deviation sqrt((sd_a^2 + sd_b^2) / 2) of the two arms' seeds (sample "
@@ -188,6 +199,8 @@ class Study:
         if args.size == "tiny":
             os.environ.setdefault("STUDY_THREADS", "1")
         self.size = dict(SIZES[args.size], name=args.size)
+        if corpus == "hops":
+            self.size.update(HOPS_MODEL[args.size])
         self.corpus = corpus
         self.seeds = [args.seed + i for i in range(args.seeds or self.size["seeds"])]
         self.out = os.path.abspath(args.output_dir)
@@ -211,7 +224,9 @@ class Study:
                   "tasks": self.size["tasks"]}
         if self.corpus == "hops":
             data = os.path.join(data, "hops")
-            wanted = dict(HOPS[self.size["name"]], families="hops", prose=0.0)
+            # version: the problems' text (2: the answer right after the start node), so that
+            # data built by an older make_demo_corpus.py is rebuilt rather than reused
+            wanted = dict(HOPS[self.size["name"]], families="hops", prose=0.0, version=2)
         os.makedirs(data, exist_ok=True)
         prefix, model = os.path.join(data, "corpus_text_document"), os.path.join(data,
                                                                                 "tokenizer.model")
@@ -249,7 +264,11 @@ class Study:
                 "--num-workers", "0", "--data-path", self.data_prefix, "--split", "98,2,0",
                 "--tokenizer-type", "SentencePieceTokenizer",
                 "--tokenizer-model", self.tokenizer,
-                *(["--sft"] if self.corpus == "hops" else []),
+                # The reasoning data: loss on the answers, every problem alone in its window,
+                # and an output layer of its own (with tied embeddings a dense model learned
+                # one look-up several times slower in the 2026-12-02 sizing runs).
+                *(["--sft", "--reset-attention-mask", "--reset-position-ids",
+                   "--untie-embeddings-and-output-weights"] if self.corpus == "hops" else []),
                 "--seed", str(self.args.seed if seed is None else seed),
                 "--log-interval", str(s["log"]),
                 "--eval-interval", str(max(iters // s["evals"], 1)),
@@ -343,7 +362,8 @@ def _make_data(corpus, data, wanted):
 
     pairs = os.path.join(data, "pairs.jsonl")
     family = ["--families", wanted["families"], "--prose-fraction", str(wanted["prose"]),
-              "--sft-output", pairs, "--num-sft", str(wanted["pairs"])] \
+              "--sft-output", pairs, "--num-sft", str(wanted["pairs"]),
+              "--one-step-share", str(wanted["one_step"])] \
         if "families" in wanted else []
     tool("make_demo_corpus").main(["--output", corpus, "--num-docs", str(wanted["docs"]),
                                    "--max-steps", str(wanted["max_steps"]), "--seed", "1",
