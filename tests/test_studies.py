@@ -74,7 +74,7 @@ def test_unigram_entropy_of_a_hand_made_corpus(tmp_path):
     import numpy as np
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-    from multi_resolution import unigram_entropy
+    from study import unigram_entropy
 
     prefix = str(tmp_path / "toy")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)

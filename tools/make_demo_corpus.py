@@ -132,10 +132,11 @@ def cue(family: str) -> str:
 
 def problem(rng: random.Random, max_steps: int, tasks: list = TASKS,
             one_step_share: float = 0.0) -> tuple[str, str, str]:
-    """A training problem (family, question, answer): k uniform over 1..max_steps, except that a share ``one_step_share``
-    of the problems has k = 1. Small models learn the single step (one look-up) only when it
-    is common enough, and a model that cannot do one step cannot learn to chain k of them. The
-    extra draw is made only when the share is positive, so the default output is unchanged."""
+    """A training problem (family, question, answer): k uniform over 1..max_steps, except that
+    a share ``one_step_share`` of the problems has k = 1. Small models learn the single step
+    (one look-up) only when it is common enough, and a model that cannot do one step cannot
+    learn to chain k of them. The extra draw is made only when the share is positive, so the
+    default output is unchanged."""
     family = rng.choice(tasks)
     if one_step_share > 0 and rng.random() < one_step_share:
         return (family.__name__, *family(rng, 1))
@@ -144,8 +145,8 @@ def problem(rng: random.Random, max_steps: int, tasks: list = TASKS,
 
 def task_item(rng: random.Random, max_steps: int, tasks: list = TASKS) -> dict:
     """A held-out problem for evaluation: its family, its k (steps or hops), the prompt as the
-    corpus writes it (ending in its family's cue, ``... answer:``), the answer, and four choices (the answer and three
-    distractors of the same kind) with the answer's index."""
+    corpus writes it (ending in its family's cue, ``... answer:``), the answer, and four
+    choices (the answer and three distractors of the same kind) with the answer's index."""
     family = rng.choice(tasks)
     k = rng.randint(1, max_steps)
     question, answer = family(rng, k)

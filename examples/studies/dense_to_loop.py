@@ -22,8 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from multi_resolution import PLATEAU_MARGIN, machine, unigram_entropy  # noqa: E402
-from study import Study, figure, in_child, md_table, spread, verdict_cell  # noqa: E402
+from study import (PLATEAU_MARGIN, Study, figure, in_child, machine, md_table,  # noqa: E402
+                   spread, unigram_entropy, verdict_cell)
 
 SHAPE = {"tiny": 2, "cpu": 3, "gpu": 8}  # dense layers
 T = 3

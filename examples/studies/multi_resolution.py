@@ -18,34 +18,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from study import Study, figure, md_table, spread, verdict_cell  # noqa: E402
+from study import (PLATEAU_MARGIN, Study, figure, machine, md_table, spread,  # noqa: E402
+                   unigram_entropy, verdict_cell)
 
 SHAPE = {"tiny": (1, 1, 4), "cpu": (1, 2, 4), "gpu": (2, 4, 4)}  # (P = C, K, T)
 SCHEDULE = "1/8,1/4,1/2,1"
-# An arm has left the initial plateau (the loss of predicting token frequencies alone) when its
-# final validation loss is this many nats below it: the loop trains at all, not only counts tokens.
-PLATEAU_MARGIN = 1.0
-
-
-def unigram_entropy(prefix: str) -> float:
-    """Entropy (nats per token) of the corpus's token frequencies: the loss of a model that
-    predicts them alone, the level of the plateau a run starts on."""
-    import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    ds = IndexedDataset(prefix)
-    counts = np.bincount(np.concatenate([ds.get(i) for i in range(len(ds))]))
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
-
-
-def machine(load_at_start: tuple) -> str:
-    """The machine a table was made on: cores, threads per run, load (other jobs share it)."""
-    return (f"Machine: {os.cpu_count()} CPU cores, {os.environ.get('STUDY_THREADS', 'all')} "
-            f"torch thread(s) per run, one run at a time; load average {load_at_start[0]:.1f} "
-            f"(1 min) at the start, {os.getloadavg()[2]:.1f} (15 min) at the end.")
-
-
 def flops_per_iteration(argv: list) -> float:
     from megaloop.data.tokenizers import build_tokenizer
     from megaloop.training.metrics import flops_per_iteration as count

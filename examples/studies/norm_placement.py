@@ -18,8 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from multi_resolution import machine  # noqa: E402
-from study import Study, figure, md_table, spread, verdict_cell  # noqa: E402
+from study import Study, figure, machine, md_table, spread, verdict_cell  # noqa: E402
 
 SHAPE = {"tiny": (2, 2), "cpu": (3, 3), "gpu": (8, 4)}  # (K, T)
 SCHEMES = ("ouro", "pre", "magic", "post", "sandwich")

@@ -77,6 +77,30 @@ VERDICT_RULE = ("a difference is *beyond spread* when |mean difference| > 2 x th
                 "sd), *within spread* otherwise; with one seed per arm there is no verdict")
 
 
+# An arm has left the initial plateau (the loss of predicting token frequencies alone) when its
+# final validation loss is this many nats below it: the loop trains at all, not only counts tokens.
+PLATEAU_MARGIN = 1.0
+
+
+def unigram_entropy(prefix: str) -> float:
+    """Entropy (nats per token) of the corpus's token frequencies: the loss of a model that
+    predicts them alone, the level of the plateau a run starts on."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    counts = np.bincount(np.concatenate([ds.get(i) for i in range(len(ds))]))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def machine(load_at_start: tuple) -> str:
+    """The machine a table was made on: cores, threads per run, load (other jobs share it)."""
+    return (f"Machine: {os.cpu_count()} CPU cores, {os.environ.get('STUDY_THREADS', 'all')} "
+            f"torch thread(s) per run, one run at a time; load average {load_at_start[0]:.1f} "
+            f"(1 min) at the start, {os.getloadavg()[2]:.1f} (15 min) at the end.")
+
+
 def mean_sd(values: list) -> tuple[float, float]:
     """Mean and sample standard deviation (n - 1; NaN for one value)."""
     n = len(values)
