@@ -23,6 +23,8 @@ from study import (PLATEAU_MARGIN, Study, figure, machine, md_table, spread,  # 
 
 SHAPE = {"tiny": (1, 1, 4), "cpu": (1, 2, 4), "gpu": (2, 4, 4)}  # (P = C, K, T)
 SCHEDULE = "1/8,1/4,1/2,1"
+
+
 def flops_per_iteration(argv: list) -> float:
     from megaloop.data.tokenizers import build_tokenizer
     from megaloop.training.metrics import flops_per_iteration as count

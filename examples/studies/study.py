@@ -60,9 +60,10 @@ SIZES = {
 # vocab: byte fallback's 256 + specials + ~140 pieces, among them the 56 arrows; the tiny corpus
 # has fewer distinct pieces.
 # one_step: the share of training problems with k = 1 (make_demo_corpus.py --one-step-share;
-# held-out problems stay uniform over k). With k uniform, no model at cpu size learned even one
-# look-up in 4000 iterations; with about 40% of the problems at k = 1 (0.3 + 0.7 / 6) a dense
-# model learns k = 1 in a few hundred.
+# held-out problems stay uniform over k). With k uniform (and a cue before the answer), no model
+# at cpu size learned even one look-up in up to 4000 iterations; with about 40% of the problems
+# at k = 1 (0.3 + 0.7 / 6), dense 8 learned k = 1 within 800 iterations in 2 of 3 seeds
+# (2026-12-02, results/loop_vs_dense.md).
 HOPS = {"tiny": dict(docs=300, pairs=600, tasks=24, max_steps=3, vocab=300, one_step=0.3),
         "cpu": dict(docs=5000, pairs=100000, tasks=480, max_steps=6, vocab=400, one_step=0.3),
         "gpu": dict(docs=100000, pairs=2000000, tasks=1200, max_steps=6, vocab=400,
@@ -97,7 +98,7 @@ def unigram_entropy(prefix: str) -> float:
 def machine(load_at_start: tuple) -> str:
     """The machine a table was made on: cores, threads per run, load (other jobs share it)."""
     return (f"Machine: {os.cpu_count()} CPU cores, {os.environ.get('STUDY_THREADS', 'all')} "
-            f"torch thread(s) per run, one run at a time; load average {load_at_start[0]:.1f} "
+            f"torch thread(s) per run; load average {load_at_start[0]:.1f} "
             f"(1 min) at the start, {os.getloadavg()[2]:.1f} (15 min) at the end.")
 
 
@@ -289,8 +290,9 @@ class Study:
                 "--tokenizer-type", "SentencePieceTokenizer",
                 "--tokenizer-model", self.tokenizer,
                 # The reasoning data: loss on the answers, every problem alone in its window,
-                # and an output layer of its own (with tied embeddings a dense model learned
-                # one look-up several times slower in the 2026-12-02 sizing runs).
+                # and an output layer of its own (in a 2026-12-02 plain-PyTorch sizing run,
+                # dense 8 with tied embeddings had not learned k = 1 by step 450, untied had it
+                # by step 300).
                 *(["--sft", "--reset-attention-mask", "--reset-position-ids",
                    "--untie-embeddings-and-output-weights"] if self.corpus == "hops" else []),
                 "--seed", str(self.args.seed if seed is None else seed),
