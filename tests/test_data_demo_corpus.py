@@ -128,3 +128,53 @@ def test_one_step_share_skews_training_k_only(tmp_path):
         (tmp_path / "flat_tasks.jsonl").read_bytes()
     with pytest.raises(SystemExit):
         tool.main(["--output", str(tmp_path / "x.jsonl"), "--one-step-share", "1.5"])
+
+
+def rule30_moving_frame(cells: list[int], k: int) -> list[int]:
+    """Wolfram's rule 30 (the new cell is bit 4l + 2c + r of the number 30) on the row with zeros
+    to its left, run k steps in the fixed frame; cell i of the moving frame after k steps is
+    cell i - k of the fixed one. Cells right of the row never reach the answer (the moving
+    frame's cells depend on their left only), so zeros there are as good as anything."""
+    pad = k + 2
+    row = [0] * pad + cells + [0] * pad
+    for _ in range(k):
+        row = [0] + [(30 >> (4 * row[j - 1] + 2 * row[j] + row[j + 1])) & 1
+                     for j in range(1, len(row) - 1)] + [0]
+    return [row[pad + i - k] for i in range(len(cells))]
+
+
+def test_automaton_answers_are_rule_30(tmp_path):
+    """--families automaton: every answer, in the corpus, the SFT pairs and the held-out
+    problems, is the row after k steps of rule 30 (computed here from the rule's number in the
+    fixed frame), k covers 1..max-steps, and each held-out problem's choices are four distinct
+    rows with the answer at ``gold``."""
+    tool = load_tool()
+    tool.main(["--output", str(tmp_path / "c.jsonl"), "--num-docs", "40", "--families",
+               "automaton", "--prose-fraction", "0", "--sft-output", str(tmp_path / "s.jsonl"),
+               "--num-sft", "200", "--tasks-output", str(tmp_path / "t.jsonl"),
+               "--num-tasks", "60", "--seed", "4", "--max-steps", "6"])
+    pattern = re.compile(r"((?:[ox] ){15}[ox]) after (\d)")
+
+    def expected(question):
+        m = pattern.fullmatch(question)
+        cells = [int(c == "x") for c in m.group(1).split()]
+        return " ".join("ox"[c] for c in rule30_moving_frame(cells, int(m.group(2)))), \
+            int(m.group(2))
+
+    ks, checked = set(), 0
+    for row in map(json.loads, open(tmp_path / "s.jsonl")):
+        answer, k = expected(row["prompt"])
+        assert row["response"] == f"{answer}.", row
+        ks.add(k)
+        checked += 1
+    for line in open(tmp_path / "c.jsonl"):
+        for part in json.loads(line)["text"].split("\n"):
+            m = re.fullmatch(r"(.* after \d) ((?:[ox] ){15}[ox])\.", part)
+            assert m.group(2) == expected(m.group(1))[0], part
+            checked += 1
+    for item in map(json.loads, open(tmp_path / "t.jsonl")):
+        assert (item["answer"], item["k"]) == expected(item["question"])
+        assert item["choices"][item["gold"]] == item["answer"]
+        assert len(set(item["choices"])) == 4
+        checked += 1
+    assert ks == set(range(1, 7)) and checked > 300

@@ -16,7 +16,7 @@ STUDIES = {
     "loop_vs_dense": (["final validation loss", "| arm | final validation loss | accuracy | k=1 |",
                        "## Differences in accuracy", "| comparison | accuracy | k=1 |",
                        "| depth | regime | held-out loss | accuracy | k=1 |",
-                       "Every arm pre-norm", "a share 0.3 of the training problems at k = 1"],
+                       "Every arm pre-norm", "k uniform over 1..3 in training"],
                       ["looped 1 x 2", "dense 1 (same parameters)", "dense 2 (same compute)",
                        "dense 2 (same compute) - dense 1 (same parameters)"]),
     "gate_collapse": (["final p0", "max p0", "longest run above threshold", "alarm fired",
@@ -41,7 +41,7 @@ STUDIES = {
                           "left the plateau", "unigram entropy", "Machine: "],
                          ["full resolution (plain loop)", "Anchor", "MeSH"]),
     "extrapolation": (["| arm | depth | regime | loss | accuracy | accuracy vs depth 3 |",
-                       "training horizon", "extrapolation", "pointer chasing"],
+                       "training horizon", "extrapolation", "rule-30 automaton"],
                       ["BaseLoop 3 x 3", "CoreLoop 1 + 1 x 3 + 1",
                        "CoreLoop + history injection + loop gating"]),
 }

@@ -120,11 +120,39 @@ def hops(rng: random.Random, k: int) -> tuple[str, str]:
     return " ".join(f"{s}{t}" for s, t in pairs) + f". go {k} from {start}", node
 
 
+AUTOMATON_CELLS = 16
+CELL = "ox"  # the two cell states, one piece each: cells are written apart, as "x o o x"
+
+
+def automaton_step(row: list[int]) -> list[int]:
+    """One step of rule 30 seen from a frame that moves one cell to the right per step:
+    new x[i] = x[i-2] XOR (x[i-1] OR x[i]), cells left of the row being 0. Each cell depends
+    only on itself and the two cells on its left, which is what a causal model sees. Rule 30 is
+    chaotic: k steps are a function of 2k + 1 cells with no simpler form known."""
+    pad = [0, 0] + row
+    return [pad[i] ^ (pad[i + 1] | pad[i + 2]) for i in range(len(row))]
+
+
+def automaton(rng: random.Random, k: int) -> tuple[str, str]:
+    """``x o o x ... after 3`` -> the row of 16 cells after 3 steps of ``automaton_step``.
+    Every step is the same local rule, applied to every cell at once: a model can do one step
+    per layer (or per loop step), while a shallow model has to pack k steps into its few
+    layers. Cells near the left edge depend on fewer
+    cells (cell 0 never changes), so a row is learned from the left; it is scored whole."""
+    row = [rng.randint(0, 1) for _ in range(AUTOMATON_CELLS)]
+    out = row
+    for _ in range(k):
+        out = automaton_step(out)
+    cells = " ".join
+    return (f"{cells(CELL[c] for c in row)} after {k}", cells(CELL[c] for c in out))
+
+
 TASKS = [arithmetic, binding, pointers]
-FAMILIES = {f.__name__: f for f in TASKS + [hops]}
+FAMILIES = {f.__name__: f for f in TASKS + [hops, automaton]}
 # What comes between a question and its answer: " answer:" (the word is part of the trained
-# response in --sft-output), none for hops (see its docstring).
-ANSWER_CUE = {"hops": ""}
+# response in --sft-output), none for hops (see its docstring) and automaton (its answer is
+# read cell by cell at fixed offsets from the row).
+ANSWER_CUE = {"hops": "", "automaton": ""}
 
 
 def cue(family: str) -> str:
@@ -151,9 +179,18 @@ def task_item(rng: random.Random, max_steps: int, tasks: list = TASKS) -> dict:
     family = rng.choice(tasks)
     k = rng.randint(1, max_steps)
     question, answer = family(rng, k)
-    pool = list(string.ascii_uppercase[:10]) if family is pointers else HOP_NODES \
-        if family is hops else [str(v) for v in range(100)]
-    choices = [answer] + rng.sample([c for c in pool if c != answer], 3)
+    if family is automaton:  # three rows that differ from the answer in one to three cells
+        choices = [answer]
+        while len(choices) < 4:
+            cells = answer.split()
+            for i in rng.sample(range(len(cells)), rng.randint(1, 3)):
+                cells[i] = CELL[1 - CELL.index(cells[i])]
+            if " ".join(cells) not in choices:
+                choices.append(" ".join(cells))
+    else:
+        pool = list(string.ascii_uppercase[:10]) if family is pointers else HOP_NODES \
+            if family is hops else [str(v) for v in range(100)]
+        choices = [answer] + rng.sample([c for c in pool if c != answer], 3)
     rng.shuffle(choices)
     return {"family": family.__name__, "k": k, "question": question + cue(family.__name__),
             "answer": answer, "choices": choices, "gold": choices.index(answer)}

@@ -11,14 +11,13 @@ Data: by default the demo corpus (tools/make_demo_corpus.py), its sentencepiece 
 plus held-out problems generated with another seed. ``--data-path`` / ``--tokenizer-model`` use a
 preprocessed corpus instead (task accuracy then needs ``--task-file``).
 
-Reasoning data (``corpus="hops"``): only the 8-node pointer-chasing problems of
-``make_demo_corpus.py --families hops`` (a 400-piece tokenizer: every arrow one piece, so a hop
-is one attention look-up), the task family where depth is needed, as question/answer pairs
-trained with the loss on the answers only (``--sft``: in the plain corpus the answer is one token
-in 35), packed several to a sequence but each alone in its attention window, with a share of
-k = 1 problems in the training data (``HOPS``) and a model and batch of their own
-(``HOPS_MODEL``); held-out problems uniform over k = 1..6. How long models take to leave chance
-on it at each size is a measurement, in the README's Studies section.
+Reasoning data (``corpus="automaton"``): only the problems of the task family of
+``make_demo_corpus.py`` where depth is needed (a 16-cell row after k steps of a rule-30
+automaton, every cell one piece), as question/answer pairs trained with the loss on the answers
+only (``--sft``), packed several to a sequence but each alone in its attention window, with the
+family's settings (``REASONING``) and a model of their own (``REASONING_MODEL``); held-out
+problems uniform over k = 1..6. How far models get on them at each size is a measurement, in the
+README's Studies section.
 
 Seeds: every arm trains ``seeds`` times (``cpu``/``gpu``: 3, ``tiny``: 1) with --seed, --seed+1,
 ...; tables give mean and sample standard deviation over the seeds, and a difference between two
@@ -56,22 +55,26 @@ SIZES = {
                 evals=10, seeds=3),
 }
 # The reasoning data: documents (for the tokenizer), question/answer pairs (the training data),
-# held-out problems, hardest k.
-# vocab: byte fallback's 256 + specials + ~140 pieces, among them the 56 arrows; the tiny corpus
-# has fewer distinct pieces.
-# one_step: the share of training problems with k = 1 (make_demo_corpus.py --one-step-share;
-# held-out problems stay uniform over k). With k uniform (and a cue before the answer), no model
-# at cpu size learned even one look-up in up to 4000 iterations; with about 40% of the problems
-# at k = 1 (0.3 + 0.7 / 6), dense 8 learned k = 1 within 800 iterations in 2 of 3 seeds
-# (2026-12-02, results/loop_vs_dense.md).
-HOPS = {"tiny": dict(docs=300, pairs=600, tasks=24, max_steps=3, vocab=300, one_step=0.3),
-        "cpu": dict(docs=5000, pairs=100000, tasks=480, max_steps=6, vocab=400, one_step=0.3),
-        "gpu": dict(docs=100000, pairs=2000000, tasks=1200, max_steps=6, vocab=400,
-                    one_step=0.3)}
-# The reasoning studies' model and batch (over the size's): a problem is about 20 tokens, packed
-# about 6 to a sequence, each alone in its attention window (--reset-attention-mask
-# --reset-position-ids), so 16 sequences carry about 100 answers per iteration.
-HOPS_MODEL = {"tiny": dict(hidden=32), "cpu": dict(hidden=64), "gpu": dict(hidden=512, heads=8)}
+# held-out problems, hardest k, tokenizer size, the share of training problems at k = 1
+# (make_demo_corpus.py --one-step-share).
+# The cellular automaton: about 38 tokens a problem (16 cells, "after k", 16 cells, "."), 3 to a
+# 128-token sequence. Its alphabet is small, so the tokenizer is the byte fallback, the specials
+# and about 20 pieces (the two cell states, the letters of "after", digits, "."). k stays
+# uniform: every k has cells near the left edge that need fewer steps, so the first steps are
+# learned without a k = 1 share. In a plain-PyTorch
+# sizing run (2026-12-02, hidden 64, 32 problems a step), dense 8 had whole rows right at k = 3
+# in 96% of problems after 1500 steps, dense 2 in none.
+AUTOMATON = {"tiny": dict(docs=300, pairs=600, tasks=24, max_steps=3, vocab=276, one_step=0.0),
+             "cpu": dict(docs=2000, pairs=100000, tasks=480, max_steps=6, vocab=280,
+                         one_step=0.0),
+             "gpu": dict(docs=2000, pairs=2000000, tasks=1200, max_steps=6, vocab=280,
+                         one_step=0.0)}
+REASONING = {"automaton": AUTOMATON}
+# The reasoning studies' model (over the size's). Each problem is alone in its attention window
+# (--reset-attention-mask --reset-position-ids), 3 to a 128-token sequence: 16 sequences carry
+# about 50 rows per iteration.
+REASONING_MODEL = {"tiny": dict(hidden=32), "cpu": dict(hidden=64),
+                   "gpu": dict(hidden=512, heads=8)}
 
 VERDICT_RULE = ("a difference is *beyond spread* when |mean difference| > 2 x the pooled "
                 "standard deviation sqrt((sd_a^2 + sd_b^2) / 2) of the two arms' seeds (sample "
@@ -224,8 +227,10 @@ class Study:
         if args.size == "tiny":
             os.environ.setdefault("STUDY_THREADS", "1")
         self.size = dict(SIZES[args.size], name=args.size)
-        if corpus == "hops":
-            self.size.update(HOPS_MODEL[args.size])
+        if corpus not in ("demo", *REASONING):
+            raise ValueError(f"corpus {corpus!r}: choose demo or one of {', '.join(REASONING)}")
+        if corpus in REASONING:
+            self.size.update(REASONING_MODEL[args.size])
         self.corpus = corpus
         self.seeds = [args.seed + i for i in range(args.seeds or self.size["seeds"])]
         self.out = os.path.abspath(args.output_dir)
@@ -247,15 +252,16 @@ class Study:
         data = os.path.abspath(a.data_dir or os.path.join(self.out, "data"))
         wanted = {"docs": self.size["docs"], "max_steps": self.size["max_steps"],
                   "tasks": self.size["tasks"]}
-        if self.corpus == "hops":
-            data = os.path.join(data, "hops")
-            # version: the problems' text (2: the answer right after the start node), so that
-            # data built by an older make_demo_corpus.py is rebuilt rather than reused
-            wanted = dict(HOPS[self.size["name"]], families="hops", prose=0.0, version=2)
+        if self.corpus in REASONING:
+            data = os.path.join(data, self.corpus)
+            # version: raised when the problems' text changes, so that data built by an older
+            # make_demo_corpus.py is rebuilt rather than reused
+            wanted = dict(REASONING[self.corpus][self.size["name"]], families=self.corpus,
+                          prose=0.0, version=2)
         os.makedirs(data, exist_ok=True)
         prefix, model = os.path.join(data, "corpus_text_document"), os.path.join(data,
                                                                                 "tokenizer.model")
-        if self.corpus == "hops":
+        if self.corpus in REASONING:
             prefix = os.path.join(data, "pairs_text_document")
         tasks = os.path.join(data, "tasks.jsonl")
         stamp = os.path.join(data, "size.json")
@@ -294,7 +300,7 @@ class Study:
                 # dense 8 with tied embeddings had not learned k = 1 by step 450, untied had it
                 # by step 300).
                 *(["--sft", "--reset-attention-mask", "--reset-position-ids",
-                   "--untie-embeddings-and-output-weights"] if self.corpus == "hops" else []),
+                   "--untie-embeddings-and-output-weights"] if self.corpus in REASONING else []),
                 "--seed", str(self.args.seed if seed is None else seed),
                 "--log-interval", str(s["log"]),
                 "--eval-interval", str(max(iters // s["evals"], 1)),

@@ -1,8 +1,8 @@
-"""How fast a small transformer learns the k-hop pointer-chasing task, outside megaloop (prints,
-never asserts): held-out accuracy by k every few steps.
+"""How fast a small transformer learns a reasoning study's task (k steps of a cellular automaton),
+outside megaloop (prints, never asserts): held-out accuracy by k every few steps.
 
     python examples/studies/loop_vs_dense.py --size tiny --output-dir /tmp/s   # builds the data
-    python benchmarks/hops_sizing.py --data-dir /tmp/s/data/hops --layers 8 --steps 2000
+    python benchmarks/reasoning_sizing.py --data-dir /tmp/s/data/automaton --layers 8 --steps 2000
 
 The model is Hugging Face transformers' Llama (pre-norm RMSNorm, SwiGLU, RoPE, the family every
 study arm uses), trained by a plain PyTorch loop on the reasoning studies' own files: the
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         model.train()
         return {k: hits[k] / counts[k] for k in sorted(counts)}
 
-    print(f"hops sizing: {args.layers} layers x {args.loops} loops, hidden {args.hidden}, "
+    print(f"reasoning sizing: {args.layers} layers x {args.loops} loops, hidden {args.hidden}, "
           f"{'tied' if args.tied else 'untied'}, {args.batch} problems per step, LR {args.lr}, "
           f"{len(problems)} training problems, {len(scored)} held-out", flush=True)
     start = time.time()
