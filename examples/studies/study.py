@@ -105,6 +105,27 @@ def machine(load_at_start: tuple) -> str:
             f"(1 min) at the start, {os.getloadavg()[2]:.1f} (15 min) at the end.")
 
 
+def whole_problems(prefix: str, seq: int) -> int:
+    """The longest sequence length up to ``seq`` that holds a whole number of the corpus's
+    problems, which all have the same number of tokens. The dataset concatenates them and cuts
+    windows of that many tokens, so then every window starts at a problem's start. At 128 tokens
+    (3.3 automaton problems) one problem in four was split across two windows and its answer
+    trained without the start of its row: a looped 2 x 4 trained so for 1200 iterations had
+    learned the 3 left-most cells and no whole row, even at k = 1 (2026-12-02)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)  # held while reading: the lengths are a view of its mmap
+    lengths = set(ds.sequence_lengths.tolist())
+    if len(lengths) != 1:
+        raise ValueError(f"{prefix}: problems of {sorted(lengths)} tokens; the reasoning data "
+                         f"needs one length, so that windows hold whole problems")
+    length = lengths.pop()
+    if length > seq:
+        raise ValueError(f"{prefix}: a problem is {length} tokens, longer than the {seq}-token "
+                         f"sequence")
+    return seq // length * length
+
+
 def mean_sd(values: list) -> tuple[float, float]:
     """Mean and sample standard deviation (n - 1; NaN for one value)."""
     n = len(values)
@@ -243,6 +264,8 @@ class Study:
         runtime.quiet_megatron()
         import megatron.core  # noqa: F401  (once here, inherited by every forked run)
         self.data_prefix, self.tokenizer, self.task_file = self._data()
+        if corpus in REASONING and not args.data_path:
+            self.size["seq"] = whole_problems(self.data_prefix, self.size["seq"])
 
     # --- data -----------------------------------------------------------------------------
     def _data(self):
