@@ -86,6 +86,50 @@ def test_unigram_entropy_of_a_hand_made_corpus(tmp_path):
     assert math.isclose(unigram_entropy(prefix), expected, rel_tol=1e-12)
 
 
+def test_whole_problems_windows_start_at_a_problem(tmp_path):
+    """The reasoning studies' sequence length (study.whole_problems): with it, every training
+    window megatron-core's SFT dataset cuts from equal-length problems starts at a problem's
+    first token; with one token more, windows start inside problems (what the check guards);
+    problems of unequal length are refused."""
+    import json
+
+    from megaloop.data.config import DataConfig, TokenizerConfig
+    from megaloop.data.datasets import build_train_valid_test_datasets
+    from megaloop.data.preprocess import preprocess
+    from megaloop.data.tokenizers import build_tokenizer
+    from study import whole_problems
+
+    vocab = 100
+    src = tmp_path / "p.jsonl"
+    with open(src, "w") as f:  # 7 starts every problem of 6 prompt and 5 response tokens
+        for i in range(300):
+            f.write(json.dumps({"prompt": f"7 {' '.join(str(10 + (i + j) % 50) for j in range(5))}",
+                                "response": " ".join(str(60 + (i * j) % 30) for j in range(5))})
+                    + "\n")
+    tok_cfg = TokenizerConfig(vocab_size=vocab)
+    preprocess(str(src), str(tmp_path / "p"), tok_cfg, data_format="sft", workers=0,
+               progress=False)
+    prefix = str(tmp_path / "p_text_document")
+    length = 6 + 5 + 1  # and the end-of-document token the SFT format closes a problem with
+    seq = whole_problems(prefix, 40)
+    assert seq % length == 0 and seq <= 40 < seq + length
+
+    def first_tokens(seq_length):
+        cfg = DataConfig(data_path=[prefix], split="100,0,0", data_format="sft")
+        train, _, _ = build_train_valid_test_datasets(cfg, build_tokenizer(tok_cfg), seq_length,
+                                                      1, (200, 0, 0))
+        return {int(train[i]["tokens"][0]) for i in range(len(train))}
+
+    assert first_tokens(seq) == {7}
+    assert first_tokens(seq + 1) != {7}
+    with open(src, "a") as f:
+        f.write(json.dumps({"prompt": "7 1 2", "response": "3"}) + "\n")
+    preprocess(str(src), str(tmp_path / "p"), tok_cfg, data_format="sft", workers=0,
+               progress=False)
+    with pytest.raises(ValueError, match="one length"):
+        whole_problems(prefix, 40)
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     return tmp_path_factory.mktemp("studies")
