@@ -16,7 +16,7 @@ STUDIES = {
     "loop_vs_dense": (["final validation loss", "| arm | final validation loss | accuracy | k=1 |",
                        "## Differences in accuracy", "| comparison | accuracy | k=1 |",
                        "| depth | regime | held-out loss | accuracy | k=1 |",
-                       "Every arm pre-norm", "k uniform over 1..3 in training"],
+                       "Every arm pre-norm", "k uniform over 1..3 in training", "Machine: "],
                       ["looped 1 x 2", "dense 1 (same parameters)", "dense 2 (same compute)",
                        "dense 2 (same compute) - dense 1 (same parameters)"]),
     "gate_collapse": (["final p0", "max p0", "longest run above threshold", "alarm fired",

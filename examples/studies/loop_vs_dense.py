@@ -24,14 +24,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from study import (AUTOMATON, Study, accuracy_by_k, figure, mean_sd, md_table,  # noqa: E402
-                   spread, verdict_cell)
+from study import (AUTOMATON, Study, accuracy_by_k, figure, machine, mean_sd,  # noqa: E402
+                   md_table, spread, verdict_cell)
 
 SHAPE = {"tiny": (1, 2), "cpu": (2, 4), "gpu": (4, 4)}  # (K, T)
 ITERS = {"tiny": 8, "cpu": 2000, "gpu": 5000}
 
 
 def main(argv=None) -> int:
+    load_at_start = os.getloadavg()
     study = Study("loop_vs_dense", __doc__, argv, corpus="automaton")
     K, T = SHAPE[study.size["name"]]
     iters = ITERS[study.size["name"]]
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
          f"{max(iters // 20, 1)} warmup iterations and cosine decay, {iters} iterations of "
          f"{study.size['gbs']} x {study.size['seq']} tokens (3 problems per sequence); the "
          f"looped arm trains on its last step's loss.",
+         machine(load_at_start),
          "## Validation loss and held-out accuracy by k (at the trained depth)",
          md_table(["arm", "final validation loss", "accuracy"] + [f"k={k}" for k in ks], rows),
          "## Differences in accuracy (mean difference, verdict)",
