@@ -137,14 +137,13 @@ def automaton(rng: random.Random, k: int) -> tuple[str, str]:
     """``x o o x ... after 3`` -> the row of 16 cells after 3 steps of ``automaton_step``.
     Every step is the same local rule, applied to every cell at once: a model can do one step
     per layer (or per loop step), while a shallow model has to pack k steps into its few
-    layers. Cells near the left edge depend on fewer
-    cells (cell 0 never changes), so a row is learned from the left; it is scored whole."""
+    layers. Cells near the left edge depend on fewer cells (cell 0 never changes), so a row is
+    learned from the left; it is scored whole."""
     row = [rng.randint(0, 1) for _ in range(AUTOMATON_CELLS)]
     out = row
     for _ in range(k):
         out = automaton_step(out)
-    cells = " ".join
-    return (f"{cells(CELL[c] for c in row)} after {k}", cells(CELL[c] for c in out))
+    return f"{' '.join(CELL[c] for c in row)} after {k}", " ".join(CELL[c] for c in out)
 
 
 TASKS = [arithmetic, binding, pointers]

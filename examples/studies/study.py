@@ -57,9 +57,10 @@ SIZES = {
 # The reasoning data: documents (for the tokenizer), question/answer pairs (the training data),
 # held-out problems, hardest k, tokenizer size, the share of training problems at k = 1
 # (make_demo_corpus.py --one-step-share).
-# The cellular automaton: about 38 tokens a problem (16 cells, "after k", 16 cells, "."), 3 to a
-# 128-token sequence. Its alphabet is small, so the tokenizer is the byte fallback, the specials
-# and about 20 pieces (the two cell states, the letters of "after", digits, "."). k stays
+# The cellular automaton: 39 tokens a problem (16 cells, "after k", 16 cells, ".", end of
+# document), 3 to a sequence (whole_problems cuts the size's 128 to 117). Its alphabet is
+# small, so the tokenizer is the byte fallback, the specials and about 20 pieces (the two cell
+# states, the letters of "after", digits, "."). k stays
 # uniform: every k has cells near the left edge that need fewer steps, so the first steps are
 # learned without a k = 1 share. At cpu size (2026-12-02, results/loop_vs_dense.md, 2000
 # iterations, 3 seeds) the looped 2 x 4 learned k <= 2 in every seed and k = 3 in part, dense 8
@@ -71,8 +72,8 @@ AUTOMATON = {"tiny": dict(docs=300, pairs=600, tasks=24, max_steps=3, vocab=276,
                          one_step=0.0)}
 REASONING = {"automaton": AUTOMATON}
 # The reasoning studies' model (over the size's). Each problem is alone in its attention window
-# (--reset-attention-mask --reset-position-ids), 3 to a 128-token sequence: 16 sequences carry
-# about 50 rows per iteration.
+# (--reset-attention-mask --reset-position-ids), 3 to a sequence: 16 sequences carry 48 rows per
+# iteration.
 REASONING_MODEL = {"tiny": dict(hidden=32), "cpu": dict(hidden=64),
                    "gpu": dict(hidden=512, heads=8)}
 
@@ -319,9 +320,9 @@ class Study:
                 "--tokenizer-type", "SentencePieceTokenizer",
                 "--tokenizer-model", self.tokenizer,
                 # The reasoning data: loss on the answers, every problem alone in its window,
-                # and an output layer of its own (in a 2026-12-02 plain-PyTorch sizing run,
-                # dense 8 with tied embeddings had not learned k = 1 by step 450, untied had it
-                # by step 300).
+                # and an output layer of its own (in a 2026-12-02 plain-PyTorch sizing run on
+                # the earlier pointer-chasing task, dense 8 with tied embeddings had not learned
+                # k = 1 by step 450, untied had it by step 300).
                 *(["--sft", "--reset-attention-mask", "--reset-position-ids",
                    "--untie-embeddings-and-output-weights"] if self.corpus in REASONING else []),
                 "--seed", str(self.args.seed if seed is None else seed),
