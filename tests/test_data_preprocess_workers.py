@@ -211,3 +211,39 @@ def test_ctrl_c_and_sigterm_at_random_moments_stop_fast_and_leave_nothing(tmp_pa
         outcomes.append((proc.returncode, bool(left), round(took, 2)))
     interrupted = sum(rc != 0 and not published for rc, published, _ in outcomes)
     assert interrupted >= 8, outcomes  # the trials did hit running work
+
+
+@pytest.mark.parametrize("interrupt, code", [("Terminated", 143), ("KeyboardInterrupt", 130)])
+def test_signal_during_a_c_extension_import_is_an_interruption(tmp_path, sp_model, monkeypatch,
+                                                               interrupt, code):
+    """A SIGTERM or Ctrl-C that lands while sentencepiece's C extension initialises reaches
+    the tool as ImportError("initialization failed") with the interrupt as its context (seen
+    in the random-signal test above under load): the tool exits 143 / 130 as for any other
+    interruption, and a plain ImportError still propagates."""
+    import importlib.util
+
+    import megaloop.data.preprocess as pre
+
+    spec = importlib.util.spec_from_file_location("preprocess_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    exc = pre.Terminated if interrupt == "Terminated" else KeyboardInterrupt
+
+    def interrupted_import(*args, **kwargs):
+        try:
+            raise exc()
+        except KeyboardInterrupt:
+            raise ImportError("initialization failed")
+
+    monkeypatch.setattr(pre, "preprocess", interrupted_import)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b c"}])
+    argv = ["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+            "SentencePieceTokenizer", "--tokenizer-model", sp_model, "--no-progress"]
+    assert tool.main(argv) == code
+
+    def broken_import(*args, **kwargs):
+        raise ImportError("no module named x")
+
+    monkeypatch.setattr(pre, "preprocess", broken_import)
+    with pytest.raises(ImportError, match="no module named x"):
+        tool.main(argv)

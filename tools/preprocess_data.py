@@ -195,6 +195,16 @@ def main(argv=None) -> int:
     except (BadInputError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except ImportError as err:
+        # A signal that lands while a C extension initialises (sentencepiece, imported when the
+        # tokenizer is built) comes out as ImportError("initialization failed") with the
+        # Terminated / KeyboardInterrupt as its context: the same interruption.
+        if not isinstance(err.__context__, KeyboardInterrupt):
+            raise
+        terminated = isinstance(err.__context__, Terminated)
+        print(f"{'terminated (SIGTERM)' if terminated else 'interrupted'}: temporary files "
+              f"removed", file=sys.stderr)
+        return TERMINATED if terminated else INTERRUPTED
     except Terminated:
         print("terminated (SIGTERM): temporary files removed", file=sys.stderr)
         return TERMINATED
