@@ -26,7 +26,7 @@ from study import (Study, accuracy_by_k, figure, mean_sd, md_table, spread,  # n
 
 # (physical layers, core layers of CoreLoop, T)
 SHAPE = {"tiny": (3, 1, 3), "cpu": (4, 2, 3), "gpu": (8, 4, 4)}
-ITERS = {"tiny": 8, "cpu": 2000, "gpu": 5000}  # as loop_vs_dense.py
+ITERS = {"tiny": 8, "cpu": 3000, "gpu": 5000}  # as loop_vs_dense.py
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,7 @@ from study import (AUTOMATON, Study, accuracy_by_k, figure, machine, mean_sd,  #
                    md_table, spread, verdict_cell)
 
 SHAPE = {"tiny": (1, 2), "cpu": (2, 4), "gpu": (4, 4)}  # (K, T)
-ITERS = {"tiny": 8, "cpu": 2000, "gpu": 5000}
+ITERS = {"tiny": 8, "cpu": 3000, "gpu": 5000}
 
 
 def main(argv=None) -> int:
