@@ -219,7 +219,8 @@ def test_signal_during_a_c_extension_import_is_an_interruption(tmp_path, sp_mode
     """A SIGTERM or Ctrl-C that lands while sentencepiece's C extension initialises reaches
     the tool as ImportError("initialization failed") with the interrupt as its context (seen
     in the random-signal test above under load): the tool exits 143 / 130 as for any other
-    interruption, and a plain ImportError still propagates."""
+    interruption (as it does when the signal lands outside an import), and a plain ImportError
+    still propagates."""
     import importlib.util
 
     import megaloop.data.preprocess as pre
@@ -239,6 +240,12 @@ def test_signal_during_a_c_extension_import_is_an_interruption(tmp_path, sp_mode
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b c"}])
     argv = ["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
             "SentencePieceTokenizer", "--tokenizer-model", sp_model, "--no-progress"]
+    assert tool.main(argv) == code
+
+    def interrupted_run(*args, **kwargs):  # the same signal outside any import
+        raise exc()
+
+    monkeypatch.setattr(pre, "preprocess", interrupted_run)
     assert tool.main(argv) == code
 
     def broken_import(*args, **kwargs):

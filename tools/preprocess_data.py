@@ -195,22 +195,17 @@ def main(argv=None) -> int:
     except (BadInputError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except ImportError as err:
+    except (ImportError, KeyboardInterrupt) as err:
         # A signal that lands while a C extension initialises (sentencepiece, imported when the
         # tokenizer is built) comes out as ImportError("initialization failed") with the
-        # Terminated / KeyboardInterrupt as its context: the same interruption.
-        if not isinstance(err.__context__, KeyboardInterrupt):
+        # KeyboardInterrupt (or Terminated, its SIGTERM subclass) as its context.
+        interruption = err.__context__ if isinstance(err, ImportError) else err
+        if not isinstance(interruption, KeyboardInterrupt):
             raise
-        terminated = isinstance(err.__context__, Terminated)
+        terminated = isinstance(interruption, Terminated)
         print(f"{'terminated (SIGTERM)' if terminated else 'interrupted'}: temporary files "
               f"removed", file=sys.stderr)
         return TERMINATED if terminated else INTERRUPTED
-    except Terminated:
-        print("terminated (SIGTERM): temporary files removed", file=sys.stderr)
-        return TERMINATED
-    except KeyboardInterrupt:
-        print("interrupted: temporary files removed", file=sys.stderr)
-        return INTERRUPTED
     print(stats.summary())
     for prefix in stats.outputs:
         print(f"wrote {prefix}.bin/.idx")
