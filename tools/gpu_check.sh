@@ -12,12 +12,23 @@
 # Environment: PYTHON (the interpreter; default the python3 on PATH, i.e. the container's, never
 # the repository's CPU venv), GPU_CHECK_BUDGET_S (default 570), GPU_CHECK_PEAK_TFLOPS (the GPU's
 # dense BF16 peak, when its name is not in megaloop/gpu_check/rows.py's table).
+# The default output directory is made in the current directory, from wherever it is started.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+GPU_CHECK_PYTHON_FROM="\$PYTHON"
 if [[ -z "${PYTHON:-}" ]]; then
-    PYTHON="$(command -v python3 || command -v python)"
+    GPU_CHECK_PYTHON_FROM="the first python3 on PATH"
+    PYTHON="$(command -v python3 || command -v python || true)"
+    if [[ -z "$PYTHON" ]]; then
+        echo "error: no python3 or python on PATH; name the interpreter with torch and" \
+             "megatron-core: PYTHON=/path/to/python bash $0" >&2
+        exit 2
+    fi
 fi
-export PYTHON
+export PYTHON GPU_CHECK_PYTHON_FROM  # the latter: for the message if it lacks torch
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-cd "$ROOT"
+# The repository on the module path instead of a cd into it: the current directory stays the
+# user's (relative --output-dir and the default one land there). The interpreter check
+# (torch importable, else one line naming the interpreter and PYTHON=) is the module's own.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PYTHON" -m megaloop.gpu_check "$@"

@@ -174,7 +174,9 @@ def grads(argv_a: list, argv_b: list) -> dict:
             cos = 1.0 if na == nb == 0 else (ga * gb).sum().item() / max(na * nb, 1e-300)
             scale = ga.abs().max().item()
             rel = 0.0 if na == nb == 0 else (ga - gb).abs().max().item() / max(scale, 1e-30)
-            per_param[k] = {"cos": cos, "rel": rel}
+            # The dot product and both norms too: the verdict sums them into one global cosine.
+            per_param[k] = {"cos": cos, "rel": rel, "dot": (ga * gb).sum().item(),
+                            "norm_a": na, "norm_b": nb}
         del a, b, pa, pb  # freed before world_of_one empties the GPU cache
         return {"loss_a": stats_a["loss"], "loss_b": stats_b["loss"],
                 "step_losses_a": stats_a["step_losses"], "step_losses_b": stats_b["step_losses"],
@@ -232,27 +234,111 @@ class StepClock:
         return [{k: span(*v) for k, v in m.items()} for m in self.marks]
 
 
-def train_steps(argv: list, steps: int) -> dict:
+# The one layer whose first-step weight gradient the FP8 rows compare with bf16's: the core's
+# first MLP output projection (the same name in the TE and the local spec; a core layer's
+# gradient sums all T loop steps, so it sees FP8 in every application of the shared block).
+GRAD_PROBE_PARAM = "layers.0.mlp.linear_fc2.weight"
+
+
+def _probe_param(model):
+    named = [(n, p) for n, p in _unwrap_names(model) if n.endswith(GRAD_PROBE_PARAM)]
+    if not named:
+        raise AssertionError(f"no parameter named *{GRAD_PROBE_PARAM} to compare gradients")
+    return named[0]  # the prelude is empty in the FP8 rows' layout: the first is the core's
+
+
+def fp8_evidence(model) -> dict:
+    """What Transformer Engine's modules say about the FP8 state of their last forward: how many
+    TE modules there are, how many ran under FP8 (TE sets a module's ``fp8`` from its global
+    state at each forward), the recipe classes in their ``fp8_meta``, how many hold a nonzero
+    amax history (delayed scaling records one per forward), and the bytes of their extra state
+    (TE saves its FP8 scaling state there, empty when FP8 never ran). Without TE: {"te": False}."""
+    try:
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    except ImportError as exc:
+        return {"te": False, "why": repr(exc)}
+    mods = [m for m in model.modules() if isinstance(m, TransformerEngineBaseModule)]
+    ran = [m for m in mods if getattr(m, "fp8", False)]
+    amax = 0
+    for m in ran:
+        meta = m.fp8_meta.get("scaling_fwd")
+        history = getattr(meta, "amax_history", None)
+        amax += int(history is not None and bool(history.abs().max().item() > 0))
+    return {"te": True, "modules": len(mods), "modules_fp8": len(ran),
+            "recipes": sorted({type(m.fp8_meta.get("recipe")).__name__ for m in ran}),
+            "modules_with_amax_history": amax,
+            "extra_state_fp8": [_extra_state_has_fp8(m) for m in ran[:4]]}
+
+
+def _extra_state_has_fp8(module) -> bool:
+    """Whether a TE module's extra state (what a checkpoint keeps of it) holds FP8 state: TE
+    serialises a dict (recipe, scales, amax history) after an FP8 forward and None otherwise,
+    as pickled bytes in a uint8 tensor (older releases: a torch.save'd BytesIO)."""
+    import io
+    import pickle
+
+    import torch
+
+    state = module.get_extra_state()
+    if isinstance(state, io.BytesIO):
+        state.seek(0)
+        decoded = torch.load(state, map_location="cpu", weights_only=False)
+    elif isinstance(state, torch.Tensor):
+        decoded = pickle.loads(state.detach().cpu().numpy().tobytes()) if state.numel() else None
+    else:
+        decoded = state
+    return isinstance(decoded, dict) and bool(decoded)
+
+
+def train_steps(argv: list, steps: int, grad_save: str | None = None,
+                grad_compare: str | None = None) -> dict:
     """Build a trainer from ``argv`` and take ``steps`` training steps, each timed (forward +
     backward and optimizer separately); returns the losses, whether each step was applied, the
-    times, and the FLOPs and tokens of one iteration (megaloop.training.metrics'
-    flops_per_iteration: layers counted per application, the trainer's own formula)."""
+    times, the FLOPs and tokens of one iteration (megaloop.training.metrics'
+    flops_per_iteration: layers counted per application, the trainer's own formula), the wall
+    seconds of the build, the first step (compiles, TE's first FP8 casts) and the rest, and
+    what TE's modules say about FP8 (``fp8_evidence``).
+
+    ``grad_save``: write the first step's gradient of GRAD_PROBE_PARAM there (the bf16
+    reference); ``grad_compare``: return that gradient's cosine against the one saved there."""
     import torch
 
     from megaloop.training.metrics import flops_per_iteration
 
+    t0 = time.perf_counter()
     with world_of_one():
         cfg, trainer = build(argv)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+        t_build = time.perf_counter()
         clock = StepClock(trainer)
+        probe, first_grad = None, None
+        if grad_save or grad_compare:
+            probe = _probe_param(trainer.model)
+            run = trainer._run  # the clock's wrapper: read the gradient right after step 1
+
+            def run_and_keep(*args, **kwargs):
+                nonlocal first_grad
+                out = run(*args, **kwargs)
+                if first_grad is None:
+                    first_grad = _grad(probe[1]).float()
+                return out
+
+            trainer._run = run_and_keep
         losses, applied, grad_norms = [], [], []
-        for _ in range(steps):
+        t_first = None
+        for i in range(steps):
             stats, grad_norm, ok = clock.step()
             losses.append(float(stats["loss"]))
             applied.append(bool(ok))
             grad_norms.append(float(grad_norm) if grad_norm is not None else None)
+            if i == 0:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t_first = time.perf_counter()
         times = clock.milliseconds()
+        t_end = time.perf_counter()
         tr, loop, m = cfg.training, cfg.loop, cfg.model
         out = {"losses": losses, "applied": applied, "grad_norms": grad_norms, "ms": times,
                "flops_per_iter": flops_per_iteration(m, loop, trainer.tokenizer.vocab_size,
@@ -261,8 +347,22 @@ def train_steps(argv: list, steps: int) -> dict:
                "mem_gib": torch.cuda.max_memory_allocated() / 2**30
                if torch.cuda.is_available() else None,
                "layout": f"{loop.num_core_layers(m.num_layers)} x {loop.num_loops} = depth "
-                         f"{loop.effective_depth(m.num_layers)}, exit loss {loop.exit_loss}"}
-        del clock, trainer
+                         f"{loop.effective_depth(m.num_layers)}, exit loss {loop.exit_loss}",
+               "timings_s": {"build": t_build - t0, "first_step": t_first - t_build,
+                             "rest": t_end - t_first},
+               "fp8_evidence": fp8_evidence(trainer.model),
+               "grad_param": probe[0] if probe else None}
+        if grad_save:
+            torch.save(first_grad, grad_save)
+        if grad_compare:
+            ref = torch.load(grad_compare).double()
+            g = first_grad.double()
+            out["grad_cosine"] = float((g * ref).sum() / (g.norm() * ref.norm()).clamp_min(1e-300))
+            out["grad_bitwise_equal"] = bool(torch.equal(g, ref))
+        print(f"[gpu_check] timings: build {out['timings_s']['build']:.1f} s, first step "
+              f"{out['timings_s']['first_step']:.1f} s, the other {steps - 1} steps "
+              f"{out['timings_s']['rest']:.1f} s; FP8 evidence {out['fp8_evidence']}", flush=True)
+        del clock, trainer, first_grad
         return out
 
 
@@ -272,3 +372,10 @@ def pretrain(argv: list) -> int:
     import pretrain_looplm
 
     return pretrain_looplm.main(argv)
+
+
+def train_rl(argv: list) -> int:
+    """``train_rl.py argv`` in this process; returns its exit code."""
+    import train_rl as entry
+
+    return entry.main(argv)

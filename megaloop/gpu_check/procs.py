@@ -17,6 +17,7 @@ import signal
 import subprocess
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 TAG_ENV = "MEGALOOP_GPU_CHECK_TAG"
@@ -165,3 +166,22 @@ def failure_text(text: str, lines: int = 25) -> str:
                 and launcher(tracebacks("\n".join(all_lines[i:]))[0])), len(all_lines))
     tail = [line for line in all_lines[:cut] if line.strip()]
     return "\n".join(tail[-lines:])
+
+
+@contextmanager
+def started(cmd: list, log_path: str, cwd: str, env: dict, name: str = "server"):
+    """Start ``cmd`` in the background (a server a row talks to) with its output appended to
+    ``log_path``; yields the process; when the row is done, every process it left is killed
+    (as run_logged's)."""
+    tag = new_tag(name)
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**env, TAG_ENV: tag}, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            yield proc
+        finally:
+            kill_tagged(tag)
+            proc.wait()

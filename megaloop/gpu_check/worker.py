@@ -68,6 +68,20 @@ def _json_safe(value):
     return value
 
 
+def reset_fp8_state() -> None:
+    """Reset Transformer Engine's process-wide FP8 state after every row. It lives in class
+    attributes of TE's FP8GlobalStateManager (the autocast depth, the recipe, the amax buffers
+    that delayed scaling reduces at the end of each autocast), so an FP8 row interrupted by an
+    error, or simply run before a bf16 row, would otherwise hand its state to the next row.
+    Only where TE was imported by a row: the rehearsal on CPU never imports it."""
+    if "transformer_engine.pytorch" not in sys.modules:
+        return
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # megatron-core's import
+
+    FP8GlobalStateManager.reset()
+    print("[gpu_check] reset Transformer Engine's FP8 global state", flush=True)
+
+
 def serve(cmd_fd: int, reply_fd: int) -> None:
     with os.fdopen(cmd_fd, "r") as requests, os.fdopen(reply_fd, "w") as replies:
         for line in requests:
@@ -80,6 +94,8 @@ def serve(cmd_fd: int, reply_fd: int) -> None:
                     error = traceback.format_exc()
                     print(error, file=sys.stderr, flush=True)
                     reply = {"ok": False, "error": error}
+                finally:
+                    reset_fp8_state()
             replies.write(json.dumps(reply) + "\n")
             replies.flush()
 
