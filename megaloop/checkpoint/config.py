@@ -19,7 +19,9 @@ class LoadConfig:
     """Loading a checkpoint (Megatron-LM's flags)."""
 
     load: Optional[str] = None
-    """Directory to resume from (its latest checkpoint); a directory without one starts fresh."""
+    """Directory to resume from (its latest checkpoint). A training run refuses one that holds
+    no checkpoint, unless it is also --save (a resubmittable job's first launch starts from
+    scratch there)."""
 
     ckpt_step: Optional[int] = None
     """Load this iteration instead of the one named in latest_checkpointed_iteration.txt."""

@@ -6,11 +6,12 @@ A save writes ``iter_XXXXXXX.tmp`` and renames it when complete; loads never rea
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from typing import Optional
 
-from megaloop.checkpoint.errors import CheckpointError
+from megaloop.checkpoint.errors import CheckpointError, CheckpointMismatch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -76,6 +77,48 @@ def resolve(load_dir: str, iteration: Optional[int]) -> Optional[str]:
             f"checkpoint {path} does not exist (named by {TRACKER} or --ckpt-step); "
             f"{fallback_hint(load_dir, iteration)}")
     return path
+
+
+def is_hf_folder(path: str) -> bool:
+    """A Hugging Face model folder (config.json and safetensors weights), which import-hf
+    converts."""
+    return os.path.isfile(os.path.join(path, "config.json")) and \
+        bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+
+
+def check_training_load(load: Optional[str], ckpt_step: Optional[int], *, save: Optional[str],
+                        finetune: bool) -> None:
+    """Refuse (CheckpointMismatch, exit 2) a training run's --load that holds no megaloop
+    checkpoint, which would otherwise train from random weights under the name of a resume or a
+    fine-tune. The one exception is Megatron-LM's resubmittable job: --load equal to --save and
+    no checkpoint in it yet (missing or without a tracker) starts from scratch, and later
+    submissions resume. Standard library only: called while validating the flags."""
+    if not load or ckpt_step is not None:  # --ckpt-step names its folder: resolve() checks it
+        return
+    if os.path.isdir(load) and read_tracker(load) is not None:
+        return  # (whether its folder exists: the resume checks name it)
+    if os.path.isdir(load) and is_hf_folder(load):
+        raise CheckpointMismatch(
+            f"--load {load} is a Hugging Face model folder (config.json + *.safetensors), not a "
+            f"megaloop checkpoint: convert it first with `python tools/convert_checkpoint.py "
+            f"import-hf --hf-dir {load} --save DIR` and pass --load DIR")
+    found = available_iterations(load)
+    if found:  # complete checkpoint folders but no tracker (deleted, or never written)
+        raise CheckpointMismatch(
+            f"--load {load}: no {TRACKER} there, but it holds checkpoint folders of iterations "
+            f"{', '.join(map(str, found))}: pick one with --ckpt-step {found[-1]} (or restore "
+            f"{TRACKER})")
+    fresh_resumable = bool(save) and not finetune and \
+        os.path.realpath(load) == os.path.realpath(save)
+    if fresh_resumable:
+        return
+    what = "the folder does not exist" if not os.path.exists(load) else f"no {TRACKER}"
+    if finetune:
+        way_out = "point --load at the checkpoint to start from"
+    else:
+        way_out = ("point --load at a checkpoint folder, or drop --load to train from scratch "
+                   "(a job that resumes itself passes the same folder to --save and --load)")
+    raise CheckpointMismatch(f"--load {load}: no checkpoint there ({what}); {way_out}")
 
 
 def unreadable(path: str, detail: str) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from megaloop.checkpoint.config import LoadConfig
-from megaloop.checkpoint.tracker import TRACKER
+from megaloop.checkpoint.tracker import check_training_load
 
 
 @dataclass
@@ -563,12 +563,9 @@ class CheckpointConfig(LoadConfig):
             raise ValueError(f"--exit-duration-in-mins {self.exit_duration_in_mins} must be > 0")
         if self.finetune and not self.load:
             raise ValueError("--finetune needs --load DIR (the checkpoint to start from)")
-        if self.finetune and self.ckpt_step is None and \
-                not os.path.isfile(os.path.join(self.load, TRACKER)):
-            # Without this, a mistyped path would quietly train from random weights.
-            raise ValueError(f"--finetune --load {self.load}: no checkpoint there (no {TRACKER}); "
-                             f"point --load at the checkpoint to start from, or drop --finetune "
-                             f"to train from scratch")
+        # Without this, a mistyped path or a Hugging Face folder would quietly train from
+        # random weights (an empty --load equal to --save is a first launch: allowed).
+        check_training_load(self.load, self.ckpt_step, save=self.save, finetune=self.finetune)
         if self.async_save and not self.save:
             raise ValueError("--async-save needs --save DIR (where to write the checkpoints)")
         if self.ckpt_fully_parallel_load:
