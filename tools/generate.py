@@ -18,6 +18,8 @@ continuation decoded together (the prompt as the model read it: its last tokens 
 ``--exit``: per-token early exit that skips the remaining steps: ``q:<q>`` (Ouro's Q-exit on the
 cumulative exit probability), ``kl:<eps>`` (Huginn: successive steps' next-token distributions
 closer than eps), ``fixed:<n>``; the mean executed depth is printed on stderr.
+``--transformer-impl``: the layer backend the model is built with, `local` unless told
+otherwise, whatever the checkpoint was saved with (the weights map by name; a line says so).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
 from megaloop.inference.flags import (add_ckpt_step_flag, add_generation_flags,  # noqa: E402
-                                      add_tokenizer_flags)
+                                      add_tokenizer_flags, add_transformer_impl_flag)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt that, with --max-tokens, does not fit the model's context "
                         "keeps only its last tokens (default: such a prompt is refused)")
     add_generation_flags(p)
+    add_transformer_impl_flag(p, engine=False)
     p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0,
                    help="sample from the k most likely tokens (default 0: all)")
@@ -68,12 +71,14 @@ def main(argv=None) -> int:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
     from megaloop.inference.flags import check_sampling, fit_prompt, tokenizer_from_flags
-    from megaloop.inference.loading import check_generation_flags, parse_prompt_ids
+    from megaloop.inference.loading import (check_generation_flags, check_transformer_impl,
+                                            parse_prompt_ids)
 
     try:
         check_sampling(args.temperature, args.top_k, args.top_p)
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
                                       ckpt_step=args.ckpt_step)
+        impl = check_transformer_impl(args.transformer_impl, engine=False)
         prompts_ids = [parse_prompt_ids(t) for t in args.prompt_ids] if args.prompt_ids else None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -94,7 +99,8 @@ def main(argv=None) -> int:
     try:
         try:
             model, tokenizer, run = load_for_generation(args.load, tp, tokenizer=tokenizer_cfg,
-                                                        ckpt_step=args.ckpt_step)
+                                                        ckpt_step=args.ckpt_step,
+                                                        transformer_impl=impl)
         except (ValueError, FileNotFoundError) as exc:
             print(f"error: --load {args.load}: {exc}", file=sys.stderr)
             return 2

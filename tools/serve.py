@@ -21,6 +21,8 @@ requests are decoded together by the batching engine (megaloop/inference/engine.
 ``--max-batch``, ``--block-size``, ``--num-blocks``, ``--prefill-chunk``). ``--num-loops``,
 ``--kv-policy`` and ``--exit`` are those of tools/generate.py and apply to every request;
 ``--max-prompts-per-request``, ``--max-n`` and ``--max-request-tokens`` limit one request.
+``--transformer-impl`` is the layer backend the model is built with: `local`, the one the engine
+runs, whatever the checkpoint was saved with (the weights map by name; a line says so).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
 from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
-from megaloop.inference.flags import add_ckpt_step_flag, add_generation_flags  # noqa: E402
+from megaloop.inference.flags import (add_ckpt_step_flag, add_generation_flags,  # noqa: E402
+                                      add_transformer_impl_flag)
 from megaloop.inference.limits import RequestLimits  # noqa: E402
 
 
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel size; must equal the launch's ranks (torchrun "
                         "--nproc-per-node; default: that number)")
     add_generation_flags(p)
+    add_transformer_impl_flag(p, engine=True)
     add_dataclass_args(p, RequestLimits)
     # The engine's knobs; its --max-sequence-length is the model's context.
     add_dataclass_args(p, EngineConfig, only=ENGINE_FLAGS)
@@ -91,7 +95,7 @@ def main(argv=None) -> int:
     except ImportError:
         return refuse("the server needs FastAPI and uvicorn: pip install -e '.[serve]'")
     from megaloop.inference.engine import EngineConfig
-    from megaloop.inference.loading import check_generation_flags
+    from megaloop.inference.loading import check_generation_flags, check_transformer_impl
 
     limits = dataclass_from_args(RequestLimits, args)
     engine_config = EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
@@ -100,6 +104,7 @@ def main(argv=None) -> int:
         engine_config.validate()
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
                                       ckpt_step=args.ckpt_step)
+        impl = check_transformer_impl(args.transformer_impl, engine=True)
     except ValueError as exc:
         return refuse(str(exc))
 
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
     tp = setup_processes()
     try:
         try:
-            model, tokenizer, run = load_for_generation(args.load, tp, ckpt_step=args.ckpt_step)
+            model, tokenizer, run = load_for_generation(args.load, tp, ckpt_step=args.ckpt_step,
+                                                        transformer_impl=impl, purpose="serving")
         except (ValueError, FileNotFoundError) as exc:
             return refuse(f"--load {args.load}: {exc}")
         context = context_length(run)

@@ -30,7 +30,7 @@ import shutil
 import torch
 
 from megaloop.convert.hf_families import LLAMA3_FIXED
-from megaloop.convert.layout import Heads, to_hf
+from megaloop.convert.layout import Heads, local_names, to_hf
 from megaloop.data.config import TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
 
@@ -127,7 +127,7 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
                          "none, --lora-rank 0, no --qk-layernorm, --add-qkv-bias or "
                          "--use-rope-scaling; use --names auto")
     ouro = ouro and names != "megaloop"
-    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    state = local_names(state)  # a Transformer Engine model's fused norms under their names
     rows = state["embedding.word_embeddings.weight"].shape[0]
     if vocab_size is not None:
         if not 0 < vocab_size <= rows:

@@ -26,7 +26,7 @@ import torch
 
 from megaloop.arguments import flag_name
 from megaloop.convert.hf_families import SUPPORTED, model_config_from_hf, rope_settings
-from megaloop.convert.layout import Heads, from_hf, layer_from_hf
+from megaloop.convert.layout import Heads, from_hf, layer_from_hf, local_names
 from megaloop.data.config import TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig, padded_vocab_size
 
@@ -139,7 +139,7 @@ def load_into(model, tensors: dict) -> None:
     """Copy converted tensors into a TP=1 model; everything except what the conversion adds
     (exit gate, injection scalar, LoRA adapters) must be covered, with matching shapes."""
     fresh = ("exit_gate.", "injection.", ".lora_A.", ".lora_B.")
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    state = local_names(model.state_dict())  # either layer backend
     missing = [k for k in state if k not in tensors and not any(f in k for f in fresh)]
     unexpected = [k for k in tensors if k not in state]
     if missing or unexpected:
@@ -327,8 +327,8 @@ def load_sharded(model, tensors: dict) -> None:
 
     rank = parallel_state.get_tensor_model_parallel_rank()
     world = parallel_state.get_tensor_model_parallel_world_size()
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    params = dict(model.named_parameters())
+    state = local_names(model.state_dict())  # either layer backend
+    params = local_names(dict(model.named_parameters()))
     missing = sorted(set(state) - set(tensors))
     unexpected = sorted(set(tensors) - set(state))
     if missing or unexpected:
@@ -350,17 +350,21 @@ def load_sharded(model, tensors: dict) -> None:
             dest.copy_(part)
 
 
-def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | None = None):
+def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | None = None,
+                  transformer_impl: str = "local"):
     """(model at TP = ``tp_size``, ModelConfig, LoopConfig, a run-config dict naming them and the
     tokenizer) of a folder written by export-hf (``hf_export.write_hf_folder``): config.json read
     back exactly (``exported_configs``), the tensors through the reverse of the export's names
     (``layout.from_hf``), each rank's TP slice cut from the full tensors; the tokenizer is the
-    folder's tokenizer.json, else ``tokenizer``. Collective like
-    ``megaloop.checkpoint.load.load_model``: needs megatron-core's parallel state at that TP size."""
+    folder's tokenizer.json, else ``tokenizer``. The layers are ``transformer_impl``'s (an export
+    does not record the backend it came from; the generation entry points choose it).
+    Collective like ``megaloop.checkpoint.load.load_model``: needs megatron-core's parallel state
+    at that TP size."""
     from megaloop.model.looped_gpt import build_model
 
     cfg = read_hf_config(folder)
     model_cfg, loop = exported_configs(cfg)
+    model_cfg.transformer_impl = transformer_impl
     rows = cfg["vocab_size"]
     tok_cfg = exported_tokenizer(folder, rows, tokenizer)
     model = build_model(model_cfg, loop, rows, tp_size=tp_size)

@@ -57,6 +57,29 @@ TOP_LEVEL = {
     "output_layer.weight": "lm_head.weight",
 }
 BLOCKS = {"prelude": "model.prelude", "core": "model.layers", "coda": "model.coda"}
+# Transformer Engine fuses a layer's input norms into the linear after them (the norm's scale is
+# that linear's ``layer_norm_weight``); the local spec keeps separate norm modules. The names
+# here are the local spec's: the fused TE name -> the separate norm's prefix (megatron-core's
+# local spec maps the other way for its checkpoint keys).
+FUSED_NORMS = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
+               ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
+
+
+def local_names(state: dict) -> dict:
+    """A model's ``state_dict()`` (or ``named_parameters()``), of either layer backend, under the
+    local spec's names: TE's fused input norms (``<layer>.self_attention.linear_qkv
+    .layer_norm_weight``) as the separate norms (``<layer>.input_layernorm.weight``), and TE's
+    ``_extra_state`` (FP8 scaling state, no weight) left out. The values are the model's own
+    tensors, so copying into them fills the model."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith("_extra_state"):
+            continue
+        for fused, separate in FUSED_NORMS.items():
+            if fused in key:
+                key = key.replace(fused, separate)
+        out[key] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -159,7 +182,7 @@ def layer_from_hf(get, hf_prefix: str, prefix: str, heads: Heads, names: set) ->
 
 
 def to_hf(state: dict, heads: Heads, tied: bool) -> dict:
-    """A whole megaloop state dict (TP=1, ``_extra_state`` dropped) -> Hugging Face tensors.
+    """A whole megaloop state dict (TP=1, under ``local_names``) -> Hugging Face tensors.
     Raises if a tensor has no Hugging Face name (a feature the export does not know)."""
     out, used = {}, set()
     for ours, theirs in TOP_LEVEL.items():

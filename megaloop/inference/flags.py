@@ -69,6 +69,17 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
                    help="early exit: q:<q> | kl:<eps> | fixed:<n> (default: all steps)")
 
 
+def add_transformer_impl_flag(p: argparse.ArgumentParser, engine: bool) -> None:
+    """--transformer-impl: the layer backend the loaded model is built with, whatever the
+    checkpoint was saved with (checked by loading.check_transformer_impl). ``engine``: the entry
+    point decodes with the batching engine, which runs the local layers only."""
+    runs = "local (the default; the only one the batching engine runs)" if engine else \
+        "local (the default), or transformer_engine on a GPU with Transformer Engine installed"
+    p.add_argument("--transformer-impl", default=None,
+                   help=f"layer backend to build the model with: {runs}. A checkpoint saved "
+                        f"with either loads into either: the weights map by name")
+
+
 def check_num_loops(value, spell: Callable[[str], str] = cli_name) -> None:
     """None (the trained depth) or an integer >= 1; ValueError naming the value otherwise."""
     if value is None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
+from megaloop import runtime
 from megaloop.checkpoint.tracker import TRACKER
 from megaloop.inference.flags import check_num_loops, cli_name
 
@@ -37,16 +39,56 @@ def is_hf_folder(path: str) -> bool:
             and not os.path.isfile(os.path.join(path, CHECKPOINT_TRACKER)))
 
 
+# The layer backend generation builds unless told otherwise: every decode path runs it, the
+# batching engine (serve, lm-eval, RL rollouts) only it (Transformer Engine's attention drops the
+# mask that its left-padded decode needs).
+GENERATION_IMPL = "local"
+GENERATION_IMPLS = ("local", "transformer_engine")
+
+
+def check_transformer_impl(value: Optional[str], engine: bool, spell=cli_name) -> str:
+    """The layer backend to load with: ``value`` (--transformer-impl; None: GENERATION_IMPL).
+    ValueError naming the value where the entry point cannot run it: Transformer Engine under
+    the batching engine (``engine``), or on a machine without a GPU or without TE (where it
+    would build the local layers after all)."""
+    if value is None:
+        return GENERATION_IMPL
+    if value not in GENERATION_IMPLS:
+        raise ValueError(f"{spell('transformer_impl')} {value}: choose one of "
+                         f"{', '.join(GENERATION_IMPLS)}")
+    if value == "transformer_engine":
+        import importlib.util
+
+        import torch
+
+        if engine:
+            raise ValueError(f"{spell('transformer_impl')} transformer_engine: the batching "
+                             f"engine needs an attention mask in decode, which Transformer "
+                             f"Engine's attention ignores; leave the flag out (local: a "
+                             f"checkpoint saved with transformer_engine loads into it by name)")
+        if not torch.cuda.is_available():
+            raise ValueError(f"{spell('transformer_impl')} transformer_engine: its kernels "
+                             f"need a GPU, and this machine has none; leave the flag out "
+                             f"(local)")
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ValueError(f"{spell('transformer_impl')} transformer_engine: Transformer "
+                             f"Engine is not installed; install it, or leave the flag out "
+                             f"(local)")
+    return value
+
+
 def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
-                        ckpt_step: Optional[int] = None):
+                        ckpt_step: Optional[int] = None, transformer_impl: str = GENERATION_IMPL,
+                        purpose: str = "generating"):
     """(model in eval mode on this rank's device, tokenizer, run config dict) of ``load_dir``:
     a megaloop checkpoint (its latest iteration, or ``ckpt_step``; the saved run config names the
     model and the tokenizer), or a folder written by export-hf (``is_hf_folder``; config.json
     names the model, the folder's tokenizer.json the tokenizer, else ``tokenizer``, a
     TokenizerConfig, is used: it is ignored for checkpoints and for folders that have their
-    own)."""
+    own). The layers are ``transformer_impl``'s (checked by ``check_transformer_impl``), whatever
+    the checkpoint was saved with: both backends save the same tensor names. Where the saved
+    backend differs, rank 0 says so in one line on stderr, beginning with ``purpose``."""
     from megaloop.checkpoint.config import config_from_dict
-    from megaloop.checkpoint.load import load_model
     from megaloop.data.config import TokenizerConfig
     from megaloop.data.tokenizers import build_tokenizer
     from megaloop.device import current_device
@@ -54,12 +96,44 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
     if is_hf_folder(load_dir):
         from megaloop.convert.hf_import import load_exported
 
-        model, _, _, run = load_exported(load_dir, tp_size=tp_size, tokenizer=tokenizer)
+        model, _, _, run = load_exported(load_dir, tp_size=tp_size, tokenizer=tokenizer,
+                                         transformer_impl=transformer_impl)
     else:
-        model, _, _, run = load_model(load_dir, tp_size=tp_size, iteration=ckpt_step)
+        model, run, saved = _load_checkpoint(load_dir, tp_size, ckpt_step, transformer_impl)
+        if saved != transformer_impl and runtime.is_rank_zero():
+            print(f"{purpose} with --transformer-impl {transformer_impl}: the checkpoint was "
+                  f"saved with {saved}; weights map by name", file=sys.stderr, flush=True)
     model.to(current_device()).eval()
     tokenizer = build_tokenizer(config_from_dict(TokenizerConfig, run.get("tokenizer", {})))
     return model, tokenizer, run
+
+
+def _load_checkpoint(load_dir: str, tp_size: int, iteration: Optional[int],
+                     transformer_impl: str):
+    """(model, run config, the transformer_impl the run config was saved with): load_model's
+    steps with the layer backend replaced, since the saved one is what the training machine
+    could run (Megatron-LM's default transformer_engine, even for a run on CPU), not what this
+    entry point can."""
+    from megatron.core import dist_checkpointing
+
+    from megaloop.checkpoint.config import config_from_dict, read_run_config
+    from megaloop.checkpoint.load import load_weights
+    from megaloop.checkpoint.tracker import checkpoint_dir, read_tracker
+    from megaloop.model.config import LoopConfig, ModelConfig
+    from megaloop.model.looped_gpt import build_model
+
+    run = read_run_config(load_dir, iteration)
+    saved = run["model"].get("transformer_impl", ModelConfig.transformer_impl)
+    run["model"]["transformer_impl"] = transformer_impl
+    model_cfg = config_from_dict(ModelConfig, run["model"])
+    loop = config_from_dict(LoopConfig, run["loop"])
+    # The padded table size is in the checkpoint itself (as load_model reads it).
+    path = checkpoint_dir(load_dir, read_tracker(load_dir) if iteration is None else iteration)
+    rows = dist_checkpointing.load_tensors_metadata(path)[
+        "embedding.word_embeddings.weight"].global_shape[0]
+    model = build_model(model_cfg, loop, rows, tp_size=tp_size)
+    load_weights(load_dir, model, iteration=iteration)
+    return model, run, saved
 
 
 def context_length(run: dict):

@@ -16,8 +16,10 @@ Backends: the local spec builds separate ``input_layernorm`` / ``pre_mlp_layerno
 ``linear_fc1.layer_norm_weight``); the Transformer Engine spec fuses those norms into
 ``linear_qkv`` / ``linear_fc1`` (``TELayerNormColumnParallelLinear``). Schemes that change the input
 norms (`post`, `magic`, or AdaLN conditioning that modulates the norm output) therefore unfuse
-them on TE: plain ``TEColumnParallelLinear`` linears and the norm in the layer's own slots.
-The TE variants are written but verified only where a GPU and TE exist (tests/test_gpu.py).
+them on TE: plain ``TEColumnParallelLinear`` linears and the norm in the layer's own slots, whose
+checkpoint keys stay the fused names, as the local spec's do. Checkpoint keys are therefore the
+same on both backends (tests/test_te_mapping.py builds both and loads each into the other); the
+TE variants' forward is verified only where a GPU and TE exist (tests/test_gpu.py).
 
 Stepwise LoRA is a change of spec too: the core's layer spec (``layer_spec(..., lora=...)``) names
 adapter-carrying subclasses of its four linear classes (megaloop.model.lora.with_lora); prelude and
@@ -107,18 +109,26 @@ def _with_input_norms(spec: ModuleSpec, norm, use_te: bool) -> ModuleSpec:
 
     TE fuses the input norms into linear_qkv / linear_fc1; unfuse them into plain TE column
     linears, so the norm sits in the layer's own ``input_layernorm`` / ``pre_mlp_layernorm``.
+    Their parameters (a scale, AdaLN's ``timestep_scale``) keep the checkpoint keys the local
+    spec gives its separate norms, the fused norms' names, so one checkpoint loads into either
+    backend.
     """
     sub = spec.submodules
     attn, mlp = sub.self_attention, sub.mlp
+    keys_map = sub.sharded_state_dict_keys_map
     if use_te:
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+        from megatron.core.models.gpt import gpt_layer_specs
 
         attn = dataclasses.replace(attn, submodules=dataclasses.replace(
             attn.submodules, linear_qkv=TEColumnParallelLinear))
         mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
             mlp.submodules, linear_fc1=TEColumnParallelLinear))
+        local = gpt_layer_specs.get_gpt_layer_local_spec().submodules
+        keys_map = {**keys_map, **local.sharded_state_dict_keys_map}
     return dataclasses.replace(spec, submodules=dataclasses.replace(
-        sub, self_attention=attn, mlp=mlp, input_layernorm=norm, pre_mlp_layernorm=norm))
+        sub, self_attention=attn, mlp=mlp, input_layernorm=norm, pre_mlp_layernorm=norm,
+        sharded_state_dict_keys_map=keys_map))
 
 
 def layer_spec(config, norm_scheme: str, use_te: bool, unfuse_input_norms: bool = False,
