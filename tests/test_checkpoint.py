@@ -356,3 +356,28 @@ def test_resume_with_a_longer_run_needs_a_schedule_choice(tmp_path):
     assert keep == [1e-3] and straight[2] > 1e-3  # the 2-iteration schedule has ended: min LR
     same = run_distributed(_lrs, 1, SCHED + ["--train-iters", "2", "--load", ckpt], 1)[0]
     assert isinstance(same, list)  # an unchanged schedule resumes without a flag
+
+
+def test_checkpoint_modules_import_no_circle():
+    """The checkpoint modules' imports (lazy ones too) form no circle: training's
+    checkpointing builds on its async saver, never the other way round."""
+    from test_layering import ROOT as REPO, imported_modules, python_files
+
+    files = python_files("megaloop/checkpoint") + [
+        os.path.join(REPO, "megaloop", "training", f"{name}.py")
+        for name in ("checkpointing", "async_checkpointing", "checkpoint_fit", "save_lock")]
+    name = {f: os.path.relpath(f, REPO)[:-3].replace(os.sep, ".") for f in files}
+    graph = {name[f]: {m for _, m in imported_modules(f)} & set(name.values()) - {name[f]}
+             for f in files}
+
+    def circle(node, path):
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            found = circle(nxt, path + [nxt])
+            if found:
+                return found
+        return None
+
+    circles = [c for start in sorted(graph) if (c := circle(start, [start]))]
+    assert not circles, " -> ".join(circles[0])

@@ -286,3 +286,50 @@ def test_sbatch_exit_code_follows_the_run_status(tmp_path, status, srun_rc, expe
     (tmp_path / "out" / "exit_status.json").write_text('{"status": "completed"}\n')  # old job's
     proc = subprocess.run(["bash", SBATCH], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == expected, proc.stdout + proc.stderr
+
+
+def _writer_full_main(rank, world, flags):
+    """pretrain_looplm.main whose checkpoint writer (megatron-core's, in the processes it forks)
+    writes part of a shard of iteration 2 and then hits ENOSPC; the file system then has
+    123456789 bytes free."""
+    import collections
+    import functools
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    real = filesystem_async._write_item
+
+    @functools.wraps(real)  # megatron-core inspects its signature
+    def write_until_full(*args, **kwargs):
+        stream = next(a for a in args if hasattr(a, "fileno") and hasattr(a, "name"))
+        if "iter_0000002" in str(stream.name):
+            stream.write(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+
+    usage = collections.namedtuple("usage", "total used free")
+    filesystem_async._write_item = write_until_full
+    shutil.disk_usage = lambda path: usage(10**10, 10**10 - 123456789, 123456789)
+    return _main(rank, world, flags, set())
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+def test_disk_full_in_the_writer_is_one_message_and_no_partial_folder(tmp_path, mode, capfd):
+    """ENOSPC where it really happens, in megatron-core's writer: the synchronous and the
+    asynchronous save both remove the partial folder, say the disk is full (not megatron-core's
+    "Worker failure") and stop the run with exit code 1, without a traceback."""
+    ckpt, status = tmp_path / "ckpt", tmp_path / "status.json"
+    flags = TINY + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
+                    "--exit-status-file", str(status)] + mode
+    assert run_distributed(_writer_full_main, 1, flags)[0] == 1
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert open(ckpt / "latest_checkpointed_iteration.txt").read() == "1"
+    result = json.loads(status.read_text())
+    reason = result["reason"]
+    assert result["status"] == "failed" and result["checkpoint_iteration"] == 1, result
+    assert "saving iteration 2" in reason and "still names iteration 1" in reason and \
+        f"the disk is full: 123,456,789 bytes free on the file system of {ckpt}" in reason, reason
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == \
+        [f"error: {reason}"], err

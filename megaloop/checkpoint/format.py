@@ -65,13 +65,16 @@ def agree(error: Optional[BaseException]) -> Optional[str]:
     text = None if error is None else first_lines(error)
     messages = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(messages, text)
-    return "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    return "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m) or \
+        "a rank failed without saying why"
 
 
 def first_lines(error: BaseException) -> str:
     """``Type: message`` in one line; for torch DCP's CheckpointException, whose own first line
-    names only the failing ranks, the first line of each rank's exception."""
-    if isinstance(error, CheckpointException) and error.failures:
+    names only the failing ranks, the first line of each rank's exception. Empty for the
+    CheckpointException megatron-core raises on the ranks other than the one that gathered the
+    failures (it has none to name: that rank's message names them)."""
+    if isinstance(error, CheckpointException):
         return "; ".join(first_lines(inner) for inner, _ in error.failures.values())
     return f"{type(error).__name__}: {error}".splitlines()[0]
 

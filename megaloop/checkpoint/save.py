@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import queue
+import re
 import shutil
 from typing import Callable, Optional
 
@@ -145,17 +146,29 @@ def _disk_full(error: Optional[BaseException], save_dir: str) -> Optional[BaseEx
                        if isinstance(error, CheckpointException) else [])
     for exc in inner:
         while exc is not None:
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            code = _errno(exc)
+            if code in (errno.ENOSPC, errno.EDQUOT):
                 try:
                     free = f"{shutil.disk_usage(save_dir).free:,} bytes free"
                 except OSError:
                     free = "free space unknown"
-                what = "the disk is full" if exc.errno == errno.ENOSPC else \
+                what = "the disk is full" if code == errno.ENOSPC else \
                     "the disk quota is exceeded"
-                return OSError(exc.errno, f"{what}: {free} on the file system of {save_dir} "
-                                          f"({exc.strerror})")
+                return OSError(code, f"{what}: {free} on the file system of {save_dir} "
+                                     f"({os.strerror(code)})")
             exc = exc.__cause__ or exc.__context__
     return error
+
+
+def _errno(exc: BaseException) -> Optional[int]:
+    """The errno of an OSError, or of the one megatron-core's writer reported: its worker
+    processes send the OSError back, megatron-core wraps it in a RuntimeError("Worker failure:
+    [Errno 28] ...") and torch DCP gathers the ranks' failures with pickle, which drops
+    ``__cause__``; so the errno survives only in the message, in Python's own OSError format."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    match = re.search(r"\[Errno (\d+)\]", str(exc))
+    return int(match.group(1)) if match else None
 
 
 def fail_save_if_any(error, save_dir: str, iteration: int, tmp: str) -> None:

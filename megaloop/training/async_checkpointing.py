@@ -18,6 +18,12 @@ of ``iter_N.tmp`` to ``iter_N`` and ``latest_checkpointed_iteration.txt``. So:
 
 One save is in flight at a time: scheduling a save first finalises the previous one (it has had
 a whole save interval to finish).
+
+A writer that fails (disk full, quota, I/O error) is found in the finalisation, where megatron-core
+raises torch DCP's CheckpointException on every rank: it becomes the synchronous save's
+CheckpointError (megaloop.checkpoint.save.fail_save_if_any: the partial ``iter_N.tmp`` removed,
+one message saying the disk is full and which checkpoint ``latest`` still names), and the run
+stops as after a failed synchronous save.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ from typing import Callable, Optional
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+from megaloop.checkpoint.errors import CheckpointError
+from megaloop.checkpoint.format import READ_WRITE_ERRORS
+from megaloop.checkpoint.manifest import sha256
+from megaloop.checkpoint.save import fail_save_if_any
 
 SIDECAR = ".megaloop_sha256_rank{rank}.json"  # a writer's hashes; folded into the manifest
 
@@ -61,10 +72,8 @@ def _hashing_writer(write_fn: Callable, rank: int, tmp: str, checksums: bool) ->
     def write(*args, **kwargs):
         write_fn(*args, **kwargs)
         if checksums:
-            from megaloop.training.checkpointing import _sha256
-
             buckets = args[1]  # megatron-core's write buckets: (path, file name, data)
-            hashes = {os.path.relpath(path, tmp): [os.path.getsize(path), _sha256(path)]
+            hashes = {os.path.relpath(path, tmp): [os.path.getsize(path), sha256(path)]
                       for path, _, _ in buckets}
             with open(os.path.join(tmp, SIDECAR.format(rank=rank)), "w") as f:
                 json.dump(hashes, f)
@@ -77,7 +86,8 @@ class AsyncSaver:
 
     def __init__(self):
         self.queue = AsyncCallsQueue(persistent=False)
-        self.pending: Optional[tuple[int, str, float]] = None  # (iteration, final path, start)
+        # (iteration, final path, start time, the folder being written)
+        self.pending: Optional[tuple[int, str, float, str]] = None
         # The writer's results travel from the forked writer back to this process: a fork-context
         # queue (megatron-core's default, a spawn-context Manager, starts a server process that
         # re-imports __main__; megaloop's synchronous path uses an in-process queue).
@@ -97,7 +107,7 @@ class AsyncSaver:
 
         request.add_finalize_fn(publish)
         self.queue.schedule_async_request(request)
-        self.pending = (iteration, final, time.time())
+        self.pending = (iteration, final, time.time(), tmp)
 
     def maybe_finalize(self, blocking: bool = False) -> Optional[tuple[int, str, float]]:
         """Finalise the pending save if every rank's writer is done (or wait for it with
@@ -105,9 +115,17 @@ class AsyncSaver:
         finalised. No collective when nothing is pending (the same on every rank)."""
         if self.pending is None:
             return None
-        if not self.queue.maybe_finalize_async_calls(blocking=blocking):
-            return None
-        iteration, final, start = self.pending
+        iteration, final, start, tmp = self.pending
+        try:
+            if not self.queue.maybe_finalize_async_calls(blocking=blocking):
+                return None
+        except CheckpointError:  # the publication's own (already agreed, .tmp removed)
+            self.pending = None
+            raise
+        except READ_WRITE_ERRORS as exc:  # a writer failed: megatron-core raises on every rank
+            self.pending = None
+            fail_save_if_any(exc, os.path.dirname(final), iteration, tmp)
+            raise  # (not reached: every rank has a failure, so the line above raised)
         self.pending = None
         return iteration, final, time.time() - start
 

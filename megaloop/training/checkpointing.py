@@ -37,12 +37,12 @@ from megaloop.checkpoint.errors import CheckpointError, CheckpointMismatch
 from megaloop.checkpoint.format import agree, common_state, layout, read_common, unwrap
 from megaloop.checkpoint.load import read_shards, verify_files
 from megaloop.checkpoint.manifest import MANIFEST  # noqa: F401  (callers' name)
-from megaloop.checkpoint.manifest import sha256 as _sha256  # noqa: F401  (async writers)
 from megaloop.checkpoint.manifest import verify_manifest as _verify_manifest  # noqa: F401
 from megaloop.checkpoint.save import publish, write_shards
 from megaloop.checkpoint.tracker import (TRACKER, available_iterations, checkpoint_dir,
                                          read_tracker, remove_stale_saves,  # noqa: F401
                                          resolve, write_tracker)
+from megaloop.training.async_checkpointing import collect_sidecars
 from megaloop.training.checkpoint_fit import (ARCHITECTURE, compare_architecture,
                                               compare_optimizer_groups, compare_schedule,
                                               schedule_bounds, settle_schedule_bounds)
@@ -138,12 +138,15 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer=None, schedu
     state.update(common_state(iteration, run_config, consumed_samples=consumed_samples,
                               extra=extra, has_optimizer=optimizer is not None,
                               optimizer_kind=_optimizer_kind(optimizer), has_rng=save_rng))
+    if saver is not None:
+        # The previous save first: if its writers failed, it stops the run here, before this
+        # save leaves a folder of its own behind.
+        saver.finalize_all()
     tmp, final, request = write_shards(save_dir, iteration, module, state, strategy=strategy,
                                        asynchronous=saver is not None)
     if saver is None:
         publish(save_dir, iteration, tmp, final, checksums=checksums)
         return final
-    from megaloop.training.async_checkpointing import collect_sidecars
 
     def finish():  # the finalisation, once every rank's writer has finished
         publish(save_dir, iteration, tmp, final, checksums=checksums,

@@ -269,6 +269,7 @@ class Trainer:
                 self.save()
 
     def save(self) -> None:
+        self.finalize_saves(blocking=True)  # the previous --async-save is published (or failed)
         self.sync_params()
         ck = self.cfg.checkpoint
         start = time.time()
@@ -295,7 +296,13 @@ class Trainer:
     def finalize_saves(self, blocking: bool) -> None:
         """--async-save: publish the pending save once every rank's writer is done (collective
         while one is pending); ``blocking`` waits for it (end of training, exit)."""
-        done = self.async_saver.maybe_finalize(blocking) if self.async_saver else None
+        try:
+            done = self.async_saver.maybe_finalize(blocking) if self.async_saver else None
+        except checkpointing.CheckpointError:
+            # That save was never published (its .tmp is removed): the run's last checkpoint,
+            # which --exit-status-file reports, is still the one `latest` names.
+            self.last_saved = checkpointing.read_tracker(self.cfg.checkpoint.save)
+            raise
         if done is not None:
             self.logger.print(f"> saved {done[1]} ({done[2]:.2f} s after it started)")
 
