@@ -333,3 +333,33 @@ def test_disk_full_in_the_writer_is_one_message_and_no_partial_folder(tmp_path, 
     assert "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.startswith("error:")] == \
         [f"error: {reason}"], err
+
+
+def _rename_fails_main(rank, world, flags):
+    """pretrain_looplm.main whose rename of iteration 2's complete folder into place fails."""
+    from megaloop.checkpoint import save
+
+    rename = save.os.rename
+
+    def rename_or_fail(src, dst):
+        if str(src).endswith("iter_0000002.tmp"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), src)
+        return rename(src, dst)
+
+    save.os.rename = rename_or_fail
+    return _main(rank, world, flags, set())
+
+
+def test_latest_is_replaced_only_after_the_folder_is_in_place(tmp_path):
+    """The tracker names a checkpoint only once its folder has its final name: a rename that
+    fails leaves `latest` on the previous checkpoint (written before the rename, it would name
+    a folder that does not exist)."""
+    ckpt, status = tmp_path / "ckpt", tmp_path / "status.json"
+    flags = TINY + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
+                    "--exit-status-file", str(status)]
+    assert run_distributed(_rename_fails_main, 1, flags)[0] == 1
+    assert open(ckpt / "latest_checkpointed_iteration.txt").read() == "1"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    reason = json.loads(status.read_text())["reason"]
+    assert "saving iteration 2" in reason and "Input/output error" in reason and \
+        "still names iteration 1" in reason, reason
