@@ -363,3 +363,17 @@ def test_latest_is_replaced_only_after_the_folder_is_in_place(tmp_path):
     reason = json.loads(status.read_text())["reason"]
     assert "saving iteration 2" in reason and "Input/output error" in reason and \
         "still names iteration 1" in reason, reason
+
+
+def test_checkpoint_args_take_the_position_limit_and_qkv_bias(tmp_path, saved):
+    """--use-checkpoint-args takes every model argument Megatron-LM's flag takes, also those a
+    load does not compare (--max-position-embeddings with RoPE, --add-qkv-bias)."""
+    from megaloop.training.checkpointing import apply_checkpoint_args
+    from megaloop.training.run_config import parse_args
+
+    ckpt = saved(tmp_path)  # TINY: --max-position-embeddings 32, no QKV bias
+    cfg = parse_args(TINY + ["--load", ckpt, "--use-checkpoint-args",
+                             "--max-position-embeddings", "64", "--add-qkv-bias"])
+    changed = apply_checkpoint_args(cfg)
+    assert (cfg.model.max_position_embeddings, cfg.model.add_qkv_bias) == (32, False)
+    assert "--max-position-embeddings 32" in changed and "--add-qkv-bias False" in changed

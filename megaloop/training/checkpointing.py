@@ -174,17 +174,22 @@ def check_resume(load_dir: Optional[str], iteration: Optional[int], run_config: 
 
 
 def apply_checkpoint_args(cfg) -> list[str]:
-    """--use-checkpoint-args: set ``cfg``'s architecture flags (``ARCHITECTURE``, the loop count
-    and the exit objective) to the values the checkpoint in --load was saved with; returns the flags that changed. Nothing happens when
-    --load holds no checkpoint yet (a fresh run keeps its flags). No process group needed."""
+    """--use-checkpoint-args: set ``cfg``'s architecture flags (``ARCHITECTURE``, the position
+    limit, the QKV bias, the loop count and the exit objective) to the values the checkpoint in
+    --load was saved with; returns the flags that changed. Nothing happens when --load holds no
+    checkpoint yet (a fresh run's first launch keeps its flags). No process group needed."""
     ck = cfg.checkpoint
     if not ck.load or not os.path.isdir(ck.load) or resolve(ck.load, ck.ckpt_step) is None:
         return []
     saved = read_run_config(ck.load, ck.ckpt_step)
     changed = []
-    # The loop count and objective too (they decide whether the model has an exit gate), as
-    # Megatron-LM's flag takes every model argument.
-    taken = {**ARCHITECTURE, "loop": ARCHITECTURE["loop"] + ("num_loops", "exit_loss")}
+    # The loop count and objective too (they decide whether the model has an exit gate), and
+    # the model arguments Megatron-LM's flag also takes that a load does not compare: the
+    # position limit (compared only for a learned position table, which it sizes) and the QKV
+    # bias (its tensors).
+    taken = {**ARCHITECTURE,
+             "model": ARCHITECTURE["model"] + ("max_position_embeddings", "add_qkv_bias"),
+             "loop": ARCHITECTURE["loop"] + ("num_loops", "exit_loss")}
     for section, names in taken.items():
         target = getattr(cfg, section)
         for name in names:
