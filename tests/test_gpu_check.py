@@ -698,3 +698,34 @@ def test_default_output_directory_is_made_in_the_current_directory(tmp_path):
     assert len(made) == 1 and (made[0] / "summary.json").exists(), proc.stdout[-2000:]
     assert proc.returncode == 1  # the rows not run are failures
     assert "not run: out of time" in proc.stdout
+
+
+def test_timed_run_keeps_its_timings_and_compares_one_layer_gradient(tmp_path):
+    """A large run as the worker runs it (the CPU swap of the looped bf16 run): wall seconds of
+    the build, the first step and the rest in its answer and its log; its first-step gradient
+    of one core weight saved, and a second identical run compares with it (bitwise on CPU)."""
+    from megaloop.gpu_check.worker import Worker
+
+    argv = rows.cpu_flags(rows.timed_runs(False)["looped-expected-bf16"][0])
+    grad = str(tmp_path / "grad.pt")
+    worker = Worker(str(tmp_path), dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        log = str(tmp_path / "a.log")
+        a, _ = worker.call("megaloop.gpu_check.probes:train_steps",
+                           {"argv": argv, "steps": 2, "grad_save": grad}, log, 300)
+        assert a["ok"], a.get("error")
+        t = a["value"]["timings_s"]
+        assert set(t) == {"build", "first_step", "rest"} and min(t.values()) > 0, t
+        assert f"[gpu_check] timings: build {t['build']:.1f} s" in open(log).read()
+        assert a["value"]["fp8_evidence"]["te"] is False  # no TE on this machine
+        assert a["value"]["grad_param"] == "core.layers.0.mlp.linear_fc2.weight"
+        assert os.path.getsize(grad) > 0
+        b, _ = worker.call("megaloop.gpu_check.probes:train_steps",
+                           {"argv": argv, "steps": 2, "grad_compare": grad},
+                           str(tmp_path / "b.log"), 300)
+        assert b["ok"], b.get("error")
+        assert b["value"]["losses"] == a["value"]["losses"]
+        assert b["value"]["grad_bitwise_equal"] is True
+        assert b["value"]["grad_cosine"] == pytest.approx(1.0, abs=1e-12)
+    finally:
+        worker.close()
