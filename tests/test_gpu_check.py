@@ -551,6 +551,15 @@ def test_fp8_verdict_requires_proof_that_fp8_ran():
         _fp8_run([10.05, 9.0, 8.0], modules_fp8=0))
     assert "not DelayedScaling" in problems(_fp8_run([10.05, 9.0, 8.0]), "delayed")
     assert "cosine against bf16 0.5000 < 0.9" in problems(_fp8_run([10.05, 9.0, 8.0], cos=0.5))
+    # Delayed scaling's first step runs at scale 1: its gradient cosine is reported, not judged
+    # (a bitwise-equal gradient still fails).
+    ok, detail, _ = rows.fp8_verdict(_fp8_run([10.05, 9.0, 8.0], cos=0.5,
+                                              recipe_class="DelayedScaling"), bf16, 3, "delayed")
+    assert "no TE module recorded an amax history" in detail and not ok
+    delayed = _fp8_run([10.05, 9.0, 8.0], cos=0.5, recipe_class="DelayedScaling")
+    delayed["fp8_evidence"]["modules_with_amax_history"] = 12
+    ok, detail, _ = rows.fp8_verdict(delayed, bf16, 3, "delayed")
+    assert ok and "gradient cosine vs bf16 0.5000 (reported only)" in detail, detail
     # Without TE (the CPU rehearsal) the proof cannot hold: reported, not judged.
     cpu = _run([10.0, 9.0, 8.0], [True] * 3)
     cpu.update(grad_cosine=1.0, grad_bitwise_equal=True, fp8_evidence={"te": False})
