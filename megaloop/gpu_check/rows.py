@@ -104,11 +104,11 @@ GRAD_RTOL_FP32, LOSS_RTOL_FP32 = 3e-2, 5e-3
 # parameters as one vector) and the cosine of each parameter's gradient.
 GRAD_COS_BF16 = 0.999
 # A parameter whose gradient norm, in both runs, is below this fraction of the reference's global
-# gradient norm is exempt from the per-parameter checks (still counted in the global cosine). At initialisation
-# some gradients are sums that nearly cancel (the exit gate's bias, norm scales): what is left is
-# of the order of the rounding of the terms, so its direction is noise in any precision. Such a
-# parameter carries under 1e-6 of the squared gradient norm; the weights the hazard of these rows
-# hits (the core's linears) carry most of it and are never exempt.
+# gradient norm is exempt from the per-parameter checks (still counted in the global cosine). At
+# initialisation some gradients are sums that nearly cancel (the exit gate's bias, norm scales):
+# what is left is of the order of the rounding of the terms, so its direction is noise in any
+# precision. Such a parameter carries under 1e-6 of the squared gradient norm; the weights the
+# hazard of these rows hits (the core's linears) carry most of it and are never exempt.
 GRAD_TINY_FRAC = 1e-3
 # FP8 against bf16 from the same weights and batches: every one of the first steps' losses
 # within this relative distance. E4M3 keeps 3 mantissa bits, but the GEMMs accumulate in fp32
