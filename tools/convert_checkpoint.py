@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("import-hf", allow_abbrev=False,
                          help="Hugging Face Llama/Mistral/Qwen2/Qwen3 folder -> looped checkpoint")
     imp.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")
-    imp.add_argument("--save", required=True, help="checkpoint directory to write (iteration 0)")
+    imp.add_argument("--save", required=True,
+                     help="checkpoint directory to write (iteration 0); not one that holds a "
+                          "run's checkpoints, and not while a run holds its lock")
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1,
                      help="TP size of the training run (checks vocabulary padding; the "
                           "checkpoint itself loads at any TP size)")
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--load", required=True,
                      help="checkpoint directory (its latest iteration, or --ckpt-step's)")
     add_ckpt_step_flag(exp)
-    exp.add_argument("--out", required=True, help="folder to write")
+    exp.add_argument("--out", required=True, help="folder to write (new or empty)")
     exp.add_argument("--vocab-size", type=int, default=None,
                      help="trim the padded embedding table to the tokenizer's real vocabulary")
     exp.add_argument("--names", choices=["auto", "ouro", "megaloop"], default="auto",
@@ -107,14 +109,29 @@ def _world(seed: int):
 
 
 def _import(args, loop: LoopConfig) -> int:
+    from megaloop.checkpoint.tracker import check_new_save
     from megaloop.convert.hf_import import import_hf
     from megaloop.parallel.initialize import destroy
+    from megaloop.training.config import CheckpointConfig
+    from megaloop.training.save_lock import SaveDirInUse, SaveLock
 
     _world(args.seed)
+    lock = None
     try:
+        # One writer per folder, as for a training run's --save (the trainer's lock and its
+        # default staleness), and never over a run's checkpoints: iteration 0 would become
+        # `latest` and the run's next resume would load it.
+        try:
+            lock = SaveLock.acquire(args.save, CheckpointConfig.save_lock_timeout)
+        except SaveDirInUse as exc:  # a live run holds it (the message names it)
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        check_new_save(args.save, "import-hf")
         flags = import_hf(args.hf_dir, args.save, loop, tp_size=args.tensor_model_parallel_size,
                           seed=args.seed, progress=not args.no_progress)
     finally:
+        if lock is not None:
+            lock.release()
         destroy()
     print(f"> wrote {os.path.join(args.save, 'iter_0000000')} (loads at any TP size)")
     print("> train it with (add your data, batch and optimizer flags):")
@@ -131,9 +148,10 @@ def _import(args, loop: LoopConfig) -> int:
 def _export(args) -> int:
     import torch
 
-    from megaloop.convert.hf_export import export_hf
+    from megaloop.convert.hf_export import check_out_dir, export_hf
     from megaloop.parallel.initialize import destroy
 
+    check_out_dir(args.out)  # before the slow load
     _world(0)
     try:
         cfg = export_hf(args.load, args.out, vocab_size=args.vocab_size, names=args.names,

@@ -79,6 +79,19 @@ def resolve(load_dir: str, iteration: Optional[int]) -> Optional[str]:
     return path
 
 
+def check_new_save(save_dir: str, writer: str) -> None:
+    """Refuse (ValueError) to write a checkpoint of iteration 0 (``writer``: which tool) into a
+    folder that already holds a run's (its tracker, checkpoint folders finished or not): the
+    new tracker would hide the run's checkpoints, and a resume of that run would load this."""
+    names = sorted(n for n in os.listdir(save_dir) if n == TRACKER or n.startswith("iter_")) \
+        if os.path.isdir(save_dir) else []
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ValueError(f"--save {save_dir} already holds a run's checkpoints ({shown}): "
+                         f"{writer} writes iteration 0 and would point {TRACKER} at it; choose "
+                         f"a new or empty folder")
+
+
 def is_hf_folder(path: str) -> bool:
     """A Hugging Face model folder (config.json and safetensors weights), which import-hf
     converts."""

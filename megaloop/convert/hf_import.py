@@ -96,11 +96,12 @@ class SafetensorsFolder:
     def __init__(self, hf_dir: str):
         from safetensors import safe_open
 
-        paths = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+        paths = sorted(glob.glob(os.path.join(glob.escape(hf_dir), "*.safetensors")))
         if not paths:
             raise FileNotFoundError(f"--hf-dir {hf_dir}: no *.safetensors files (convert .bin "
                                     f"checkpoints with save_pretrained(safe_serialization=True))")
-        self._files = [safe_open(p, framework="pt") for p in paths]
+        _check_index(hf_dir)
+        self._files = [_open(p, safe_open) for p in paths]
         self.where = {name: f for f in self._files for name in f.keys()}
 
     def names(self) -> set:
@@ -110,6 +111,42 @@ class SafetensorsFolder:
         if name not in self.where:
             raise KeyError(f"tensor {name!r} is missing from the safetensors files")
         return self.where[name].get_tensor(name).float()
+
+
+INDEX = "model.safetensors.index.json"  # save_pretrained's map of a sharded model's tensors
+
+
+def _check_index(hf_dir: str) -> None:
+    """The shards the folder's index names are all there: a missing one is named as the file to
+    copy again (otherwise the first tensor it holds would be reported missing)."""
+    path = os.path.join(hf_dir, INDEX)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a readable safetensors index ({type(exc).__name__}: "
+                         f"{exc}); copy it again from the model's source") from None
+    missing = sorted({f for f in weight_map.values()
+                      if not os.path.isfile(os.path.join(hf_dir, f))})
+    if missing:
+        raise FileNotFoundError(
+            f"--hf-dir {hf_dir}: shard {', '.join(missing)} named by {INDEX} is missing "
+            f"(tensors such as {next(k for k, v in weight_map.items() if v == missing[0])!r} "
+            f"are in it); copy the folder again, every shard included")
+
+
+def _open(path: str, safe_open):
+    """``safe_open`` of one shard, or a message naming it: a file cut short (an interrupted
+    download or copy) fails safetensors' header check with a SafetensorError."""
+    from safetensors import SafetensorError
+
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is truncated or corrupt ({exc}; {os.path.getsize(path):,} "
+                         f"bytes): copy or download it again") from None
 
 
 def hf_state_dict(reader: SafetensorsFolder, model_cfg: ModelConfig, loop: LoopConfig,
