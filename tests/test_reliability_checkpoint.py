@@ -288,10 +288,10 @@ def test_sbatch_exit_code_follows_the_run_status(tmp_path, status, srun_rc, expe
     assert proc.returncode == expected, proc.stdout + proc.stderr
 
 
-def _writer_full_main(rank, world, flags):
+def _writer_full_main(rank, world, flags, partial):
     """pretrain_looplm.main whose checkpoint writer (megatron-core's, in the processes it forks)
-    writes part of a shard of iteration 2 and then hits ENOSPC; the file system then has
-    123456789 bytes free."""
+    hits ENOSPC in a shard of iteration 2, having written part of it (``partial``) or before
+    the file could be kept; the file system then has 123456789 bytes free."""
     import collections
     import functools
 
@@ -303,7 +303,10 @@ def _writer_full_main(rank, world, flags):
     def write_until_full(*args, **kwargs):
         stream = next(a for a in args if hasattr(a, "fileno") and hasattr(a, "name"))
         if "iter_0000002" in str(stream.name):
-            stream.write(b"\0" * 1000)
+            if partial:
+                stream.write(b"\0" * 1000)
+            else:
+                os.remove(stream.name)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(*args, **kwargs)
 
@@ -313,15 +316,17 @@ def _writer_full_main(rank, world, flags):
     return _main(rank, world, flags, set())
 
 
+@pytest.mark.parametrize("partial", [True, False], ids=["partial-shard", "no-shard"])
 @pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
-def test_disk_full_in_the_writer_is_one_message_and_no_partial_folder(tmp_path, mode, capfd):
+def test_disk_full_in_the_writer_is_one_message_and_no_partial_folder(tmp_path, mode, partial,
+                                                                      capfd):
     """ENOSPC where it really happens, in megatron-core's writer: the synchronous and the
     asynchronous save both remove the partial folder, say the disk is full (not megatron-core's
     "Worker failure") and stop the run with exit code 1, without a traceback."""
     ckpt, status = tmp_path / "ckpt", tmp_path / "status.json"
     flags = TINY + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
                     "--exit-status-file", str(status)] + mode
-    assert run_distributed(_writer_full_main, 1, flags)[0] == 1
+    assert run_distributed(_writer_full_main, 1, flags, partial)[0] == 1
     assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     assert open(ckpt / "latest_checkpointed_iteration.txt").read() == "1"
     result = json.loads(status.read_text())

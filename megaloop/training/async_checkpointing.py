@@ -73,10 +73,16 @@ def _hashing_writer(write_fn: Callable, rank: int, tmp: str, checksums: bool) ->
         write_fn(*args, **kwargs)
         if checksums:
             buckets = args[1]  # megatron-core's write buckets: (path, file name, data)
-            hashes = {os.path.relpath(path, tmp): [os.path.getsize(path), sha256(path)]
-                      for path, _, _ in buckets}
-            with open(os.path.join(tmp, SIDECAR.format(rank=rank)), "w") as f:
-                json.dump(hashes, f)
+            try:
+                hashes = {os.path.relpath(path, tmp): [os.path.getsize(path), sha256(path)]
+                          for path, _, _ in buckets}
+                with open(os.path.join(tmp, SIDECAR.format(rank=rank)), "w") as f:
+                    json.dump(hashes, f)
+            except OSError:
+                # A shard the write did not finish (disk full): megatron-core hands that error
+                # to the finalisation, which reports it and removes the folder. Had the write
+                # succeeded, the finalisation hashes what no sidecar covers.
+                pass
 
     return write
 
