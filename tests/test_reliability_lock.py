@@ -90,15 +90,17 @@ def _holder(save_dir):
 
 def test_a_live_holder_is_named_and_a_dead_one_taken_over(tmp_path, capfd):
     ckpt = str(tmp_path / "ckpt")
+    flags = TINY + ["--train-iters", "1", "--save", ckpt]
+    assert run_distributed(_main, 1, flags, set())[0] == 0  # a checkpoint for the --load below
+    saved = sorted(os.listdir(ckpt))
     holder = _holder(ckpt)
     try:
-        flags = TINY + ["--train-iters", "1", "--save", ckpt]
         assert run_distributed(_main, 1, flags, set())[0] == 2
         err = capfd.readouterr().err
         line = [x for x in err.splitlines() if x.startswith("error:")]
         assert len(line) == 1 and f"pid {holder.pid} on host {socket.gethostname()}" in line[0] \
             and "SLURM job 4242" in line[0] and os.path.join(ckpt, LOCK) in line[0], err
-        assert os.listdir(ckpt) == [LOCK]  # nothing removed or written
+        assert sorted(os.listdir(ckpt)) == sorted(saved + [LOCK])  # nothing removed or written
         # --load of the held folder needs no lock.
         assert run_distributed(_main, 1, TINY + ["--train-iters", "1", "--load", ckpt,
                                                  "--save", str(tmp_path / "other")],
@@ -106,7 +108,7 @@ def test_a_live_holder_is_named_and_a_dead_one_taken_over(tmp_path, capfd):
     finally:
         holder.kill()  # SIGKILL: the lock stays behind, stale
         holder.wait()
-    assert os.listdir(ckpt) == [LOCK]
+    assert sorted(os.listdir(ckpt)) == sorted(saved + [LOCK])
     capfd.readouterr()
     assert run_distributed(_main, 1, flags, set())[0] == 0
     out = capfd.readouterr().out
