@@ -47,6 +47,8 @@ def test_cpu_rehearsal_runs_every_gpu_row(tmp_path):
                    "smoke: resume 5 -> 7 under torchrun",
                    "smoke: resumed 6-7 equal a straight 7-iteration run",
                    "generate: smoke checkpoint (TE) via tools/generate.py",
+                   "generate: smoke checkpoint (TE) via tools/generate.py --transformer-impl "
+                   "transformer_engine",
                    "serve: smoke checkpoint (TE) via tools/serve.py + POST /v1/completions",
                    "FP8 checkpoint: train 2 (tensorwise) + save",
                    "FP8 checkpoint: generate via tools/generate.py",
