@@ -355,7 +355,9 @@ def train_steps(argv: list, steps: int, grad_save: str | None = None,
         if grad_save:
             torch.save(first_grad, grad_save)
         if grad_compare:
-            ref = torch.load(grad_compare).double()
+            # Both on the host, as saved (.cpu() also tells the CPU shim's placement check where
+            # a tensor it did not see made lives).
+            ref = torch.load(grad_compare, map_location="cpu").cpu().double()
             g = first_grad.double()
             out["grad_cosine"] = float((g * ref).sum() / (g.norm() * ref.norm()).clamp_min(1e-300))
             out["grad_bitwise_equal"] = bool(torch.equal(g, ref))
