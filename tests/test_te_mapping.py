@@ -149,3 +149,163 @@ def test_te_checkpoint_loads_into_the_local_layers(gpu_node, tmp_path, layout, w
     # (rank 0 only)
     assert "".join(err for _, _, err in ranks).count("serving with --transformer-impl local: the checkpoint was saved with "
                      "transformer_engine; weights map by name") == 1
+
+
+def _local_to_te(rank, world, layout, path):
+    """A checkpoint of the local layers (a run on CPU) read into the TE spec by the checkpoint
+    package; (the local parameters, the TE ones under local names)."""
+    from megaloop.checkpoint.load import load_weights
+    from megaloop.model.looped_gpt import build_model
+
+    setup_parallel(world)
+    model_cfg, loop = _configs(layout, "local")
+    local = build_model(model_cfg, loop, TABLE, tp_size=world)
+    assert not _is_te(local)
+    want = _randomize(local)
+    _save(local, model_cfg, loop, path)
+    te = build_model(dataclasses.replace(model_cfg, transformer_impl="transformer_engine"), loop,
+                     TABLE, tp_size=world)
+    assert _is_te(te)
+    load_weights(path, te)
+    return want, {_te_to_local_name(k): v for k, v in _params(te).items()}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "megaloop.checkpoint.load.read_shards asks for every TE module's _extra_state (a "
+    "ShardedObject), which a checkpoint of the local layers does not hold: 'Missing key in "
+    "checkpoint state_dict: ...q_layernorm._extra_state'. TE's set_extra_state(None) is a "
+    "no-op, so the read should leave absent extra state out and load it as None"))
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_local_checkpoint_loads_into_the_te_layers(gpu_node, tmp_path, layout, world):
+    """Fine-tuning or RL on a GPU from a checkpoint trained on CPU: the TE layers' extra state,
+    which the checkpoint does not hold, does not stop the load."""
+    for want, got in run_distributed(_local_to_te, world, layout, str(tmp_path / "ckpt"),
+                                     timeout=600):
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
+
+
+def _export(rank, world, path_te, path_local, out_te, out_local):
+    """The same weights saved from the TE spec and from the local one, each exported."""
+    from megaloop.convert.hf_export import export_hf
+    from megaloop.model.looped_gpt import build_model
+
+    setup_parallel(1)
+    model_cfg, loop = _configs("default", "transformer_engine")
+    te = build_model(model_cfg, loop, TABLE)
+    assert _is_te(te)
+    weights = {_te_to_local_name(k): v for k, v in _randomize(te).items()}
+    _save(te, model_cfg, loop, path_te)
+    local_cfg = dataclasses.replace(model_cfg, transformer_impl="local")
+    local = build_model(local_cfg, loop, TABLE)
+    params = dict(local.named_parameters())
+    assert sorted(params) == sorted(weights)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
+    _save(local, local_cfg, loop, path_local)
+    export_hf(path_te, out_te)  # (the TE spec again, as on a GPU node)
+    export_hf(path_local, out_local)
+
+
+def _safetensors(folder: str) -> dict:
+    import os
+
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_export_of_a_te_checkpoint_equals_the_local_one(gpu_node, tmp_path):
+    out_te, out_local = str(tmp_path / "hf_te"), str(tmp_path / "hf_local")
+    run_distributed(_export, 1, str(tmp_path / "te"), str(tmp_path / "local"), out_te, out_local,
+                    timeout=600)
+    got, want = _safetensors(out_te), _safetensors(out_local)
+    assert sorted(got) == sorted(want)
+    assert any(".input_layernorm." in k for k in want)  # the fused norms were exported
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    assert open(f"{out_te}/config.json").read() == open(f"{out_local}/config.json").read()
+
+
+def _llama_folder(folder: str) -> dict:
+    """A tiny Llama checkpoint in Hugging Face's layout (GQA), every tensor random."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    h, ffn, layers, heads, groups, d = 32, 64, 2, 4, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"model.embed_tokens.weight": (TABLE, h), "model.norm.weight": (h,),
+              "lm_head.weight": (TABLE, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (heads * d, h),
+            p + "self_attn.k_proj.weight": (groups * d, h),
+            p + "self_attn.v_proj.weight": (groups * d, h),
+            p + "self_attn.o_proj.weight": (h, heads * d),
+            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn)})
+    tensors = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    os.makedirs(folder)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                   "vocab_size": TABLE, "hidden_size": h, "intermediate_size": ffn,
+                   "num_hidden_layers": layers, "num_attention_heads": heads,
+                   "num_key_value_heads": groups, "max_position_embeddings": 64,
+                   "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+                   "tie_word_embeddings": False}, f)
+    return tensors
+
+
+def _import(rank, world, hf_dir, save):
+    """import-hf as on a GPU node (the TE spec: the converted config keeps Megatron-LM's
+    default backend), then the checkpoint loaded into the local layers; (whether the
+    checkpoint holds TE's extra state, the loaded parameters, the Llama tensors by local name)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megaloop.checkpoint.tracker import checkpoint_dir
+    from megaloop.convert.hf_import import import_hf
+    from megaloop.inference.loading import load_for_generation
+    from megaloop.model.config import LoopConfig
+
+    setup_parallel(1)
+    import_hf(hf_dir, save, LoopConfig(num_loops=2, exit_loss="last"), progress=False)
+    keys = FileSystemReader(checkpoint_dir(save, 0)).read_metadata().state_dict_metadata
+    te_saved = any(k.endswith("._extra_state/shard_0_1") for k in keys)
+    local, _, _ = load_for_generation(save)
+    return te_saved, _params(local)
+
+
+def test_import_hf_into_the_te_layers(gpu_node, tmp_path):
+    hf = _llama_folder(str(tmp_path / "llama"))
+    te_saved, got = run_distributed(_import, 1, str(tmp_path / "llama"), str(tmp_path / "ckpt"),
+                                    timeout=600)[0]
+    assert te_saved  # the TE spec was filled and saved
+    # Hugging Face's names (the norms and linears that map one to one; the fused q/k/v and
+    # gate/up are compared by their parts).
+    for i in range(2):
+        ours, theirs = f"core.layers.{i}.", f"model.layers.{i}."
+        assert torch.equal(got[ours + "input_layernorm.weight"],
+                           hf[theirs + "input_layernorm.weight"])
+        assert torch.equal(got[ours + "pre_mlp_layernorm.weight"],
+                           hf[theirs + "post_attention_layernorm.weight"])
+        assert torch.equal(got[ours + "self_attention.linear_proj.weight"],
+                           hf[theirs + "self_attn.o_proj.weight"])
+        assert torch.equal(got[ours + "mlp.linear_fc1.weight"],
+                           torch.cat([hf[theirs + "mlp.gate_proj.weight"],
+                                      hf[theirs + "mlp.up_proj.weight"]]))
+        qkv = got[ours + "self_attention.linear_qkv.weight"].reshape(2, 4, 8, 32)
+        # per KV group: its 2 query heads, its key head, its value head
+        assert torch.equal(qkv[:, :2].reshape(-1, 32), hf[theirs + "self_attn.q_proj.weight"])
+        assert torch.equal(qkv[:, 2].reshape(-1, 32), hf[theirs + "self_attn.k_proj.weight"])
+        assert torch.equal(qkv[:, 3].reshape(-1, 32), hf[theirs + "self_attn.v_proj.weight"])
+    assert torch.equal(got["embedding.word_embeddings.weight"], hf["model.embed_tokens.weight"])
+    assert torch.equal(got["step_norm.weight"], hf["model.norm.weight"])
+    assert torch.equal(got["output_layer.weight"], hf["lm_head.weight"])
