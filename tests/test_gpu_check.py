@@ -618,6 +618,14 @@ def test_failed_row_is_followed_by_a_fresh_worker(tmp_path):
         after = check.in_worker("pid after the failure", "os:getpid", {}, 60)
         assert isinstance(first, int) and isinstance(after, int) and after != first
         assert not procs.running(first)
+        # A row whose call succeeded but whose verdict failed (a NaN loss, a wrong gradient)
+        # may come from a corrupted process too: also followed by a fresh worker.
+        from megaloop.gpu_check.report import Result
+
+        check.report.add(Result("a verdict that fails", "FAIL", "gradient cosine 0.6"))
+        check.done.clear()
+        third = check.in_worker("pid after the failed verdict", "os:getpid", {}, 60)
+        assert third not in (first, after) and not procs.running(after)
     finally:
         check.worker.close()
 

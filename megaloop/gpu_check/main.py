@@ -43,7 +43,11 @@ FIRST_CALL_S = 180.0  # a fresh worker's first row: imports, TE, cold compiles (
 class Check:
     def __init__(self, out_dir: str, budget_s: float):
         self.out, self.budget, self.t0 = out_dir, budget_s, time.time()
-        self.report = Report(out_dir)
+        # After any FAIL row the next single-rank row runs in a fresh worker: a failure can
+        # leave the process unusable (a sticky CUDA error fails every later kernel launch, a
+        # half-built model holds GPU memory, a wrong result may come from corrupted state),
+        # which would turn every later row into an unrelated failure.
+        self.report = Report(out_dir, on_fail=lambda: self.worker.close())
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1",
                     # TE's attention logger reads these at import: the worker imports TE.
                     "NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"}
@@ -116,11 +120,7 @@ class Check:
             self.fail(name, f"timed out after {t:.0f} s" if timed_out else "worker died", log,
                       secs, gpu_command=command or None)
             return None
-        if not reply["ok"]:
-            # A fresh worker for the next row: a failure can leave the process unusable (a
-            # sticky CUDA error fails every later kernel launch, a half-built model holds GPU
-            # memory), which would turn every later row into an unrelated failure.
-            self.worker.close()
+        if not reply["ok"]:  # (the FAIL row also replaces the worker: Report.on_fail)
             self.fail(name, reply["error"].strip().splitlines()[-1], log, secs,
                       gpu_command=command or None)
             return None

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
 
 # PASS / FAIL: a check with a verdict. INFO: a measurement without a goal. SKIP: not run, with
 # the reason. REHEARSED: without a GPU, the row's command lines ran with the GPU-only flags
@@ -40,6 +41,8 @@ class Report:
     header: dict = field(default_factory=dict)
     results: list = field(default_factory=list)
     goals: list = field(default_factory=list)
+    on_fail: Optional[Callable[[], None]] = None
+    """Called after every FAIL row (the check starts a fresh worker there)."""
 
     def add(self, result: Result) -> Result:
         assert result.status in STATUSES, result.status
@@ -47,6 +50,8 @@ class Report:
         secs = "" if result.seconds is None else f" ({result.seconds:.0f} s)"
         print(f"[gpu_check] {result.status:9s} {result.row}: {result.detail}{secs}", flush=True)
         self.write()  # after every row: a run killed halfway still leaves its numbers
+        if result.status == "FAIL" and self.on_fail is not None:
+            self.on_fail()
         return result
 
     def add_goal(self, goal: Result) -> Result:
