@@ -279,7 +279,7 @@ def _import(rank, world, hf_dir, save):
     import_hf(hf_dir, save, LoopConfig(num_loops=2, exit_loss="last"), progress=False)
     keys = FileSystemReader(checkpoint_dir(save, 0)).read_metadata().state_dict_metadata
     te_saved = any(k.endswith("._extra_state/shard_0_1") for k in keys)
-    local, _, _ = load_for_generation(save)
+    local, _, _ = load_for_generation(save, transformer_impl="local")
     return te_saved, _params(local)
 
 

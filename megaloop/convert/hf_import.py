@@ -388,20 +388,22 @@ def load_sharded(model, tensors: dict) -> None:
 
 
 def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | None = None,
-                  transformer_impl: str = "local"):
+                  transformer_impl: str | None = None):
     """(model at TP = ``tp_size``, ModelConfig, LoopConfig, a run-config dict naming them and the
     tokenizer) of a folder written by export-hf (``hf_export.write_hf_folder``): config.json read
     back exactly (``exported_configs``), the tensors through the reverse of the export's names
     (``layout.from_hf``), each rank's TP slice cut from the full tensors; the tokenizer is the
     folder's tokenizer.json, else ``tokenizer``. The layers are ``transformer_impl``'s (an export
-    does not record the backend it came from; the generation entry points choose it).
+    does not record the backend it came from; the generation entry points choose it), None:
+    ModelConfig's default.
     Collective like ``megaloop.checkpoint.load.load_model``: needs megatron-core's parallel state
     at that TP size."""
     from megaloop.model.looped_gpt import build_model
 
     cfg = read_hf_config(folder)
     model_cfg, loop = exported_configs(cfg)
-    model_cfg.transformer_impl = transformer_impl
+    if transformer_impl is not None:
+        model_cfg.transformer_impl = transformer_impl
     rows = cfg["vocab_size"]
     tok_cfg = exported_tokenizer(folder, rows, tokenizer)
     model = build_model(model_cfg, loop, rows, tp_size=tp_size)

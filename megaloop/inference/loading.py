@@ -39,9 +39,9 @@ def is_hf_folder(path: str) -> bool:
             and not os.path.isfile(os.path.join(path, CHECKPOINT_TRACKER)))
 
 
-# The layer backend generation builds unless told otherwise: every decode path runs it, the
-# batching engine (serve, lm-eval, RL rollouts) only it (Transformer Engine's attention drops the
-# mask that its left-padded decode needs).
+# The layer backend tools/generate.py and tools/serve.py build unless told otherwise: every decode
+# path runs it, the batching engine (serve) only it (Transformer Engine's attention drops the mask
+# that its left-padded decode needs).
 GENERATION_IMPL = "local"
 GENERATION_IMPLS = ("local", "transformer_engine")
 
@@ -78,7 +78,7 @@ def check_transformer_impl(value: Optional[str], engine: bool, spell=cli_name) -
 
 
 def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
-                        ckpt_step: Optional[int] = None, transformer_impl: str = GENERATION_IMPL,
+                        ckpt_step: Optional[int] = None, transformer_impl: Optional[str] = None,
                         purpose: str = "generating"):
     """(model in eval mode on this rank's device, tokenizer, run config dict) of ``load_dir``:
     a megaloop checkpoint (its latest iteration, or ``ckpt_step``; the saved run config names the
@@ -86,8 +86,10 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
     names the model, the folder's tokenizer.json the tokenizer, else ``tokenizer``, a
     TokenizerConfig, is used: it is ignored for checkpoints and for folders that have their
     own). The layers are ``transformer_impl``'s (checked by ``check_transformer_impl``), whatever
-    the checkpoint was saved with: both backends save the same tensor names. Where the saved
-    backend differs, rank 0 says so in one line on stderr, beginning with ``purpose``."""
+    the checkpoint was saved with: both backends save the same tensor names; where the saved
+    backend differs, rank 0 says so in one line on stderr, beginning with ``purpose``. None:
+    the backend the checkpoint was saved with (an export: ModelConfig's default), resolved on
+    this machine (megaloop.model.config.use_transformer_engine)."""
     from megaloop.checkpoint.config import config_from_dict
     from megaloop.data.config import TokenizerConfig
     from megaloop.data.tokenizers import build_tokenizer
@@ -100,7 +102,7 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
                                          transformer_impl=transformer_impl)
     else:
         model, run, saved = _load_checkpoint(load_dir, tp_size, ckpt_step, transformer_impl)
-        if saved != transformer_impl and runtime.is_rank_zero():
+        if transformer_impl not in (None, saved) and runtime.is_rank_zero():
             print(f"{purpose} with --transformer-impl {transformer_impl}: the checkpoint was "
                   f"saved with {saved}; weights map by name", file=sys.stderr, flush=True)
     model.to(current_device()).eval()
@@ -109,11 +111,11 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
 
 
 def _load_checkpoint(load_dir: str, tp_size: int, iteration: Optional[int],
-                     transformer_impl: str):
+                     transformer_impl: Optional[str]):
     """(model, run config, the transformer_impl the run config was saved with): load_model's
-    steps with the layer backend replaced, since the saved one is what the training machine
-    could run (Megatron-LM's default transformer_engine, even for a run on CPU), not what this
-    entry point can."""
+    steps with the layer backend replaced (unless None), since the saved one is what the
+    training machine could run (Megatron-LM's default transformer_engine, even for a run on
+    CPU), not what this entry point can."""
     from megatron.core import dist_checkpointing
 
     from megaloop.checkpoint.config import config_from_dict, read_run_config
@@ -124,7 +126,7 @@ def _load_checkpoint(load_dir: str, tp_size: int, iteration: Optional[int],
 
     run = read_run_config(load_dir, iteration)
     saved = run["model"].get("transformer_impl", ModelConfig.transformer_impl)
-    run["model"]["transformer_impl"] = transformer_impl
+    run["model"]["transformer_impl"] = transformer_impl or saved
     model_cfg = config_from_dict(ModelConfig, run["model"])
     loop = config_from_dict(LoopConfig, run["loop"])
     # The padded table size is in the checkpoint itself (as load_model reads it).
