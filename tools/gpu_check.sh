@@ -1,11 +1,13 @@
 #!/bin/bash
 # The one GPU check: every GPU-only path of megaloop in one run of at most ~10 minutes on one
 # H100/H200 (megaloop/gpu_check/main.py has the rows). Each row's full log, the checkpoints,
-# summary.md and summary.json go to --output-dir (default gpu_check_<date>-<time>/): send that
-# directory back when a row fails. Exit status 1 if any row failed. Without a GPU it runs the
-# CPU rehearsal of every row (the same command lines, GPU-only flags swapped, tiny shapes).
+# summary.md and summary.json go to --output-dir (default gpu_check_<date>-<time>/ in the current
+# directory): send that directory back when a row fails. Exit status 1 if any correctness row
+# failed (the performance goals are reported apart and do not count), 2 if the interpreter cannot
+# run it. Without a GPU it runs the CPU rehearsal of every row (the same command lines, GPU-only
+# flags swapped, tiny shapes).
 #
-#   bash tools/gpu_check.sh                                  # on a GPU node, in the repo root
+#   bash tools/gpu_check.sh                                  # on a GPU node, from any directory
 #   srun --gpus 1 --time 15 bash tools/gpu_check.sh          # on a SLURM cluster node
 #   docker run --gpus all --ipc=host --rm megaloop bash tools/gpu_check.sh   # in the image
 #
