@@ -69,7 +69,7 @@ def test_import_names_a_truncated_shard(tmp_path):
     assert _run_tool(["import-hf", "--hf-dir", hf_dir, "--save", str(tmp_path / "ck"),
                       "--no-progress"], log) == 2
     assert f"{shard} is truncated or corrupt" in _error(log)
-    assert not os.path.exists(tmp_path / "ck" / TRACKER)
+    assert not os.path.exists(tmp_path / "ck")  # (the lock's folder is not left behind)
 
 
 def test_import_names_the_missing_shard_file(tmp_path):

@@ -116,7 +116,12 @@ def _import(args, loop: LoopConfig) -> int:
     from megaloop.training.save_lock import SaveDirInUse, SaveLock
 
     _world(args.seed)
-    lock = None
+    created = []  # the folders the lock creates (--save and missing parents), deepest first
+    folder = os.path.abspath(args.save)
+    while not os.path.exists(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
+    lock, flags = None, None
     try:
         # One writer per folder, as for a training run's --save (the trainer's lock and its
         # default staleness), and never over a run's checkpoints: iteration 0 would become
@@ -132,6 +137,10 @@ def _import(args, loop: LoopConfig) -> int:
     finally:
         if lock is not None:
             lock.release()
+        if flags is None:  # refused or failed: no empty --save folder left behind
+            for path in created:
+                if os.path.isdir(path) and not os.listdir(path):
+                    os.rmdir(path)
         destroy()
     print(f"> wrote {os.path.join(args.save, 'iter_0000000')} (loads at any TP size)")
     print("> train it with (add your data, batch and optimizer flags):")
