@@ -3,8 +3,10 @@ them; this package imports none of them).
 
 - ``errors``: ``CheckpointError`` (exit 1) and ``CheckpointMismatch`` (exit 2);
 - ``tracker``: the folder layout (``iter_XXXXXXX/``, ``latest_checkpointed_iteration.txt``),
-  ``read_tracker``, ``checkpoint_dir``, ``available_iterations``, ``remove_stale_saves``
-  (standard library only);
+  ``read_tracker``, ``checkpoint_dir``, ``available_iterations``, ``remove_stale_saves``, and
+  the folder checks made before anything starts (``check_training_load``: a training --load
+  holds a checkpoint; ``check_new_save``: a converted checkpoint goes into a folder without a
+  run's) (standard library only);
 - ``manifest``: the per-file SHA-256 manifest, written at save and verified at load;
 - ``config``: ``read_run_config`` (the run configuration a checkpoint records),
   ``config_from_dict`` (standard library only at import);

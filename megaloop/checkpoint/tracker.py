@@ -2,6 +2,8 @@
 ``<dir>/latest_checkpointed_iteration.txt`` naming the newest complete one. Standard library only.
 
 A save writes ``iter_XXXXXXX.tmp`` and renames it when complete; loads never read a ``.tmp``.
+The checks of a folder before a run or a conversion uses it are here too (``check_training_load``,
+``check_new_save``): they need only the layout.
 """
 
 from __future__ import annotations
