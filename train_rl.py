@@ -7,8 +7,8 @@ Every pretraining flag that applies (model, loop, parallelism, optimizer and LR 
 ``--train-iters`` is the number of policy updates. ``python train_rl.py --help`` lists them all.
 
 The run is megaloop.rl.train.run (megaloop/rl/train.py). Exit codes as pretrain_looplm.py: 0
-trained (or stopped early after saving), 1 the run failed, 2 bad flags or a checkpoint that does
-not fit them.
+trained (or stopped early after saving), 1 the run failed, 2 bad flags, a --load that holds no
+checkpoint, or a checkpoint that does not fit them.
 """
 
 import sys
