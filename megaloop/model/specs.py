@@ -18,8 +18,9 @@ Backends: the local spec builds separate ``input_layernorm`` / ``pre_mlp_layerno
 norms (`post`, `magic`, or AdaLN conditioning that modulates the norm output) therefore unfuse
 them on TE: plain ``TEColumnParallelLinear`` linears and the norm in the layer's own slots, whose
 checkpoint keys stay the fused names, as the local spec's do. Checkpoint keys are therefore the
-same on both backends (tests/test_te_mapping.py builds both and loads each into the other); the
-TE variants' forward is verified only where a GPU and TE exist (tests/test_gpu.py).
+same on both backends (tests/test_te_mapping.py builds TE's modules and loads their checkpoint
+into the local layers); the TE variants' forward is verified only where a GPU and TE exist
+(tests/test_gpu.py).
 
 Stepwise LoRA is a change of spec too: the core's layer spec (``layer_spec(..., lora=...)``) names
 adapter-carrying subclasses of its four linear classes (megaloop.model.lora.with_lora); prelude and
