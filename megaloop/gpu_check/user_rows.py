@@ -199,20 +199,29 @@ class UserRows:
         problems, text = [], None
         with procs.started([PY, *argv], log, ROOT, c.env, name) as proc:
             base = f"http://127.0.0.1:{port}"
-            while text is None and not problems:
+            ready = False
+            while not ready and not problems:  # up: /health answers 200
                 if proc.poll() is not None:
                     problems.append(f"the server exited ({proc.returncode}) before answering")
                 elif time.time() - start > t:
                     problems.append(f"the server did not answer /health within {t:.0f} s")
                 else:
                     try:
-                        if _http(base + "/health", timeout=5)[0] == 200:
-                            status, body = _http(base + "/v1/completions",
-                                                 {"prompt": PROMPT, "max_tokens": NEW_TOKENS,
-                                                  "temperature": 0}, timeout=max(t, 30))
-                            text = body["choices"][0]["text"]
-                    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                        ready = _http(base + "/health", timeout=5)[0] == 200
+                    except (urllib.error.URLError, OSError):
                         time.sleep(0.5)  # not listening yet
+            if ready:  # one request, as a user sends it; its failure is the row's finding
+                try:
+                    _, body = _http(base + "/v1/completions",
+                                    {"prompt": PROMPT, "max_tokens": NEW_TOKENS,
+                                     "temperature": 0},
+                                    timeout=max(t - (time.time() - start), 30))
+                    text = body["choices"][0]["text"]
+                except urllib.error.HTTPError as exc:
+                    problems.append(f"POST /v1/completions answered {exc.code}: "
+                                    f"{exc.read().decode(errors='replace')[:300]}")
+                except (urllib.error.URLError, OSError) as exc:
+                    problems.append(f"POST /v1/completions got no answer: {exc!r}")
         secs = time.time() - start
         if not problems:
             got = [int(x) for x in text.split()]
