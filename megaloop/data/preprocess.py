@@ -18,23 +18,37 @@ encoder).
 Memory per worker is bounded by one batch: about ``batch_bytes`` of input plus the longest line,
 with its tokens, whatever the size of the corpus (a very long document is a batch of its own).
 
-Every output goes to a temporary name (``*.bin.tmp<pid>``, parts ``*.tmp<pid>.<k>``) renamed
-only when the whole input succeeded. On any failure, Ctrl-C included, the main process kills its
-workers (they ignore SIGINT and never hold anything the main process waits on) and removes every
-temporary file before the exception propagates, so an interrupt ends the run at once and leaves
-nothing behind. SIGTERM (what SLURM, ``timeout`` and ``kill`` send) is treated the same way: it
-raises ``Terminated``, a KeyboardInterrupt, in the main process; its default action would end
-the main process alone, orphaning the workers and leaving every temporary file. With ``workers=0`` everything runs in the calling process (debugging): there an
-interrupt waits for the batch being encoded.
+Every output goes to a temporary name (``*.bin.tmp<pid>_<host>``, parts
+``*.bin.tmp<pid>_<host>.<k>``) renamed only when the whole input succeeded. On any failure,
+Ctrl-C included, the main process kills its workers (they ignore SIGINT and never hold anything
+the main process waits on) and removes every temporary file before the exception propagates, so
+an interrupt ends the run at once and leaves nothing behind. SIGTERM (what SLURM, ``timeout``
+and ``kill`` send) is treated the same way: it raises ``Terminated``, a KeyboardInterrupt, in
+the main process; its default action would end the main process alone, orphaning the workers
+and leaving every temporary file. With ``workers=0`` everything runs in the calling process
+(debugging): there an interrupt waits for the batch being encoded.
+
+SIGKILL (the OOM killer, ``timeout -s KILL``, SLURM's last word) leaves no clean-up to run. The
+workers die with the main process: the kernel kills each when its parent dies (Linux's
+parent-death signal), a thread in each ends it when its parent pid changes (where there is no
+such signal), and a worker holds no read end of any pipe, so one still running fails on its
+next message instead of blocking on a pipe nobody reads. The temporary names carry their run's
+pid and host, so the next run into the same output prefix removes those of a run on this host
+whose pid has ended, and leaves those of a live run, or of another host sharing the
+filesystem, alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
+import re
 import shutil
 import signal
+import socket
+import sys
 import threading
 import time
 import traceback
@@ -162,7 +176,42 @@ def raise_terminated(signum, frame):
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _worker(conn, job: Job, queue: RangeQueue) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_POLL_S = 0.5
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this worker when its parent dies, whatever kills the parent (SIGKILL runs no
+    clean-up). Workers ignore SIGINT and SIGTERM, so without this they outlive the run.
+
+    Linux's parent-death signal fires when the parent *thread* that forked this process ends,
+    not the parent process: workers are forked by the thread that runs ``preprocess``, which
+    waits for them (or kills them) before it returns, so it outlives them. The thread below
+    covers systems without prctl; it needs the GIL, so it may wait for a batch being encoded.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: not Linux
+        pass
+    if os.getppid() != parent:  # the parent died before the signal was set
+        os._exit(1)
+
+    def watch() -> None:
+        # Compared with the parent's pid, not 1: an orphan goes to the nearest subreaper.
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _worker(conn, job: Job, queue: RangeQueue, parent: int, inherited: list) -> None:
+    _die_with_parent(parent)
+    # The fork copied the read ends of this worker's pipe and of its elder siblings'. Held
+    # here, they keep a pipe "read" after the main process is gone, so a worker that outlived
+    # it blocked forever on a full pipe; closed, its next message fails (EPIPE) and it ends.
+    for end in inherited:
+        end.close()
     # Ctrl-C reaches the whole process group, SLURM's SIGTERM every process of the job: the
     # main process alone decides (it kills us).
     for signum in INTERRUPTS:
@@ -189,7 +238,8 @@ class _Workers:
         with _interrupts_deferred(drop=False):
             for _ in range(workers):
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker, args=(send, job, queue), daemon=True)
+                proc = ctx.Process(target=_worker, daemon=True,
+                                   args=(send, job, queue, os.getpid(), self.conns + [recv]))
                 proc.start()
                 send.close()
                 self.procs.append(proc)
@@ -293,6 +343,47 @@ def _sigterm_raises():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def temporary_suffix() -> str:
+    """What this run appends to the names of its temporary files: its pid and host, so that a
+    later run can tell a killed run's files from those of a run still going."""
+    return f".tmp{os.getpid()}_{socket.gethostname()}"
+
+
+def _ended(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this host (a zombie has ended). A reused pid reads
+    as running: the files are then kept, never another run's removed."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):  # no /proc: it runs
+        return False
+
+
+def remove_stale_temporaries(prefixes: list[str]) -> dict[int, list[str]]:
+    """Remove the temporary files of ``prefixes``' datasets (``<prefix>.bin.tmp<pid>_<host>``,
+    its parts ``.<k>``, and the ``.idx``'s) left by ended runs on this host: a killed run
+    cleans nothing up. Returns {pid: removed paths}."""
+    host = socket.gethostname()
+    removed: dict[int, list[str]] = {}
+    for prefix in prefixes:
+        folder = os.path.dirname(os.path.abspath(prefix))
+        pattern = re.compile(re.escape(os.path.basename(prefix)) + r"\.(?:bin|idx)\.tmp(\d+)_"
+                             + re.escape(host) + r"(?:\.\d+)?")
+        for name in sorted(os.listdir(folder)):
+            match = pattern.fullmatch(name)
+            if match and _ended(int(match.group(1))):
+                with contextlib.suppress(FileNotFoundError):  # another run removed it first
+                    os.remove(os.path.join(folder, name))
+                    removed.setdefault(int(match.group(1)), []).append(name)
+    return removed
+
+
 def _join_parts(target: str, parts: list[str]) -> None:
     """``target`` = the parts back to back; the first part is renamed, not copied."""
     os.replace(parts[0], target)
@@ -326,7 +417,7 @@ def _preprocess(input_path, output_prefix, tok_cfg, json_keys, data_format, work
     dtypes = {k: numpy.uint8 if k == "lossmask" else optimal_dtype(tokenizer.vocab_size)
               for k in keys}
     finals = {k: output_prefix_for(output_prefix, k) for k in keys}
-    tmp = f".tmp{os.getpid()}"
+    tmp = temporary_suffix()
     gz = input_path.endswith(".gz")
     if gz or workers == 0:
         ranges, threads = [(0, None)], max(workers, 1)
@@ -338,6 +429,9 @@ def _preprocess(input_path, output_prefix, tok_cfg, json_keys, data_format, work
     temporaries = [job.part(k, i) for k in keys for i in range(len(ranges))]
     temporaries += [finals[k] + ext + tmp for k in keys for ext in (".bin", ".idx")]
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    for pid, names in remove_stale_temporaries(list(finals.values())).items():
+        print(f"removed {len(names)} temporary file(s) of run {pid} on this host, which ended "
+              f"without cleaning up (killed?): {', '.join(names)}", file=sys.stderr)
 
     stats = PreprocessStats(documents={k: 0 for k in keys}, empty={k: 0 for k in keys},
                             tokens={k: 0 for k in keys})
