@@ -118,7 +118,9 @@ class JobRunner:
         self._scores: dict = {}  # key -> (job, prompt index) of a Score command
         self._active: list = []  # jobs started and not finished
         self.serving = False  # the model thread takes jobs (GET /health)
-        self.stats: dict = {}  # the engine's counters after its last step (GET /stats)
+        self.restarts = 0  # engines dropped after a failed step
+        # The engine's counters after its last step (GET /stats).
+        self.stats: dict = {**self.lockstep.engine.stats, "engine_restarts": 0}
 
     def submit(self, job) -> concurrent.futures.Future:
         """Queue ``job``; its future gets (the generated tokens' log-prob rows, the prompts'
@@ -148,9 +150,12 @@ class JobRunner:
                 except StepFailed as exc:
                     log.error("%s", exc)
                     self._fail_all(exc)
-                    continue
+                    self.restarts += 1
+                    finished, scores, errors = [], {}, {}
                 self._collect(finished, scores, errors)
-                self.stats = dict(self.lockstep.engine.stats)
+                # The engine that stepped, or the fresh one that replaced a failed one: never
+                # the dropped engine's counters.
+                self.stats = {**self.lockstep.engine.stats, "engine_restarts": self.restarts}
         finally:
             self.serving = False
             self.lockstep.close()
@@ -171,9 +176,24 @@ class JobRunner:
             pass
         commands = []
         for future, job in items:
-            if future.set_running_or_notify_cancel():  # else its client left while it waited
+            if not future.set_running_or_notify_cancel():  # its client left while it waited
+                continue
+            try:
                 commands += self._start(future, job)
+            except Exception as exc:  # that job fails alone (before any rank saw its rows)
+                log.exception("could not start a job")
+                self._drop(job)
+                future.set_exception(exc)
         return commands
+
+    def _drop(self, job) -> None:
+        """Forget a job's rows and scores (none of them was sent to the engine)."""
+        for key in job.keys:
+            self._rows.pop(key, None)
+        for key in [k for k, (j, _) in self._scores.items() if j is job]:
+            del self._scores[key]
+        if job in self._active:
+            self._active.remove(job)
 
     def _start(self, future, job) -> list:
         job.future, job.state, commands = future, [], []
@@ -245,7 +265,11 @@ class JobRunner:
             job.prompt_scores[p] = value
         for job in [j for j in self._active if self._done(j)]:
             self._active.remove(job)
-            self._finish(job)
+            try:
+                self._finish(job)
+            except Exception as exc:  # building one job's result failed: that job alone
+                log.exception("could not finish a job")
+                job.future.set_exception(exc)
 
     def _done(self, job) -> bool:
         return job.error is None and all(k not in self._rows for k in job.keys) and \

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from megaloop.device import current_device
 from megaloop.inference import early_exit
-from megaloop.inference.flags import check_num_loops, check_sampling
+from megaloop.inference.flags import check_num_loops, check_sampling, check_seed
 from megaloop.inference.generate import SamplingParams, sample
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
 
@@ -94,7 +94,7 @@ class Request:
     """With an exit rule: the loop steps each generated token ran (the first, from the
     prefill, ran all T)."""
     error: Optional[BaseException] = None
-    """What ``on_token`` raised (the request was then cancelled)."""
+    """What ``on_token`` or sampling its token raised (the request was then cancelled)."""
     cancelled: bool = False
     blocks: list = field(default_factory=list)
     cached: int = 0
@@ -160,14 +160,16 @@ class InferenceEngine:
             ignore_eos: bool = False) -> Request:
         """Queue a request (admitted at a later ``step()``). ``on_token(request, token)`` is
         called on the thread running ``step()`` right after each token is sampled; True
-        finishes the request (``stop``). An exception it raises cancels that request (its
-        blocks are freed, the other rows go on): ``step()`` returns it with ``finish``
-        ``cancelled`` and the exception in ``error``."""
+        finishes the request (``stop``). An exception it raises, or one raised sampling the
+        request's token (e.g. from NaN logits), cancels that request (its blocks are freed, the
+        other rows go on): ``step()`` returns it with ``finish`` ``cancelled`` and the exception
+        in ``error``."""
         if not prompt:
             raise ValueError("every prompt needs at least one token")
         if max_tokens < 1:
             raise ValueError(f"max_tokens {max_tokens}: must be >= 1")
         check_sampling(params.temperature, params.top_k, params.top_p, spell=str)
+        check_seed(params.seed, spell=str)
         total = len(prompt) + max_tokens
         if total > self.config.max_sequence_length:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus max_tokens {max_tokens} is "
@@ -315,7 +317,14 @@ class InferenceEngine:
     def _emit(self, request: Request, logits: torch.Tensor, depth: int, finished: list) -> None:
         """Sample the request's next token from its [V] logits and retire it if it is done."""
         logits = logits.cpu().unsqueeze(0)
-        token = int(sample(logits, request.params, request.generator)[0])
+        try:
+            token = int(sample(logits, request.params, request.generator)[0])
+        except Exception as error:  # this row's fault: it alone ends, the other rows go on
+            request.finish, request.error = "cancelled", error
+            with self._lock:
+                self._retire(request)
+            finished.append(request)
+            return
         request.out.append(token)
         if request.record_logprobs:
             request.logprobs.append(F.log_softmax(logits[0], dim=-1))

@@ -89,16 +89,41 @@ def check_num_loops(value, spell: Callable[[str], str] = cli_name) -> None:
                          f"integer of at least 1 (leave it out for the trained depth)")
 
 
+# The smallest positive temperature: sampling divides the fp32 logits by it, and below about
+# 1e-38 the quotient of any logit is infinite (softmax then gives NaN and the draw fails). At
+# 1e-6 a logit would need a magnitude of 3e32 to overflow, which only a broken model produces.
+MIN_TEMPERATURE = 1e-6
+# The seeds torch.Generator.manual_seed takes: a 64-bit integer, signed or unsigned (a negative
+# seed s is the unsigned 2**64 + s); beyond them it raises "Overflow when unpacking long long".
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
+
+
 def check_sampling(temperature: float, top_k: int, top_p: float,
                    spell: Callable[[str], str] = cli_name) -> None:
-    """temperature >= 0 (0 = greedy), top_k >= 0 (0 = all), 0 < top_p <= 1 (1 = all)."""
+    """temperature 0 (greedy) or in [MIN_TEMPERATURE, inf), top_k >= 0 (0 = all),
+    0 < top_p <= 1 (1 = all)."""
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"{spell('temperature')} {temperature}: must be >= 0 (0 = greedy)")
+    if not temperature < float("inf"):
+        raise ValueError(f"{spell('temperature')} {temperature}: must be finite (a large "
+                         f"temperature samples nearly uniformly; 0 = greedy)")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"{spell('temperature')} {temperature}: too small to sample with (the "
+                         f"logits divided by it overflow); use 0 for greedy decoding or at least "
+                         f"{MIN_TEMPERATURE:g}")
     if top_k < 0:
         raise ValueError(f"{spell('top_k')} {top_k}: must be >= 0 (0 = every token)")
     if not 0 < top_p <= 1:
         raise ValueError(f"{spell('top_p')} {top_p}: must be in (0, 1] (1 = every token; a "
                          f"smaller p keeps the most likely tokens whose probability reaches p)")
+
+
+def check_seed(seed, spell: Callable[[str], str] = cli_name) -> None:
+    """An integer torch's generators take (SEED_RANGE); ValueError naming the value otherwise."""
+    low, high = SEED_RANGE
+    if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+        raise ValueError(f"{spell('seed')} {seed}: must be an integer from {low} to {high} "
+                         f"(a 64-bit seed, signed or unsigned)")
 
 
 def fit_prompt(ids: list, max_tokens: int, context: Optional[int], keep_tail: bool = False,

@@ -20,6 +20,7 @@ checks the stop strings (stopping the row there) and hands the text to a streami
 """
 
 import random
+import re
 import threading
 import time
 import uuid
@@ -33,6 +34,27 @@ from megaloop.inference.openai_api import (ChatCompletionRequest, CompletionRequ
 
 # A chat request without max_tokens, for a model whose context is unknown.
 DEFAULT_CHAT_TOKENS = 256
+
+
+def check_text(value, field: str) -> None:
+    """RequestError 400 naming ``field`` (a dotted path into the body) where a string in
+    ``value`` is not Unicode text: a lone surrogate, which JSON's ``\\ud800`` escape spells and
+    Python's parser keeps, and which no tokenizer reads (sentencepiece answers with its binding's
+    internal message)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(400, f"{field} holds a lone surrogate (U+{ord(value[exc.start]):04X} "
+                                    f"at character {exc.start}), which is not text: a JSON "
+                                    f"\\uD800-\\uDFFF escape must be one half of a surrogate "
+                                    f"pair; send valid UTF-8 text", re.split(r"[.\[]", field)[0]) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(v, f"{field}.{k}" if field else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_text(v, f"{field}[{i}]")
 
 
 class Job:
@@ -154,6 +176,7 @@ class ModelService:
     def tokenize(self, text: str) -> list[int]:
         """Request text -> ids, its special tokens' pieces read as those tokens (the module
         docstring's rule)."""
+        check_text(text, "prompt")
         out, rest = [], text
         while rest:
             hits = [(rest.find(p), p) for p in self._specials if p in rest]
@@ -205,8 +228,17 @@ class ModelService:
         return self._job(req, [ids], max_tokens, logprobs)
 
     def _check_body(self, req) -> None:
+        """What needs no tokenizing, checked first (cheap, and the same whatever the prompt)."""
+        from megaloop.inference.flags import check_seed
+
         self.check_model(req.model)
         req.refuse_unknown()
+        check_text(req.model_dump(), "")
+        if req.seed is not None:
+            try:
+                check_seed(req.seed, spell=str)
+            except ValueError as exc:
+                raise RequestError(400, str(exc), "seed") from None
 
     def _job(self, req, prompts: list, max_tokens: int, logprobs=None, echo=False) -> Job:
         from megaloop.inference.flags import check_sampling, fit_prompt

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 @dataclass
 class RequestLimits:
-    """Per-request limits of tools/serve.py (a request beyond one gets HTTP 400 naming it).
+    """Per-request limits of tools/serve.py (a request beyond one gets HTTP 400 naming it, 413
+    for its size in bytes).
 
     Checked before any of the request runs; the message names the limit's flag."""
 
@@ -20,8 +21,14 @@ class RequestLimits:
     """Tokens one request may occupy: the sum over its rows (every prompt, ``n`` times) of the
     prompt's tokens plus ``max_tokens``. Bounds the work (and the KV cache) of one request."""
 
+    max_request_bytes: int = 4 * 1024 * 1024
+    """Bytes of one request's body: a larger one gets HTTP 413 before it is read (by its
+    Content-Length; a body sent in chunks, as soon as it passes the limit), so that reading,
+    parsing and tokenizing a huge body never holds up the server."""
+
     def check(self) -> None:
-        for name in ("max_prompts_per_request", "max_n", "max_request_tokens"):
+        for name in ("max_prompts_per_request", "max_n", "max_request_tokens",
+                     "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at "
                                  f"least 1")

@@ -17,7 +17,10 @@ it is built on each rank from the command's payload by the same function.
 Nothing hangs: after each step the ranks agree whether any of them failed (one small
 all-reduce), so an exception on any rank fails the step on every rank, which then starts a
 fresh engine (the failed one's state is unknown); rank 0 fails the requests that were in it.
-A row whose hook raised on one rank (that rank's engine cancels it) is cancelled on all.
+That is for what cannot be pinned on one row (a forward, a score). What can fails that row only,
+on every rank alike: a row the engine refuses to add, or whose sampling or per-token hook raised
+on one rank (that rank's engine cancels it), is reported by its rank in the same agreement
+exchange and cancelled on all; the other rows decode on.
 While there is no work rank 0 broadcasts an empty command list every ``KEEPALIVE_S`` seconds,
 so that the followers' wait stays inside the collectives' timeout. At TP=1 there is no
 exchange at all.
@@ -139,13 +142,18 @@ class Lockstep:
         return box[0]
 
     def _run(self, commands: list) -> tuple[list, dict, dict]:
-        finished, scores, error = [], {}, None
+        finished, scores, error, refused = [], {}, None, {}
         try:
             for c in commands:
                 if isinstance(c, Add):
-                    self.requests[c.key] = self.engine.add(
-                        c.prompt, c.max_tokens, c.params, on_token=self.make_hook(c),
-                        record_logprobs=c.record_logprobs, ignore_eos=c.ignore_eos)
+                    # A row the engine refuses (a value no check before it caught) fails alone;
+                    # the refusal depends only on the command, which every rank applies.
+                    try:
+                        self.requests[c.key] = self.engine.add(
+                            c.prompt, c.max_tokens, c.params, on_token=self.make_hook(c),
+                            record_logprobs=c.record_logprobs, ignore_eos=c.ignore_eos)
+                    except Exception as exc:
+                        refused[c.key] = f"{type(exc).__name__}: {exc}"
                 elif isinstance(c, Cancel):  # (its rows are freed at this step)
                     if c.key in self.requests:
                         self.engine.cancel(self.requests.pop(c.key))
@@ -158,10 +166,12 @@ class Lockstep:
                     del self.requests[k]
         except Exception as exc:
             error = exc
-        # A row whose hook raised was cancelled by this rank's engine; the others must cancel
-        # it too (it is freed at their next step, before anything else happens in it).
+        # A row whose hook or sampling raised was cancelled by this rank's engine; the others
+        # must cancel it too (it is freed at their next step, before anything else happens in
+        # it). A refused row is in no engine: the others cancel theirs, should one have taken it.
         errors = {k: f"{type(r.error).__name__}: {r.error}" for k, r in finished
                   if getattr(r, "error", None) is not None}
+        errors.update(refused)
         errors = self._agree(error, errors)
         for k in errors:
             if k in self.requests:

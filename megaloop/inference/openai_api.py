@@ -57,7 +57,9 @@ class _Body(BaseModel):
     """Fields common to both generation endpoints."""
 
     # Extra fields are collected and refused by ``refuse_unknown`` with one message naming all.
-    model_config = ConfigDict(extra="allow")
+    # JSON's Infinity and NaN (which Python's parser reads) are refused as numbers: no field
+    # means anything by them.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     DEFAULT_ONLY: ClassVar[tuple] = ()  # the fields of _DEFAULT_ONLY this endpoint knows
 
     model: Optional[StrictStr] = None
@@ -66,7 +68,7 @@ class _Body(BaseModel):
     temperature: Optional[StrictFloat] = 1.0
     top_p: Optional[StrictFloat] = 1.0
     top_k: Optional[StrictInt] = 0  # an extension (vLLM's): 0 = every token
-    seed: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = None  # range: flags.check_seed (what torch's generators take)
     stop: Optional[Union[StrictStr, List[StrictStr]]] = None
     n: Optional[StrictInt] = Field(1, ge=1)
     stream: Optional[StrictBool] = False

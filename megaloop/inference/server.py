@@ -70,6 +70,8 @@ def _validation_message(errors) -> str:
         if e.get("type") == "json_invalid":
             return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', '')}"
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if e.get("type") == "finite_number":
+            return f"{loc} {e.get('input')}: must be a finite number"
         parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
     # A union (prompt) reports one error per alternative: keep the first few.
     return "; ".join(dict.fromkeys(parts[:4])) or "invalid request"
@@ -113,6 +115,49 @@ class _LogRequests:
         note = state.get("note", "")
         log.info("%s %s %d %.3fs%s", scope["method"], scope["path"], status[0],
                  time.perf_counter() - start, f" {note}" if note else "")
+
+
+class _LimitBody:
+    """Refuses a request body of more than ``limit`` bytes with HTTP 413 before reading it: at
+    once by its Content-Length, and a body sent in chunks (no length) as soon as the bytes
+    received pass the limit. Reading, parsing and tokenizing a body of tens of megabytes would
+    otherwise hold the event loop (every stream, /health) for seconds."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def message(self, size: str) -> str:
+        return (f"the request body has {size} bytes; this server takes at most {self.limit} "
+                f"(--max-request-bytes): send less, or start the server with a larger "
+                f"--max-request-bytes")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            body = json.dumps({"error": {"message": self.message(length.decode()),
+                                         "type": "invalid_request_error",
+                                         "param": None, "code": None}}).encode()
+            # The body stays unread: the connection cannot carry another request.
+            await send({"type": "http.response.start", "status": 413, "headers": [
+                (b"content-type", b"application/json"), (b"connection", b"close"),
+                (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        received = [0]
+
+        async def counted():
+            from starlette.exceptions import HTTPException
+
+            message = await receive()
+            if message["type"] == "http.request":
+                received[0] += len(message.get("body", b""))
+                if received[0] > self.limit:  # (FastAPI passes an HTTPException on as it is)
+                    raise HTTPException(413, self.message(f"more than {self.limit}"))
+            return message
+
+        await self.app(scope, receive if length else counted, send)
 
 
 class _Stream:
@@ -214,7 +259,8 @@ def create_app(service: ModelService):
 
     app = FastAPI(title="megaloop", docs_url=None, redoc_url=None)
 
-    app.add_middleware(_LogRequests)
+    app.add_middleware(_LimitBody, limit=service.limits.max_request_bytes)
+    app.add_middleware(_LogRequests)  # (the outer one: it logs the 413s too)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -268,7 +314,7 @@ def create_app(service: ModelService):
     async def tokenize(req: TokenizeRequest):
         try:
             service.check_model(req.model)
-            tokens = service.tokenize(req.prompt)
+            tokens = await off_loop(service.tokenize, req.prompt)
         except RequestError as exc:
             return _error(exc.status, exc.message, exc.param)
         except Exception as exc:  # e.g. the null tokenizer reads only integers
@@ -287,10 +333,16 @@ def create_app(service: ModelService):
                                f"{service.vocab_size})", "tokens")
         return {"prompt": service.tokenizer.detokenize(req.tokens)}
 
+    async def off_loop(fn, *args):
+        """``fn(*args)`` in a worker thread: tokenizing a prompt (or detokenizing an answer's
+        log-probs) takes time in proportion to its size, during which the event loop must go on
+        serving the streams and /health."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
     async def answer(req, request: Request, chat: bool):
         user_note = f" user={req.user}" if req.user else ""
         try:
-            job = service.prepare_chat(req) if chat else service.prepare(req)
+            job = await off_loop(service.prepare_chat if chat else service.prepare, req)
             if req.stream:
                 include = bool(req.stream_options and req.stream_options.include_usage)
                 stream = _Stream(service, job, request, chat, include, user_note)
@@ -300,7 +352,7 @@ def create_app(service: ModelService):
             if result is None:
                 request.state.note = f"cancelled: the client left; {_note(job)}{user_note}"
                 return _error(499, "the client closed the connection")
-            body = service.respond_chat(job, result) if chat else service.respond(job, result)
+            body = await off_loop(service.respond_chat if chat else service.respond, job, result)
         except RequestError as exc:
             request.state.note = exc.message
             return _error(exc.status, exc.message, exc.param)
