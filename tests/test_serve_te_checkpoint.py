@@ -75,7 +75,9 @@ def _save(rank, world, save):
                             max_position_embeddings=64)
     assert model_cfg.transformer_impl == "transformer_engine"  # Megatron-LM's default
     loop = LoopConfig(num_loops=3, num_prelude_layers=1)
-    model = build_model(model_cfg, loop, TABLE, tp_size=1)
+    # The local layers on any machine (a GPU one too), the run config as saved without the flag.
+    model = build_model(dataclasses.replace(model_cfg, transformer_impl="local"), loop, TABLE,
+                        tp_size=1)
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for p in model.parameters():
