@@ -284,7 +284,6 @@ class UserRows:
             problems.append(f"non-finite log-probs or KL: {values}")
         if problems:
             return c.fail(name, "; ".join(problems), c.last_log, c.last_secs)
-        say(f"{name}: KL to the reference {[r['kl'] for r in records]}")
         c.report.add(Result(name, c.status(True), f"2 steps; reward "
                             f"{[r['reward_mean'] for r in records]}, KL "
                             f"{[round(r['kl'], 6) for r in records]}", c.last_secs,
