@@ -320,13 +320,15 @@ def _writer_full_main(rank, world, flags, partial):
 @pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
 def test_disk_full_in_the_writer_is_one_message_and_no_partial_folder(tmp_path, mode, partial,
                                                                       capfd):
-    """ENOSPC where it really happens, in megatron-core's writer: the synchronous and the
-    asynchronous save both remove the partial folder, say the disk is full (not megatron-core's
-    "Worker failure") and stop the run with exit code 1, without a traceback."""
+    """ENOSPC where it really happens, in megatron-core's writer (on both of two ranks): the
+    synchronous and the asynchronous save both remove the partial folder, say the disk is full
+    (not megatron-core's "Worker failure", nor the empty CheckpointException it raises on the
+    rank that did not gather the failures) and stop the run with exit code 1, without a
+    traceback."""
     ckpt, status = tmp_path / "ckpt", tmp_path / "status.json"
     flags = TINY + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
                     "--exit-status-file", str(status)] + mode
-    assert run_distributed(_writer_full_main, 1, flags, partial)[0] == 1
+    assert run_distributed(_writer_full_main, 2, flags, partial) == [1, 1]
     assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     assert open(ckpt / "latest_checkpointed_iteration.txt").read() == "1"
     result = json.loads(status.read_text())
@@ -334,6 +336,7 @@ def test_disk_full_in_the_writer_is_one_message_and_no_partial_folder(tmp_path, 
     assert result["status"] == "failed" and result["checkpoint_iteration"] == 1, result
     assert "saving iteration 2" in reason and "still names iteration 1" in reason and \
         f"the disk is full: 123,456,789 bytes free on the file system of {ckpt}" in reason, reason
+    assert "CheckpointException" not in reason and "Worker failure" not in reason, reason
     err = capfd.readouterr().err
     assert "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.startswith("error:")] == \
