@@ -16,7 +16,7 @@ constructed on CPU, no forward runs).
   weights; import-hf builds the TE spec where a GPU node would and fills it.
 
 "A GPU node" is the answer of ``megaloop.model.config.use_transformer_engine`` there (every
-backend but `local` is TE's); TE's modules are built with ``te_construction`` below.
+backend but `local` is TE's); TE's modules are built under the ``gpu_node`` fixture below.
 """
 
 import contextlib
@@ -146,9 +146,9 @@ def test_te_checkpoint_loads_into_the_local_layers(gpu_node, tmp_path, layout, w
         assert sorted(got) == sorted(want)
         for name, value in want.items():
             assert torch.equal(got[name], value), name
-    # (rank 0 only)
-    assert "".join(err for _, _, err in ranks).count("serving with --transformer-impl local: the checkpoint was saved with "
-                     "transformer_engine; weights map by name") == 1
+    note = ("serving with --transformer-impl local: the checkpoint was saved with "
+            "transformer_engine; weights map by name")
+    assert "".join(err for _, _, err in ranks).count(note) == 1  # (rank 0 says it)
 
 
 def _local_to_te(rank, world, layout, path):
