@@ -3,7 +3,10 @@ arriving at different steps, decoded together give the tokens (greedy and sample
 logits of ``Generator`` decoding each alone, for every KV policy, with and without an exit rule
 and with chunked prefill; a long prompt's chunks do not stall the running rows; early exit runs
 only the rows still in the loop at each step; cancelled and finished requests free their blocks;
-a request that does not fit waits; an oversized one is refused."""
+a request that does not fit waits; an oversized one is refused; a pool of exactly one request's
+blocks serves it; ``max_batch`` caps the running rows; a cancelled queued request is returned
+once without blocks; a row whose draw fails ends alone; seeds and temperatures torch cannot take
+are refused by name."""
 
 import pytest
 import torch
@@ -336,3 +339,142 @@ def test_what_the_engine_cannot_batch_is_refused():
     assert no_cache.startswith("kv_policy none: the batching engine decodes from its paged KV")
     assert positions.startswith("--max-sequence-length 100 exceeds the model's")
     assert spiral.startswith("the batching engine cannot batch SpiralFormer models")
+
+
+# --- admission, queueing and faults -------------------------------------------------------------
+def _one_request_pool(rank, world):
+    setup_parallel(world)
+    model = _model()
+    prompt, max_tokens = PROMPTS[1], 9  # 7 + 9 = 16 tokens: exactly 4 blocks of 4
+    engine = _engine(model, num_blocks=4)
+    request = engine.add(prompt, max_tokens, _params(1, 1.0))
+    steps = 0
+    while engine.has_work() and steps < 3 * max_tokens:  # bounded: a starved request must fail
+        engine.step()
+        steps += 1
+    alone = _alone(model, prompt, max_tokens, "full", None, _params(1, 1.0))[0]
+    return request.out == alone, request.finish, steps, engine.has_work(), engine.allocator.free
+
+
+def test_a_pool_of_exactly_one_request_admits_and_finishes_it():
+    """A pool with exactly the blocks one request needs: it is admitted at once and decodes as
+    alone (an allocator that wants a spare block would queue it forever, with work left)."""
+    same, finish, steps, has_work, free = run_distributed(_one_request_pool, 1)[0]
+    # 9 tokens: the prefill's and a decode in the first step, then one per step
+    assert (same, finish, steps, has_work, free) == (True, "length", 8, False, 4)
+
+
+def _max_batch_two(rank, world):
+    setup_parallel(world)
+    model = _model()
+    engine = _engine(model, max_batch=2)
+    requests = [engine.add(p, MAX_TOKENS[i], _params(i, 0.0)) for i, p in enumerate(PROMPTS)]
+    seen, steps = [], 0
+    while engine.has_work() and steps < 60:
+        engine.step()
+        steps += 1
+        seen.append((engine.stats["running"], engine.stats["queued"],
+                     sum(r.cached > 0 and r.finish is None for r in requests)))
+    alone = [_alone(model, p, MAX_TOKENS[i], "full", None, _params(i, 0.0))[0]
+             for i, p in enumerate(PROMPTS)]
+    return seen, [r.out for r in requests], alone, engine.stats["decode_rows_max"]
+
+
+def test_max_batch_two_runs_two_rows_and_queues_the_rest():
+    """max_batch 2, four requests: after the first step 2 run and 2 wait; never 3 at once, in
+    the engine's counters or in the requests' own state; each answers as alone."""
+    seen, outs, alone, rows_max = run_distributed(_max_batch_two, 1)[0]
+    assert seen[0] == (2, 2, 2), seen
+    assert all(running <= 2 and decoding <= 2 for running, _, decoding in seen), seen
+    assert rows_max == 2 and outs == alone
+
+
+def _cancel_queued(rank, world):
+    setup_parallel(world)
+    model = _model()
+    engine = _engine(model, max_batch=1)
+    first, queued, third = (engine.add(PROMPTS[i], 4, _params(i, 0.0)) for i in (0, 1, 2))
+    returned = list(engine.step())
+    engine.cancel(queued)
+    used_with_first = engine.allocator.used
+    steps, admitted_at = 1, None
+    while engine.has_work() and steps < 30:
+        returned += engine.step()
+        steps += 1
+        if third.blocks and admitted_at is None:
+            admitted_at = (steps, first.finish)
+    alone = _alone(model, PROMPTS[2], 4, "full", None, _params(2, 0.0))[0]
+    return ([r is queued for r in returned].count(True), queued.finish, queued.out,
+            queued.blocks, queued.cached, used_with_first, admitted_at, third.out == alone,
+            engine.allocator.used)
+
+
+def test_a_cancelled_queued_request_is_returned_once_and_takes_no_blocks():
+    """max_batch 1: the second of three requests is cancelled while it waits. The next step
+    returns it once (finish cancelled, nothing generated, no blocks); the third is admitted as
+    soon as the first is done, and answers as alone."""
+    times, finish, out, blocks, cached, used, admitted_at, same, used_after = run_distributed(
+        _cancel_queued, 1)[0]
+    assert (times, finish, out, blocks, cached) == (1, "cancelled", [], [], 0)
+    assert used == 2  # the first request's 3 + 4 tokens only
+    # the first's 4 tokens take 3 steps (two in the first); the third comes in the step after
+    assert admitted_at == (4, "length") and same and used_after == 0
+
+
+def _sampling_fault(rank, world):
+    from megaloop.inference.generate import SamplingParams
+
+    setup_parallel(world)
+    model = _model()
+    engine = _engine(model)
+    requests = [engine.add(p, MAX_TOKENS[i], _params(i, 1.0)) for i, p in enumerate(PROMPTS)]
+    # A value the checks in add() refuse, set after them: its logits / temperature overflow
+    # to inf and the draw fails (as any fault in one row's sampling would).
+    requests[1].params = SamplingParams(temperature=1e-45, seed=2)
+    steps = 0
+    while engine.has_work() and steps < 40:
+        engine.step()
+        steps += 1
+    alone = [_alone(model, p, MAX_TOKENS[i], "full", None, _params(i, 1.0))[0]
+             for i, p in enumerate(PROMPTS)]
+    return ([(r.out, r.finish, repr(r.error)) for r in requests], alone, engine.allocator.used,
+            engine.has_work())
+
+
+def test_a_row_whose_sampling_fails_ends_alone():
+    """A row whose draw raises (NaN probabilities) is cancelled with the error; the step does
+    not fail, and every other row answers as alone."""
+    rows, alone, used, has_work = run_distributed(_sampling_fault, 1)[0]
+    out, finish, error = rows[1]
+    assert out == [] and finish == "cancelled" and "probability tensor" in error, rows[1]
+    for i in (0, 2, 3):
+        assert rows[i][:2] == (alone[i], "length"), (i, rows[i], alone[i])
+    assert used == 0 and not has_work
+
+
+def _refused_values(rank, world):
+    from megaloop.inference.generate import SamplingParams
+
+    setup_parallel(world)
+    engine = _engine(_model())
+
+    reasons = []
+    for params in (SamplingParams(seed=2 ** 64), SamplingParams(seed=-2 ** 63 - 1),
+                   SamplingParams(temperature=1e-45), SamplingParams(temperature=float("inf"))):
+        try:
+            engine.add([5, 6], 2, params)
+        except ValueError as error:
+            reasons.append(str(error))
+    engine.add([5, 6], 2, SamplingParams(seed=2 ** 64 - 1))  # the extremes torch takes
+    engine.add([5, 6], 2, SamplingParams(seed=-2 ** 63))
+    return reasons
+
+
+def test_values_a_generator_or_softmax_cannot_take_are_refused_by_name():
+    reasons = run_distributed(_refused_values, 1)[0]
+    assert len(reasons) == 4, reasons
+    assert reasons[0].startswith("seed 18446744073709551616: must be an integer from "
+                                 "-9223372036854775808 to 18446744073709551615")
+    assert reasons[1].startswith("seed -9223372036854775809: must be an integer")
+    assert reasons[2].startswith("temperature 1e-45: too small to sample with")
+    assert reasons[3].startswith("temperature inf: must be finite")
