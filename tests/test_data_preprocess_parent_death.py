@@ -6,6 +6,7 @@ own pipe, so it blocked on a full pipe instead of failing; and they ignore SIGIN
 design), and the killed run's temporary files stayed beside the dataset after later runs.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -129,3 +130,42 @@ def test_the_next_run_removes_a_killed_runs_temporaries_only(tmp_path, sp_model)
     for ext in (".bin", ".idx"):
         assert (out_dir / f"o_text_document{ext}").read_bytes() == \
             (reference / f"o_text_document{ext}").read_bytes()
+
+
+def test_the_next_run_removes_a_killed_partitioned_runs_folder(tmp_path, sp_model):
+    """--partitions N copies the input into a folder beside the output: SIGKILLed, that copy
+    stays, and the next run into the same folder (with or without --partitions) removes it,
+    keeping a live run's."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in corpus(20_000, seed=4)])
+    cmd = [sys.executable, TOOL, "--input", src, "--output-prefix", str(out_dir / "o"),
+           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
+           "--workers", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd + ["--partitions", "2"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.startswith(".partitions") and os.listdir(out_dir / p)
+                      for p in os.listdir(out_dir)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+            time.sleep(0.02)
+        workers = _children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the session's survivors, if any
+            os.killpg(proc.pid, signal.SIGKILL)
+    for w in workers:
+        while _alive(w):  # SIGKILLed with the session above
+            time.sleep(0.01)
+    killed = [p for p in os.listdir(out_dir) if p.startswith(".partitions")]
+    assert len(killed) == 1, killed
+    live = f".partitions.tmp{os.getpid()}_{socket.gethostname()}-abc_123"
+    (out_dir / live).mkdir()
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p for p in os.listdir(out_dir) if p.startswith(".")) == [live], done.stderr
+    assert f"removed {killed[0]}" in done.stderr

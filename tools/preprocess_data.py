@@ -118,6 +118,8 @@ def preprocess_partitions(args, run):
     import shutil
     import tempfile
 
+    from megaloop.data.preprocess import temporary_suffix
+
     spec = importlib.util.spec_from_file_location(
         "merge_datasets", os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                        "merge_datasets.py"))
@@ -136,7 +138,9 @@ def preprocess_partitions(args, run):
         else [lines[i::n] for i in range(n)]
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".partitions-", dir=out_dir)
+    # Named by pid and host: a SIGKILL leaves the folder (a copy of the input) for the next run
+    # to remove (remove_stale_partition_folders).
+    tmp = tempfile.mkdtemp(prefix=f".partitions{temporary_suffix()}-", dir=out_dir)
     try:
         total = None
         for i, part in enumerate(parts):
@@ -166,6 +170,28 @@ def preprocess_partitions(args, run):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def remove_stale_partition_folders(out_dir: str) -> list[str]:
+    """Remove the partition folders (``.partitions.tmp<pid>_<host>-*``) that runs on this host
+    left in ``out_dir`` when they were killed (their pid has ended); a live run's, or another
+    host's, are kept. Returns the folders removed."""
+    import re
+    import shutil
+    import socket
+
+    from megaloop.data.preprocess import process_ended
+
+    if not os.path.isdir(out_dir):
+        return []
+    pattern = re.compile(r"\.partitions\.tmp(\d+)_" + re.escape(socket.gethostname()) + r"-\w+")
+    removed = []
+    for name in sorted(os.listdir(out_dir)):
+        match = pattern.fullmatch(name)
+        if match and process_ended(int(match.group(1))):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     tok_cfg = dataclass_from_args(TokenizerConfig, args)
@@ -176,10 +202,17 @@ def main(argv=None) -> int:
         return 2
     from megaloop.data.preprocess import Terminated, preprocess, raise_terminated  # numpy
 
+    # Every run, whatever its --partitions: a killed partitioned run's folder is garbage here.
+    # (Before the handlers below: an interrupted removal needs no clean-up, the next run goes on.)
+    for name in remove_stale_partition_folders(os.path.dirname(os.path.abspath(
+            args.output_prefix))):
+        print(f"removed {name}, the partitions of a run on this host that ended without "
+              "cleaning up (killed?)", file=sys.stderr)
     if signal.getsignal(signal.SIGINT) is _exit_at_once:  # run as a script (below)
         # Now there is clean-up to do (also between the partitions of --partitions N).
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, raise_terminated)
+
     def run(input_path, output_prefix):
         return preprocess(input_path, output_prefix, tok_cfg, json_keys=args.json_keys,
                           data_format=args.data_format, workers=args.workers,

@@ -349,7 +349,7 @@ def temporary_suffix() -> str:
     return f".tmp{os.getpid()}_{socket.gethostname()}"
 
 
-def _ended(pid: int) -> bool:
+def process_ended(pid: int) -> bool:
     """Whether no process ``pid`` runs on this host (a zombie has ended). A reused pid reads
     as running: the files are then kept, never another run's removed."""
     try:
@@ -377,7 +377,7 @@ def remove_stale_temporaries(prefixes: list[str]) -> dict[int, list[str]]:
                              + re.escape(host) + r"(?:\.\d+)?")
         for name in sorted(os.listdir(folder)):
             match = pattern.fullmatch(name)
-            if match and _ended(int(match.group(1))):
+            if match and process_ended(int(match.group(1))):
                 with contextlib.suppress(FileNotFoundError):  # another run removed it first
                     os.remove(os.path.join(folder, name))
                     removed.setdefault(int(match.group(1)), []).append(name)
