@@ -95,7 +95,7 @@ def test_workers_end_within_seconds_of_their_parents_sigkill(tmp_path, sp_model)
     survivors = [w for w in workers if _alive(w)]
     for w in survivors:  # the test leaves nothing running either way
         os.kill(w, signal.SIGKILL)
-    assert not survivors, f"workers {survivors} of the SIGKILLed run {parent} still running 5 s later"
+    assert not survivors, f"workers {survivors} of the SIGKILLed run {parent} ran 5 s on"
 
 
 def test_the_next_run_removes_a_killed_runs_temporaries_only(tmp_path, sp_model):

@@ -368,7 +368,7 @@ def process_ended(pid: int) -> bool:
 def remove_stale_temporaries(prefixes: list[str]) -> dict[int, list[str]]:
     """Remove the temporary files of ``prefixes``' datasets (``<prefix>.bin.tmp<pid>_<host>``,
     its parts ``.<k>``, and the ``.idx``'s) left by ended runs on this host: a killed run
-    cleans nothing up. Returns {pid: removed paths}."""
+    cleans nothing up. Returns {pid: the names of its files removed}."""
     host = socket.gethostname()
     removed: dict[int, list[str]] = {}
     for prefix in prefixes:
