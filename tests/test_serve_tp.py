@@ -3,7 +3,9 @@ ranks: jobs submitted together are decoded in shared forwards and each answers a
 request decoded alone by ``Generator`` (an independent, unbatched decoder), with and without
 early exit; a cancelled job's rows are freed at the next step; and the lockstep driver at TP=2,
 fed a scripted sequence of adds, cancels and scores across steps, gives rank for rank the
-tokens of TP=1. The HTTP server at TP=2 (a torchrun launch): tests/test_serve.py."""
+tokens of TP=1. A row the engine refuses or whose draw fails (on one rank or all) fails only its
+job, alike on every rank; a step that fails as a whole leaves /stats with the fresh engine's
+counters. The HTTP server at TP=2 (a torchrun launch): tests/test_serve.py."""
 
 import pytest
 import torch
@@ -279,3 +281,124 @@ def test_ignore_eos_generates_past_the_end_of_document():
     assert stops == free[:free.index(eod) + 1] and why == "stop"
     assert ignores == free and why_ignored == "length"
     assert text == " " + " ".join(map(str, free))  # EOD's piece is text like any other
+
+
+# --- one row's fault stays in its request -------------------------------------------------------
+def _faulty_jobs(rank, world):
+    """Jobs built directly (as if a check before the engine had missed a value): one whose seed
+    torch's generator cannot take, one whose temperature overflows the logits, among good
+    jobs. Then a step that fails as a whole (a prompt's score raises) and a job after it."""
+    from megaloop.inference.batcher import row_seed
+    from megaloop.inference.generate import Generator, SamplingParams
+
+    setup_parallel(world)
+    service = _service()
+    good = [_job([[5, 6, 7, 8]], 7), _job([[18, 19]], 6, n=2, temperature=0.9, seed=3)]
+    bad = [_job([[9, 10]], 5, seed=2 ** 64, temperature=1.0), _job([[9, 10]], 5,
+                                                                    temperature=1e-45)]
+    futures = _run(service, [good[0], bad[0], good[1], bad[1]])
+    errors = [repr(f.exception()) for f in futures[1::2]]
+    alone = []
+    gen = Generator(service.model, service.vocab_size, kv_policy="full", eod=EOD)
+    for job in good:
+        for i, prompt in enumerate(job.rows):
+            p = job.params
+            alone.append(gen.generate([prompt], job.max_tokens, SamplingParams(
+                p.temperature, p.top_k, p.top_p, row_seed(p.seed, i)))[0])
+    outs = [o for j in good for o in j.outs]
+    before = dict(service.stats)
+    # A step that fails as a whole: its engine is dropped, and /stats must not keep its counters.
+    score = service.runner.lockstep.score
+
+    def failing_score(prompt):
+        if prompt == [40, 41]:
+            raise ValueError("a score failed")
+        return score(prompt)
+
+    service.runner.lockstep.score = failing_score
+    running, scored = _job([[5, 6, 7, 8]], 20), _job([[40, 41]], 0, logprobs=1)
+    scored.echo = True
+    seen = []
+
+    def until():
+        seen.append(dict(service.stats))
+        if len(seen) == 3:
+            service.submit(scored)
+        return running.future is not None and running.future.done() and \
+            scored.future is not None and scored.future.done()
+
+    _run(service, [running], until)
+    after_failure = seen[-1]
+    after = _job([[5, 6, 7, 8]], 7)
+    _run(service, [after])
+    return (errors, outs, alone, before, after_failure, repr(running.future.exception()),
+            after.outs[0] == good[0].outs[0], dict(service.stats))
+
+
+def test_a_row_the_engine_refuses_fails_only_its_job():
+    """A seed outside torch's range and a temperature that overflows, submitted past the
+    server's checks: those two jobs fail with the engine's message, the jobs decoded with them
+    answer as alone, and no engine is dropped. A step that fails as a whole (a score) drops the
+    engine: /stats then shows the fresh engine's counters and the restart."""
+    errors, outs, alone, before, after_failure, running_error, same, last = run_distributed(
+        _faulty_jobs, 1)[0]
+    assert "seed 18446744073709551616: must be an integer" in errors[0], errors
+    assert "temperature 1e-45: too small to sample with" in errors[1], errors
+    assert outs == alone
+    assert before["engine_restarts"] == 0 and before["steps"] > 0
+    assert "a score failed" in running_error
+    # the fresh engine's counters: nothing ran in it yet, nothing is held
+    assert after_failure["engine_restarts"] == 1 and after_failure["steps"] == 0, after_failure
+    assert after_failure["used_blocks"] == 0 and after_failure["running"] == 0
+    assert same and last["engine_restarts"] == 1 and 0 < last["steps"] <= 7
+
+
+def _faults_on_ranks(rank, world):
+    """Under lockstep: a row every rank refuses (its seed), and a row whose draw fails on rank 1
+    only (its hook there corrupts the temperature after the first token); both are cancelled
+    on every rank and the steps go on; a good row decoded with them answers as alone."""
+    from megaloop.inference.generate import SamplingParams
+    from megaloop.inference.lockstep import Add, Lockstep
+
+    setup_parallel(world)
+    service = _service()
+
+    def make_hook(add):
+        def hook(request, token):
+            if add.payload == "corrupt on rank 1" and rank == 1:
+                request.params = SamplingParams(temperature=1e-45)
+            return False
+        return hook
+
+    lockstep = Lockstep(service.runner.lockstep.new_engine, make_hook, service.prompt_log_probs)
+    report = {"errors": {}, "out": None, "failed": 0, "left": None}
+    if rank == 0:
+        script = [[Add(0, [5, 6, 7], 6, SamplingParams()),
+                   Add(1, [8, 9], 4, SamplingParams(temperature=1.0, seed=2 ** 64)),
+                   Add(2, [8, 9], 6, SamplingParams(), payload="corrupt on rank 1")]] + [[]] * 8
+        for commands in script:
+            try:
+                done, _, errors = lockstep.step(commands)
+            except Exception:
+                report["failed"] += 1
+                continue
+            report["errors"].update(errors)
+            report["out"] = next((r.out for k, r in done if k == 0), report["out"])
+        report["left"] = (lockstep.engine.has_work(), lockstep.engine.allocator.used)
+        lockstep.close()
+    else:
+        lockstep.follow()
+        report["left"] = (lockstep.engine.has_work(), lockstep.engine.allocator.used)
+    return report
+
+
+def test_row_faults_are_isolated_alike_on_every_rank():
+    reports = run_distributed(_faults_on_ranks, 2, timeout=90)
+    report = reports[0]
+    assert report["failed"] == 0, report
+    assert sorted(report["errors"]) == [1, 2], report
+    assert report["errors"][1].startswith("rank 0: ValueError: seed 18446744073709551616")
+    assert report["errors"][2].startswith("rank 1: RuntimeError: probability tensor")
+    assert report["out"] == run_distributed(_scripted_one_row, 1)[0]
+    # every rank dropped both rows: nothing runs, no block is held
+    assert [r["left"] for r in reports] == [(False, 0), (False, 0)], reports
