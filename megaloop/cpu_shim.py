@@ -26,7 +26,8 @@ would live on the *host* of a GPU machine and fails where a GPU run would:
 - host tensors: made by a factory or ``torch.as_tensor``/``from_numpy`` without a CUDA device,
   moved with ``.cpu()`` / ``.to("cpu")``, or computed from host tensors only. Everything else is
   on the accelerator: made with ``device="cuda"`` / ``torch.cuda.current_device()``, moved with
-  ``.cuda()`` / ``.to(cuda)`` (``module.cuda()`` moves its parameters), or computed from any
+  ``.cuda()`` / ``.to(cuda)`` (``module.cuda()`` and ``module.to(cuda)`` move its parameters),
+  or computed from any
   accelerator tensor. Tensors the shim never saw made (autograd's gradients, tensors made before
   the check started) count as placed, so the check can miss a mistake but not invent one;
 - an op that mixes accelerator tensors with a host tensor of one or more dimensions (0-d host
@@ -508,6 +509,35 @@ def _install_placement_patches() -> None:
         return p
 
     torch.nn.Parameter.__new__ = staticmethod(parameter_keeps_placement)
+
+    module_to = torch.nn.Module.to
+
+    @functools.wraps(module_to)
+    def module_to_keeps_the_accelerator(self, *args, **kwargs):
+        # Module.to parses its device before any tensor sees it: the accelerator's stand-in
+        # (or "cuda") arrives at Tensor.to as torch.device("cpu"), undecidable, and the
+        # parameters would keep their host marks although a GPU run moves them. Move them as
+        # module.cuda() does, then apply what else was asked (a dtype) with the device left out.
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, torch.Tensor):
+            where = "cpu" if is_host(target) else "cuda"
+        elif isinstance(target, str) and not isinstance(target, _AcceleratorName):
+            where = "cpu" if target.startswith("cpu") else "cuda" if _is_cuda(target) else None
+        else:  # torch.device("cpu") stays undecidable (see _checked_call)
+            where = "cuda" if target is not None and _is_cuda(target) else None
+        if _CHECK and where is not None:
+            self.cuda() if where == "cuda" else self.cpu()
+            rest = {k: v for k, v in kwargs.items() if k != "device"}
+            if isinstance(target, torch.Tensor):  # to(tensor, non_blocking)
+                rest.update(zip(("non_blocking",), args[1:]), dtype=target.dtype)
+            else:  # to(device, dtype, non_blocking)
+                rest.update(zip(("dtype", "non_blocking"), args[1:]))
+            if rest.get("dtype") is not None or "memory_format" in rest:
+                return module_to(self, **rest)
+            return self
+        return module_to(self, *args, **kwargs)
+
+    torch.nn.Module.to = module_to_keeps_the_accelerator
 
 
 def enable_placement_check(on: bool = True) -> None:

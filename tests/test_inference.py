@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from distributed import run_distributed, setup_parallel
+from megaloop.device import current_device
+from test_placement import check_placement
 from reference import lm_batch
 from flags import llama_style
 
@@ -22,7 +24,13 @@ def _model(model_kw: dict, loop_kw: dict):
                                "num_attention_heads": 4, "max_position_embeddings": SEQ,
                                **model_kw})
     loop = LoopConfig(**{"num_loops": 3, **loop_kw})
-    return build_model(model_cfg, loop, VOCAB, tp_size=torch.distributed.get_world_size())
+    model = build_model(model_cfg, loop, VOCAB, tp_size=torch.distributed.get_world_size())
+    return model.cuda(current_device())  # as a GPU run: the rank bodies run placement-checked
+
+
+def _batch(batch: int):
+    """lm_batch's (ids, positions, labels) on the device, where the model is."""
+    return tuple(t.to(current_device()) for t in lm_batch(VOCAB, SEQ, batch))
 
 
 def _perturb(model):
@@ -32,10 +40,11 @@ def _perturb(model):
         for name, p in model.named_parameters():
             if any(k in name for k in ("timestep", "history", "injection", "lora_B",
                                        "spiral.steps")):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
+                p.add_((0.2 * torch.randn(p.shape, generator=g)).to(p))  # where p is
 
 
 def _cached_vs_full(rank, world, model_kw, loop_kw, policy, run_loops):
+    check_placement()
     from megatron.core import tensor_parallel
 
     from megaloop.inference.kv_cache import LoopKVCache
@@ -44,7 +53,7 @@ def _cached_vs_full(rank, world, model_kw, loop_kw, policy, run_loops):
     model = _model(model_kw, loop_kw)
     _perturb(model)
     model.eval()
-    ids, pos, _ = lm_batch(VOCAB, SEQ, BATCH)
+    ids, pos, _ = _batch(BATCH)
     with torch.no_grad():
         full = model(ids, pos, None, num_loops=run_loops)
         kv = LoopKVCache(BATCH, SEQ, policy)
@@ -127,6 +136,7 @@ def test_kv_policies_exact_where_defined():
 
 
 def _generate(rank, world, policy, temperature):
+    check_placement()
     from megaloop.inference.generate import Generator, SamplingParams
 
     setup_parallel(world)
@@ -149,6 +159,7 @@ def test_generation_with_and_without_cache_is_identical(temperature):
 
 # --- tools/generate.py on a trained checkpoint ------------------------------------------------
 def _train_and_save(rank, world, save):
+    check_placement()
     from run_helpers import train
     from test_training import BASE
 
@@ -157,6 +168,7 @@ def _train_and_save(rank, world, save):
 
 
 def _generate_tool(rank, world, argv, out_path):
+    check_placement()
     import contextlib
     import importlib.util
     import os
@@ -205,6 +217,7 @@ def _sharp_gate(model):
 
 
 def _exit_decode(rank, world, rule_text, loop_kw, one_by_one, model_kw=None):
+    check_placement()
     from megaloop.inference.early_exit import parse_exit
     from megaloop.inference.generate import Generator
 
@@ -247,6 +260,7 @@ def test_early_exit_that_never_fires_is_plain_decoding():
 
 
 def _exited_kv_filled(rank, world):
+    check_placement()
     from megaloop.inference.early_exit import decode_step, parse_exit, prefill
     from megaloop.inference.kv_cache import LoopKVCache
 
@@ -254,7 +268,7 @@ def _exited_kv_filled(rank, world):
     model = _model({}, {"num_loops": 4, "num_coda_layers": 1, "num_prelude_layers": 1})
     _sharp_gate(model)
     model.eval()
-    ids, pos, _ = lm_batch(VOCAB, SEQ, 4)
+    ids, pos, _ = _batch(4)
     kv = LoopKVCache(4, SEQ)
     prefill(model, ids[:, :PREFILL], pos[:, :PREFILL], kv, 4)
     kv.advance(PREFILL)
@@ -277,12 +291,13 @@ def test_exited_token_kv_is_filled_from_its_exit_step():
 
 
 def _first_step_coda(rank, world):
+    check_placement()
     from megaloop.inference.kv_cache import LoopKVCache
 
     setup_parallel(world)
     model = _model({}, {"num_coda_layers": 1})
     model.eval()
-    ids, pos, _ = lm_batch(VOCAB, SEQ, BATCH)
+    ids, pos, _ = _batch(BATCH)
     caches = {}
     with torch.no_grad():
         for policy in ("full", "first-step"):
@@ -290,7 +305,8 @@ def _first_step_coda(rank, world):
             # The coda's buffers start as NaN (megatron-core's are uninitialised): what was not
             # written in the forward stays NaN.
             kv.dicts[("coda", 3 if policy == "full" else 1)] = {
-                1: tuple(torch.full((SEQ, BATCH, 4, 8), float("nan")) for _ in range(2))}
+                1: tuple(torch.full((SEQ, BATCH, 4, 8), float("nan"), device=current_device())
+                         for _ in range(2))}
             model(ids[:, :PREFILL], pos[:, :PREFILL], None, kv_cache=kv)
     full, first = caches["full"].dicts[("coda", 3)], caches["first-step"].dicts[("coda", 1)]
     return all(torch.equal(full[n][i][:PREFILL], first[n][i][:PREFILL])
@@ -305,13 +321,14 @@ def test_first_step_keeps_a_last_step_coda():
 
 
 def _score(rank, world, rule_text):
+    check_placement()
     from megaloop.inference.early_exit import parse_exit, score
 
     setup_parallel(world)
     model = _model({}, {"num_loops": 4})
     _sharp_gate(model)
     model.eval()
-    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
+    ids, pos, labels = _batch(BATCH)
     with torch.no_grad():
         loss, depth = score(model, ids, pos, labels, 4, parse_exit(rule_text))
         ref = model(ids, pos, None, labels=labels)  # the training forward: every step's loss
@@ -336,6 +353,7 @@ def _row_vs_token(rank, world, rule_text, loop_kw, model_kw):
     """The same rule on the same inputs, per row (decode_step after a prefill of the exact
     context, rows compacted as they exit) and per token (exit_log_probs over the whole sequence,
     masked): exit step and exit-step log-probabilities at every position after the prefill."""
+    check_placement()
     from megaloop.inference.early_exit import decode_step, exit_log_probs, parse_exit, prefill
     from megaloop.inference.kv_cache import LoopKVCache
     from megaloop.model.exit_rules import full_vocab_log_probs
@@ -345,7 +363,7 @@ def _row_vs_token(rank, world, rule_text, loop_kw, model_kw):
     _sharp_gate(model)
     model.eval()
     rule = parse_exit(rule_text)
-    ids, pos, _ = lm_batch(VOCAB, SEQ, 4)
+    ids, pos, _ = _batch(4)
     with torch.no_grad():
         token_logp, token_depth = exit_log_probs(model, ids, pos, 4, rule, VOCAB)
         rows_logp, rows_depth = [], []
@@ -375,6 +393,7 @@ def test_exit_rule_per_row_equals_per_token(rule):
 
 
 def _what_models_support(rank, world):
+    check_placement()
     from megaloop.inference.early_exit import parse_exit, score
     from megaloop.inference.generate import Generator
 
@@ -401,7 +420,7 @@ def _what_models_support(rank, world):
     refused["no gate kl"] = refusal(dense, exit_rule=parse_exit("kl:0.1"))
     refused["no cache"] = refusal(_model({}, {}), exit_rule=parse_exit("kl:0.1"), kv_policy="none")
     # Teacher-forced scoring under the rule needs no row to leave the batch: SpiralFormer runs it.
-    ids, pos, labels = lm_batch(VOCAB, SEQ, BATCH)
+    ids, pos, labels = _batch(BATCH)
     with torch.no_grad():
         loss, depth = score(spiral, ids, pos, labels, 3, parse_exit("q:0.5"))
         ref = spiral(ids, pos, None, labels=labels)

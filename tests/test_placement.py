@@ -21,6 +21,16 @@ RUN = BASE + ["--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1",
               "--hidden-dropout", "0.1", "--exit-duration-in-mins", "1000"]
 
 
+def check_placement() -> None:
+    """Turn the shim's placement check on in this rank: the RL, generation and evaluation tests'
+    rank bodies call it first, as the trainer's runs here do (on a GPU the devices are real and
+    there is nothing to check)."""
+    from megaloop import cpu_shim
+
+    if cpu_shim.is_enabled():
+        cpu_shim.enable_placement_check()
+
+
 def _checked_run(rank, world, flags, ckpt, check=True):
     """Train with --save (evaluating on the way), then build a second trainer that --loads the
     checkpoint, trains one more step and evaluates; returns the logged losses and what the
@@ -216,3 +226,46 @@ def test_environment_variable_turns_the_check_on():
                          timeout=120)
     assert out.stdout.startswith("True"), out.stdout + out.stderr
     assert out.returncode != 0 and "PlacementError: placement check: add" in out.stderr
+
+
+def _module_moves(rank, world):
+    from megaloop import cpu_shim
+
+    cpu_shim.enable_placement_check()
+
+    def params_on_host(module):
+        return [cpu_shim.is_host(p) for p in module.parameters()]
+
+    out = {"built": params_on_host(torch.nn.Linear(3, 2))}
+    for name, move in (("current_device", lambda m: m.to(torch.cuda.current_device())),
+                       ("cuda", lambda m: m.to("cuda")),
+                       ("device keyword", lambda m: m.to(device=torch.device("cuda"))),
+                       ("with dtype", lambda m: m.to(torch.cuda.current_device(),
+                                                     torch.float64)),
+                       ("like a placed tensor", lambda m: m.to(torch.zeros(1).cuda())),
+                       ("cpu", lambda m: m.cuda().to("cpu")),
+                       ("dtype only", lambda m: m.to(torch.float64))):
+        module = move(torch.nn.Linear(3, 2))
+        out[name] = (params_on_host(module), module.weight.dtype)
+    module = torch.nn.Linear(3, 2).to(torch.cuda.current_device())
+    module(torch.zeros(4, 3, device=torch.cuda.current_device()))  # what a GPU run does
+    try:
+        module(torch.zeros(4, 3))
+        out["fed a host batch"] = None
+    except cpu_shim.PlacementError as exc:
+        out["fed a host batch"] = str(exc)
+    return out
+
+
+def test_module_to_the_accelerator_moves_its_parameters():
+    """``model.to(torch.cuda.current_device())`` (tools/generate.py's load) moves a model on a
+    GPU as ``model.cuda()`` does; the check must see it so (it kept the host marks before)."""
+    m = run_distributed(_module_moves, 1)[0]
+    assert m["built"] == [True, True]
+    for name in ("current_device", "cuda", "device keyword", "like a placed tensor"):
+        assert m[name] == ([False, False], torch.float32), name
+    assert m["with dtype"] == ([False, False], torch.float64)
+    assert m["cpu"] == ([True, True], torch.float32)
+    assert m["dtype only"] == ([True, True], torch.float64)  # still on the host
+    message = m["fed a host batch"]  # the control: the check still fires on a real mistake
+    assert message is not None and "mixes accelerator tensors" in message, message

@@ -20,6 +20,7 @@ import torch
 
 from distributed import run_distributed
 from flags import LLAMA_STYLE_FLAGS
+from test_placement import check_placement
 
 ENV = '''
 from megaloop.rl.environments import Environment, Prompt
@@ -86,6 +87,7 @@ def _rl(rank, world, argv, watch=False):
     from megaloop.rl.train import configure, rl_trainer_class
     from megaloop.training.run import start, train
 
+    check_placement()  # every RL run here fails where a GPU run would misplace a tensor
     cfg = configure(argv)
     start(cfg)
     seen = {}
