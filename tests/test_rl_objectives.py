@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from megaloop.rl.objectives import (group_advantages, grpo_loss, loop_weights,
-                                    rltt_log_probs)
+from megaloop.rl.objectives import (aggregate_parts, group_advantages, grpo_loss,
+                                    loop_weights, rltt_log_probs)
 
 EPS_STD, CLIP, BETA = 1e-6, 0.2, 0.1
 # 2 groups of 3 completions, 3 token positions; group 2's rewards are all 0.1 (their float mean
@@ -108,6 +108,28 @@ def test_the_two_aggregations_differ_when_lengths_differ():
     a, _ = grpo_loss(t(LOGP), t(OLD), None, adv, t(MASK), aggregation="token-mean")
     b, _ = grpo_loss(t(LOGP), t(OLD), None, adv, t(MASK), aggregation="sequence-mean")
     assert abs(a.item() - b.item()) > 1e-3
+
+
+@pytest.mark.parametrize("parts", [[6], [1] * 6, [2, 3, 1]], ids=["whole", "rows", "uneven"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean"])
+def test_aggregate_parts_of_micro_batches_give_the_batch_mean_by_hand(aggregation, parts):
+    """The trainer sums aggregate_parts' numerators and denominators over micro-batches and
+    ranks (megaloop/rl/trainer.py); the ratio must be the whole batch's mean, by hand."""
+    values = [[LOGP[b][s] * (b + 1) for s in range(3)] for b in range(6)]
+    if aggregation == "token-mean":  # every response token weighs the same
+        tokens = [values[b][s] for b in range(6) for s in range(3) if MASK[b][s]]
+        want = sum(tokens) / len(tokens)
+    else:  # each completion's mean, then the mean over completions
+        means = [sum(v for v, m in zip(values[b], MASK[b]) if m) / sum(MASK[b]) for b in range(6)]
+        want = sum(means) / 6
+    numerator = denominator = 0.0
+    start = 0
+    for size in parts:
+        num, den = aggregate_parts(t(values[start:start + size]), t(MASK[start:start + size]),
+                                   aggregation)
+        numerator, denominator = numerator + num.item(), denominator + den.item()
+        start += size
+    assert numerator / denominator == pytest.approx(want, abs=1e-12)
 
 
 def test_a_group_with_equal_rewards_gets_no_policy_gradient():

@@ -10,6 +10,7 @@ import pytest
 
 from distributed import run_distributed
 from flags import LLAMA_STYLE_FLAGS
+from test_placement import check_placement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = os.path.join(ROOT, "examples", "lm_eval_tasks", "demo_tasks.jsonl")
@@ -18,13 +19,20 @@ TINY = [*LLAMA_STYLE_FLAGS, "--transformer-impl", "auto", "--distributed-backend
         "--max-position-embeddings", "128", "--num-loops", "3"]
 
 
-def _main(rank, world, argv):
+def _main(rank, world, argv, stderr=False):
+    """train_rl.main(argv) in this rank: its exit code (and what it printed on stderr)."""
+    import contextlib
+    import io
     import sys
 
     sys.path.insert(0, ROOT)
     import train_rl
 
-    return train_rl.main(argv)
+    check_placement()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train_rl.main(argv)
+    return (code, err.getvalue()) if stderr else code
 
 
 def _first_word(text):
@@ -94,6 +102,10 @@ REFUSALS = [
     (["--max-new-tokens", "125"], "exceeds --max-position-embeddings 128"),
     (["--env-args", "size"], "--env-args size: expected KEY=VALUE"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: RL scores the sampled tokens"),
+    (["--group-size", "1", "--micro-batch-size", "1"], "--group-size 1: --objective grpo"),
+    (["--group-size", "1", "--micro-batch-size", "1", "--objective", "rltt"],
+     "--group-size 1: --objective rltt"),
+    (["--fp8-format", "hybrid"], "--fp8-format hybrid: train_rl.py's rollouts decode one token"),
 ]
 
 
@@ -157,3 +169,68 @@ def test_plot_run_draws_the_rl_telemetry(tmp_path):
     assert lines["reward and solve rate"][0] == [r["reward_mean"] for r in records]
     assert lines["KL to the reference"] == [[r["kl"] for r in records]]
     assert lines["exit distribution"] == [[0.2] * 3, [0.3] * 3, [0.5] * 3]
+
+
+def test_null_tokenizer_with_a_text_environment_is_refused_in_one_line():
+    argv = [*TINY, "--tokenizer-type", "NullTokenizer", "--vocab-size", "63", "--env",
+            "demo-tasks", "--env-path", TASKS, "--env-limit", "4", "--prompts-per-step", "2",
+            "--group-size", "2", "--micro-batch-size", "2"]
+    got = run_distributed(_refusals, 1, [argv])[0][0]
+    assert got is not None and "\n" not in got, got
+    assert got.startswith("--tokenizer-type NullTokenizer reads text as space-separated token "
+                          "ids, and prompt 0 of --env demo-tasks is text"), got
+
+
+BAD_REWARD = '''
+import math
+
+from megaloop.rl.environments import Environment, Prompt
+
+
+class BadReward(Environment):
+    """Two prompts of NullTokenizer ids: prompt ``bad`` is rewarded ``value`` (``raise``: its
+    reward() raises), the other 1.0."""
+
+    def __init__(self, value="nan", bad=1):
+        self.value, self.bad = value, bad
+        self.items = [Prompt("1 2 3", ""), Prompt("4 5", "")]
+
+    def prompts(self):
+        return self.items
+
+    def reward(self, prompt, completion):
+        if self.items.index(prompt) != self.bad:
+            return 1.0
+        if self.value == "raise":
+            raise ZeroDivisionError("the checker divided by zero")
+        return {"nan": math.nan, "inf": -math.inf, "none": None, "text": "1.0"}[self.value]
+'''
+
+
+@pytest.mark.parametrize("value,world,want", [
+    ("nan", 1, "reward() returned nan for prompt 1 (completion"),
+    ("inf", 1, "reward() returned -inf for prompt 1 (completion"),
+    ("none", 1, "reward() returned None for prompt 1 (completion"),
+    ("text", 1, "reward() returned '1.0' for prompt 1 (completion"),
+    ("raise", 1, "reward() raised on prompt 1 (completion"),
+    ("nan", 2, "reward() returned nan for prompt 1 (completion"),  # one data-parallel rank's
+])
+def test_a_reward_that_is_not_a_finite_number_stops_the_run(tmp_path, value, world, want):
+    """Exit 2 and one line naming the environment, the prompt and the value (or the cause),
+    on every rank alike (with DP=2 only one rank draws the bad prompt: neither hangs)."""
+    from test_rl_train import MODEL
+
+    (tmp_path / "bad.py").write_text(BAD_REWARD)
+    env = f"{tmp_path / 'bad.py'}:BadReward"
+    argv = [*MODEL, "--env", env, "--env-args", f"value={value}", "--prompts-per-step", "2",
+            "--group-size", "2", "--max-new-tokens", "3", "--micro-batch-size", "2",
+            "--train-iters", "2", "--log-jsonl", str(tmp_path / "log.jsonl")]
+    ranks = run_distributed(_main, world, argv, True)
+    assert [code for code, _ in ranks] == [2] * world
+    lines = ranks[0][1].strip().split("\n")
+    assert len(lines) == 1 and lines[0].startswith(f"error: --env {env}: {want}"), lines
+    if value == "raise":
+        assert lines[0].endswith("): ZeroDivisionError: the checker divided by zero"), lines
+    else:
+        assert lines[0].endswith("; a reward must be a finite number"), lines
+    assert not os.path.exists(tmp_path / "log.jsonl") or not open(tmp_path / "log.jsonl").read()

@@ -139,6 +139,11 @@ class RLConfig:
                                  ("--rl-num-loops", self.rl_num_loops, 1)):
             if value is not None and value < low:
                 raise ValueError(f"{flag} {value} must be >= {low}")
+        if self.group_size == 1:  # both objectives are GRPO's: A = (r - mean) / std in a group
+            raise ValueError(f"--group-size 1: --objective {self.objective} standardises each "
+                             f"reward within its group, so one completion per prompt has "
+                             f"advantage 0 and nothing trains; use --group-size 2 or more "
+                             f"(GRPO and RLTT use 8)")
         if self.temperature <= 0:
             raise ValueError(f"--temperature {self.temperature} must be > 0 (RL samples; the "
                              f"objective scores the sampled tokens at this temperature)")
@@ -207,6 +212,12 @@ class RLRunConfig(RunConfig):
                                  f"would score another policy and move the ratio off 1 (clipped "
                                  f"for no reason). Pass --hidden-dropout 0 --attention-dropout 0 "
                                  f"(Megatron-LM's defaults are 0.1)")
+        if self.model.fp8_format is not None:
+            raise ValueError(f"--fp8-format {self.model.fp8_format}: train_rl.py's rollouts "
+                             f"decode one token per row and its updates score micro-batches "
+                             f"as wide as their longest completion, while Transformer Engine's "
+                             f"FP8 GEMMs need those token counts to be multiples of 8/16; drop "
+                             f"--fp8-format (RL runs in --bf16)")
         if loop.exit_loss == "adaptive-gate":
             raise ValueError("--exit-loss adaptive-gate trains only the exit gate: not an RL "
                              "objective; use the checkpoint's --exit-loss")

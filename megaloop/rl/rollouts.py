@@ -15,12 +15,47 @@ it chose to stop).
 
 from __future__ import annotations
 
+import math
+import numbers
+import random
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from megaloop.inference.generate import Generator, SamplingParams, continuation_text
 from megaloop.rl.environments import Environment, Prompt
+from megaloop.training.exit_conditions import RunError
+
+ROLLOUT_SEED_STRIDE = 1_000_003  # (seed, step) -> one integer; a prime keeps seeds apart
+SHOWN_CHARS = 120  # of a completion quoted in an error (the line stays one line, readable)
+
+
+class RewardError(RunError):
+    """The environment's reward of a completion is not a finite number, or its reward()
+    raised: the run stops with a one-line message naming the environment, the prompt and the
+    value (a NaN reward would skip every step and an infinite one swamp the advantages, so none
+    is used). Exit code 2: the environment, not the run, needs fixing."""
+
+    exit_code = 2
+
+
+def checked_reward(env: Environment, name: str, prompt: Prompt, index: int,
+                   completion: str) -> float:
+    """``env.reward(prompt, completion)`` as a float, or RewardError. ``name``: the --env the
+    message names; ``index``: the prompt's index in the environment's prompt set."""
+    shown = repr(completion if len(completion) <= SHOWN_CHARS
+                 else completion[:SHOWN_CHARS] + "...")
+    try:
+        value = env.reward(prompt, completion)
+    except Exception as exc:  # the user's code: name where it failed, keep its own message
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+        raise RewardError(f"--env {name}: reward() raised on prompt {index} (completion "
+                          f"{shown}): {cause}") from exc
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise RewardError(f"--env {name}: reward() returned {value!r} for prompt {index} "
+                          f"(completion {shown}); a reward must be a finite number")
+    return float(value)
 
 
 @dataclass
@@ -40,8 +75,11 @@ class Rollouts:
 
 
 def rollout(generator: Generator, tokenizer, env: Environment, prompts: list[Prompt],
-            group_size: int, max_tokens: int, params: SamplingParams) -> Rollouts:
-    """``group_size`` completions of each of ``prompts`` (at most ``max_tokens`` each)."""
+            group_size: int, max_tokens: int, params: SamplingParams, env_name: str = "",
+            indices: Optional[list[int]] = None) -> Rollouts:
+    """``group_size`` completions of each of ``prompts`` (at most ``max_tokens`` each). A
+    reward that is not a finite number raises RewardError naming ``env_name`` and the prompt's
+    index in the environment's prompt set (``indices``, else its place in ``prompts``)."""
     if group_size < 1 or max_tokens < 1:
         raise ValueError(f"group size {group_size} and max tokens {max_tokens} must be >= 1")
     prompt_ids = [tokenizer.tokenize(p.text) for p in prompts]
@@ -56,7 +94,21 @@ def rollout(generator: Generator, tokenizer, env: Environment, prompts: list[Pro
         mask[b, len(ids) - 1:len(ids) - 1 + len(out)] = 1.0
         text_ids = out[:-1] if out and out[-1] == tokenizer.eod else out
         completions.append(continuation_text(tokenizer, ids, text_ids))
-        rewards.append(env.reward(prompts[b // group_size], completions[-1]))
+        group = b // group_size
+        index = indices[group] if indices is not None else group
+        rewards.append(checked_reward(env, env_name or type(env).__name__, prompts[group],
+                                      index, completions[-1]))
     return Rollouts(list(prompts), tokens, mask,
                     torch.tensor(rewards, dtype=torch.float64).view(len(prompts), group_size),
                     completions)
+
+
+def prompt_indices(seed: int, step: int, count: int, size: int) -> list[int]:
+    """The prompts of RL step ``step``: ``count`` distinct indices into a prompt set of
+    ``size``, a pure function of (seed, step)."""
+    return random.Random(seed * ROLLOUT_SEED_STRIDE + step).sample(range(size), count)
+
+
+def sampling_seed(seed: int, step: int, dp_rank: int) -> int:
+    """The rollout sampler's seed of data-parallel rank ``dp_rank`` at RL step ``step``."""
+    return ((seed * ROLLOUT_SEED_STRIDE + step) * 1009 + dp_rank) % (2 ** 62)

@@ -11,6 +11,8 @@ training record (stdout line, JSONL, TensorBoard, W&B) and megaloop.eval.run_plo
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Optional
 
 import torch
@@ -60,3 +62,11 @@ def format_line(r: dict) -> str:
     return (f" rl step {r['iteration']:6d} | reward {r['reward_mean']:.3f} | solve rate "
             f"{r['solve_rate']:.3f} | uniform groups {r['uniform_reward_groups']:.3f}{kl}"
             f" | response length {r['response_length']:.1f} | step log-probs [{steps}]{grad}")
+
+
+def write_rollouts(path: str, step: int, rows: list) -> None:
+    """Append one JSON line per completion to ``path`` (--rollout-log; rank 0 calls it)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps({"step": step, **row}) + "\n")

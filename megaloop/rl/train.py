@@ -35,14 +35,9 @@ resumes it (add --finetune to start a new RL run from its weights instead).
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import sys
 from typing import Optional
-
-ROLLOUT_SEED_STRIDE = 1_000_003  # (seed, step) -> one integer; a prime keeps seeds apart
-
 
 def is_rl_checkpoint(load: Optional[str], step: Optional[int]) -> bool:
     """Whether --load holds a checkpoint written by train_rl.py (no process group needed)."""
@@ -101,7 +96,19 @@ def check_environment(cfg) -> None:
         raise ValueError(f"--prompts-per-step {rl.prompts_per_step}: --env {rl.env} has only "
                          f"{len(prompts)} prompts; lower it")
     tokenizer = build_tokenizer(cfg.tokenizer)
-    longest = max(len(tokenizer.tokenize(p.text)) for p in prompts)
+    longest = 0
+    for i, prompt in enumerate(prompts):
+        try:
+            longest = max(longest, len(tokenizer.tokenize(prompt.text)))
+        except ValueError as exc:
+            if cfg.tokenizer.tokenizer_type == "NullTokenizer":
+                raise ValueError(
+                    f"--tokenizer-type NullTokenizer reads text as space-separated token ids, "
+                    f"and prompt {i} of --env {rl.env} is text ({prompt.text[:40]!r}); pass "
+                    f"the tokenizer the model was trained with (--tokenizer-type, "
+                    f"--tokenizer-model)") from None
+            raise ValueError(f"--env {rl.env}: prompt {i} does not tokenize with "
+                             f"--tokenizer-type {cfg.tokenizer.tokenizer_type}: {exc}") from None
     limit = cfg.model.max_position_embeddings
     if longest + rl.max_new_tokens > limit:
         raise ValueError(f"--max-new-tokens {rl.max_new_tokens}: the longest prompt of --env "
@@ -141,22 +148,3 @@ def rl_trainer_class():
     from megaloop.rl.trainer import RLTrainer
 
     return RLTrainer
-
-
-def prompt_indices(seed: int, step: int, count: int, size: int) -> list[int]:
-    """The prompts of RL step ``step``: ``count`` distinct indices into a prompt set of
-    ``size``, a pure function of (seed, step)."""
-    return random.Random(seed * ROLLOUT_SEED_STRIDE + step).sample(range(size), count)
-
-
-def sampling_seed(seed: int, step: int, dp_rank: int) -> int:
-    """The rollout sampler's seed of data-parallel rank ``dp_rank`` at RL step ``step``."""
-    return ((seed * ROLLOUT_SEED_STRIDE + step) * 1009 + dp_rank) % (2 ** 62)
-
-
-def write_rollouts(path: str, step: int, rows: list) -> None:
-    """Append one JSON line per completion to ``path`` (rank 0 calls it)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-        for row in rows:
-            f.write(json.dumps({"step": step, **row}) + "\n")

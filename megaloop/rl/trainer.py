@@ -1,5 +1,6 @@
 """RLTrainer: the pretraining Trainer with an RL step in place of a data step (the step, the
-reference policy and resume are described in megaloop/rl/train.py)."""
+reference policy and resume are described in megaloop/rl/train.py, which imports this module
+only once the flags are checked; this module imports nothing of it)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ from megaloop.rl.environments import load_environment
 from megaloop.rl.logprobs import step_log_probs
 from megaloop.rl.objectives import (aggregate_parts, group_advantages, grpo_per_token,
                                     loop_weights, rltt_log_probs)
-from megaloop.rl.rollouts import rollout
-from megaloop.rl.telemetry import format_line, step_record
-from megaloop.rl.train import prompt_indices, sampling_seed, write_rollouts
+from megaloop.rl.rollouts import RewardError, prompt_indices, rollout, sampling_seed
+from megaloop.rl.telemetry import format_line, step_record, write_rollouts
 from megaloop.training import checkpointing
 from megaloop.training.trainer import Trainer
 
@@ -125,8 +125,21 @@ class RLTrainer(Trainer):
                               num_loops=self.num_loops, eod=self.tokenizer.eod)
         params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p,
                                 seed=sampling_seed(seed, step, self.dp_rank))
-        return rollout(generator, self.tokenizer, self.env, [self.prompt_set[i] for i in mine],
-                       rl.group_size, rl.max_new_tokens, params)
+        error = None
+        try:
+            r = rollout(generator, self.tokenizer, self.env, [self.prompt_set[i] for i in mine],
+                        rl.group_size, rl.max_new_tokens, params, env_name=rl.env,
+                        indices=mine)
+        except RewardError as exc:
+            r, error = None, str(exc)
+        # A bad reward shows on the data-parallel rank that drew its prompt: every rank learns
+        # of it here and raises the same error, so none waits in a collective for the others.
+        errors = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(errors, error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise RewardError(first)
+        return r
 
     def _weighted(self, step_logp: torch.Tensor, weights) -> torch.Tensor:
         """The log-prob the objective scores: the last step's (GRPO), or RLTT's weighted sum."""
