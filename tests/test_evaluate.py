@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from distributed import run_distributed
+from test_placement import check_placement
 from test_inference import _generate_tool
 from flags import TEST_FLAGS
 
@@ -43,6 +44,7 @@ def _write_dataset(prefix: str) -> None:
 
 
 def _train(rank, world, argv):
+    check_placement()
     from megaloop.parallel.initialize import initialize
     from megaloop.training.run_config import parse_args
     from megaloop.training.trainer import Trainer
@@ -56,6 +58,7 @@ def _train(rank, world, argv):
 
 def _tool(rank, world, name, argv, out_path):
     """Run tools/<name>.py's main in this rank; (exit code, its stdout)."""
+    check_placement()
     import contextlib
     import importlib.util
 
@@ -167,14 +170,16 @@ def test_input_file_is_scored_in_windows(run, tmp_path):
 
 def _reference_loss(rank, world, ckpt, windows):
     """Mean next-token cross-entropy of the last step's logits (the model's plain forward)."""
+    check_placement()
     import torch
 
+    from megaloop.device import current_device
     from megaloop.inference.loading import load_for_generation, setup_processes
 
     setup_processes()
-    model, _, _ = load_for_generation(ckpt)
-    x = torch.tensor(windows, dtype=torch.long)
-    pos = torch.arange(x.size(1) - 1).expand(x.size(0), -1)
+    model, _, _ = load_for_generation(ckpt)  # on the device: so is its batch
+    x = torch.tensor(windows, dtype=torch.long, device=current_device())
+    pos = torch.arange(x.size(1) - 1, device=current_device()).expand(x.size(0), -1)
     with torch.no_grad():
         logits = model(x[:, :-1], pos, None)
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
@@ -234,6 +239,7 @@ def test_plot_run_reads_every_logged_key(tmp_path):
 
 
 def _export(rank, world, load, out):
+    check_placement()
     from megaloop.convert.hf_export import export_hf
     from megaloop.parallel.initialize import initialize_single_process
 
@@ -266,6 +272,7 @@ def test_exported_folder_scores_like_its_checkpoint(run, tmp_path):
 def _task_accuracy_vs_greedy(rank, world, ckpt):
     """Problems whose answer is (even items) or is not (odd items: last token changed) the
     model's own greedy continuation at depth 3: the scorer must say exactly which."""
+    check_placement()
     import torch
 
     from megaloop.eval.tasks import accuracy, encode

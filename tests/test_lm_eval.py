@@ -28,6 +28,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from distributed import free_port, run_distributed  # noqa: E402
+from test_placement import check_placement
 from test_evaluate import _train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,6 +87,7 @@ def _tool_main(tool, argv, env, console):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)  # a process the user starts: no launcher's variables
     os.environ.update(env)
+    check_placement()  # the shim came with the fork: lm-eval's model and the server run checked
     sys.argv = [os.path.join(ROOT, "tools", tool), *argv]
     code = 1
     try:
@@ -156,23 +158,26 @@ def _reference(rank, world, ckpt, sp_model, pairs):
     """Sum of log p(continuation | context) from the model's plain forward (last step, real
     vocabulary), the pair encoded as lm-eval's causal models encode it: the whole string, then
     the context alone, the continuation being the tail."""
+    check_placement()
     import torch
 
     from megaloop.data.tokenizers import SentencePieceTokenizer
+    from megaloop.device import current_device
     from megaloop.inference.loading import load_for_generation, setup_processes
 
     setup_processes()
-    model, _, _ = load_for_generation(ckpt)
+    model, _, _ = load_for_generation(ckpt)  # on the device: so are its inputs
+    device = current_device()
     tok = SentencePieceTokenizer(sp_model)
     out = []
     for context, continuation in pairs:
         whole = tok.tokenize(context + continuation)
         n_ctx = len(tok.tokenize(context))
-        x = torch.tensor([whole[:-1]])
+        x = torch.tensor([whole[:-1]], device=device)
         with torch.no_grad():
-            logits = model(x, torch.arange(x.size(1)).unsqueeze(0), None)
+            logits = model(x, torch.arange(x.size(1), device=device).unsqueeze(0), None)
         logp = torch.log_softmax(logits[0, :, :tok.vocab_size].float(), -1)
-        targets = torch.tensor(whole[n_ctx:])
+        targets = torch.tensor(whole[n_ctx:], device=device)
         out.append(logp[n_ctx - 1:].gather(-1, targets.unsqueeze(-1)).sum().item())
     return out
 
@@ -241,9 +246,11 @@ def test_adapter_exit_rule_and_rolling(ckpt):
 
 
 def _adapter_checks(rank, world, ckpt):
+    check_placement()
     import torch
     from lm_eval.api.instance import Instance
 
+    from megaloop.device import current_device
     from megaloop.eval.lm_eval_adapter import MegaloopLM
 
     lm = MegaloopLM(load=ckpt, max_length=16)
@@ -259,9 +266,9 @@ def _adapter_checks(rank, world, ckpt):
     for start in range(0, len(ids), 16):
         end = min(start + 16, len(ids))
         ctx_start = max(end - 16, 0)
-        x = torch.tensor([stream[ctx_start:end]])
+        x = torch.tensor([stream[ctx_start:end]], device=current_device())  # the model's
         with torch.no_grad():
-            logits = lm.model(x, torch.arange(x.size(1)).unsqueeze(0), None)
+            logits = lm.model(x, torch.arange(x.size(1), device=x.device).unsqueeze(0), None)
         logp = torch.log_softmax(logits[0, :, :lm.vocab_size].float(), -1)
         for j in range(start, end):
             total += logp[j - ctx_start, stream[j + 1]].item()
