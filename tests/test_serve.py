@@ -48,7 +48,8 @@ def serving(load: str, extra: list, log_path: str, launcher: tuple = (), procs: 
             [*(launcher or [sys.executable]), os.path.join(ROOT, "tools", "serve.py"), "--load",
              load, "--host", "127.0.0.1", "--port", str(port), *extra],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, OMP_NUM_THREADS="1") if launcher else None)
+            env=dict(os.environ, MEGALOOP_SHIM_CHECK_PLACEMENT="1",  # CPU: placement-checked
+                     **({"OMP_NUM_THREADS": "1"} if launcher else {})))
     if procs is not None:
         procs.append(proc)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
