@@ -58,8 +58,10 @@ class RLTrainer(Trainer):
         self.reference = build_model(cfg.model, cfg.loop, self.tokenizer.vocab_size,
                                      tp_size=cfg.parallel.tensor_model_parallel_size,
                                      bf16=cfg.training.bf16)
-        # On the device, as build_training_model moves the policy: built on the host, it would
-        # meet the GPU's tokens in its embedding at the first _score.
+        # Built at every --kl-beta, 0 included: the logged KL says whether RL moves the policy
+        # (Megatron-RL also scores its reference whatever the KL weight). On the device, as
+        # build_training_model moves the policy: left on the host, it would meet the GPU's
+        # tokens in its embedding at the first _score.
         self.reference.cuda(current_device())
         self.reference.load_state_dict(policy.state_dict())  # the seeded initialisation
         self.reference.requires_grad_(False)
