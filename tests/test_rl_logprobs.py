@@ -17,23 +17,28 @@ WEIGHTS = [0.2, 0.3, 0.5]
 def _check(rank, world):
     from megatron.core import tensor_parallel
 
+    from megaloop.device import current_device
     from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
     from megaloop.rl.logprobs import step_log_probs
+    from test_placement import check_placement
 
+    check_placement()  # model and tokens on the device, as in the RL trainer
     setup_parallel(world)
     cfg = llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                       max_position_embeddings=16)
     model = build_model(cfg, LoopConfig(num_loops=T), VOCAB, tp_size=world)
+    model.cuda(current_device())
     tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(current_device())
     ids, target = tokens[:, :-1], tokens[:, 1:]
-    pos = torch.arange(ids.size(1)).expand_as(ids)
+    pos = torch.arange(ids.size(1), device=current_device()).expand_as(ids)
     params = [p for p in model.parameters() if p.requires_grad]
 
     step_logp, exit_probs = step_log_probs(model, tokens, VOCAB, temperature=TEMPERATURE)
     assert step_logp.shape == (T, 2, 8) and exit_probs.shape == (T, 2, 8)
-    grads = torch.autograd.grad((torch.tensor(WEIGHTS).view(-1, 1, 1) * step_logp).sum(), params,
-                                allow_unused=True)
+    weights = torch.tensor(WEIGHTS, device=current_device()).view(-1, 1, 1)
+    grads = torch.autograd.grad((weights * step_logp).sum(), params, allow_unused=True)
 
     want_grads = [torch.zeros_like(p) for p in params]
     for t in range(1, T + 1):

@@ -7,17 +7,19 @@ import torch
 
 from distributed import run_distributed, setup_parallel
 from flags import llama_style
+from test_placement import check_placement
 
 VOCAB = 64  # NullTokenizer(VOCAB - 1): ids 0..62 are text, 63 is EOD
 
 
 def _model():
     from megaloop.model.config import LoopConfig
+    from megaloop.device import current_device
     from megaloop.model.looped_gpt import build_model
 
     cfg = llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                       max_position_embeddings=16)
-    return build_model(cfg, LoopConfig(num_loops=3), VOCAB)
+    return build_model(cfg, LoopConfig(num_loops=3), VOCAB).cuda(current_device())
 
 
 def _rollouts(rank, world, seeds):
@@ -35,6 +37,7 @@ def _rollouts(rank, world, seeds):
         def reward(self, prompt, completion):
             return float(sum(int(x) for x in completion.split()) % 2 == 0)
 
+    check_placement()  # the policy on the device, as in the RL trainer
     setup_parallel(world)
     torch.manual_seed(0)
     model = _model()
