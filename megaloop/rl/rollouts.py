@@ -11,6 +11,11 @@ Layout: ``tokens`` [B, L] holds prompt + completion, right-padded with the token
 the log-prob of token j + 1 is read from position j, so ``response_mask`` [B, L - 1] is 1 at
 position j exactly when token j + 1 is a completion token (an EOD the policy wrote included:
 it chose to stop).
+
+Every reward is checked where the environment returns it (``checked_reward``): a value that is
+not a finite number, or a reward() that raises, is a RewardError naming the environment, the
+prompt's index in its prompt set and the completion. Which prompts a step draws and the seed its
+rollouts sample from (``prompt_indices``, ``sampling_seed``) are pure functions of (--seed, step).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ import os
 import sys
 from typing import Optional
 
+
 def is_rl_checkpoint(load: Optional[str], step: Optional[int]) -> bool:
     """Whether --load holds a checkpoint written by train_rl.py (no process group needed)."""
     from megaloop.checkpoint.format import read_common
