@@ -35,6 +35,34 @@ import pytest  # noqa: E402
 
 from shuffle_memo import memoize_shuffle_index  # noqa: E402
 
+
+def _te_import_error():
+    """None where Transformer Engine's PyTorch modules import (the TE venv: bash
+    tools/setup_te_venv.sh), else why not. Imported here once, before any rank is forked."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "Transformer Engine is not installed (bash tools/setup_te_venv.sh makes .venv-te)"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # a half-installed TE raises anything from OSError to RuntimeError
+        return f"transformer_engine.pytorch does not import: {exc}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """te_structure tests build TE's modules: skipped (with the reason) where TE does not
+    import, i.e. in the main venv, which never installs it."""
+    if not any(item.get_closest_marker("te_structure") for item in items):
+        return
+    reason = _te_import_error()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"te_structure: {reason}")
+    for item in items:
+        if item.get_closest_marker("te_structure"):
+            item.add_marker(skip)
+
 memoize_shuffle_index()  # ~0.5 s per split of every --mock-data trainer, bit for bit the same
 
 

@@ -94,8 +94,33 @@ def load_weights(load_dir: str, model, *, iteration: Optional[int] = None,
     notes = verify_files(path) if verify else []
     module = unwrap(model)
     loaded = read_shards({"model": module.sharded_state_dict()}, path)
-    module.load_state_dict(loaded["model"], strict=True)
+    load_module_state(module, loaded["model"])
     return {"path": path, "common": common, "notes": notes}
+
+
+EXTRA_STATE = "._extra_state"
+
+
+def load_module_state(module, state: dict) -> None:
+    """``module.load_state_dict(state)``, strict except for missing ``*._extra_state`` keys.
+
+    megatron-core 0.16.1 never puts Transformer Engine attention's ``core_attention._extra_state``
+    into a sharded state dict, so a checkpoint never holds it and a strict load would fail on it.
+    TE 2.11 hides that with a load hook that drops the missing key, a hook its docstring says
+    will be phased out. Megatron-LM loads such checkpoints with strict=False; here only missing
+    extra state (module state TE rebuilds itself, e.g. FP8 scaling history) is forgiven: a
+    missing weight or an unexpected key still fails as a strict load does."""
+    result = module.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+    if missing or result.unexpected_keys:
+        parts = []
+        if result.unexpected_keys:
+            parts.append("Unexpected key(s) in state_dict: "
+                         + ", ".join(f'"{k}"' for k in result.unexpected_keys))
+        if missing:
+            parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing))
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t"
+                           + "\n\t".join(parts))
 
 
 def load_model(load_dir: str, tp_size: int = 1, iteration: Optional[int] = None):
