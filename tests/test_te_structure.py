@@ -301,3 +301,39 @@ def test_fp8_configuration_and_recipes_build(te_node, fmt):
     for recipe in FP8_RECIPES:
         sizes = run_distributed(_fp8_on_rank, 2, fmt, recipe)
         assert sizes[0] == sizes[1] > 0
+
+
+def _setup_script_in(tmp_path, **env):
+    """tools/setup_te_venv.sh run from a copy of the repository's tools/ folder in ``tmp_path``
+    (no .venv-te there), with ``env`` added."""
+    import os
+    import shutil
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "tools").mkdir()
+    shutil.copy(os.path.join(root, "tools", "setup_te_venv.sh"), tmp_path / "tools")
+    return subprocess.run(["bash", str(tmp_path / "tools" / "setup_te_venv.sh")],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+
+
+def test_te_setup_says_unavailable_without_the_binding_wheel(tmp_path):
+    """.ci/run skips the te_structure tests on exit 3 only, so a machine without the wheel must
+    get 3 and one line naming what is missing, before any venv is made."""
+    missing = tmp_path / "nowhere" / "transformer_engine_torch.whl"
+    proc = _setup_script_in(tmp_path, MEGALOOP_TE_TORCH_WHEEL=str(missing))
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"setup_te_venv: unavailable: TE PyTorch binding wheel not found at {missing} "
+        "(set MEGALOOP_TE_TORCH_WHEEL)"]
+    assert not (tmp_path / ".venv-te").exists()
+
+
+def test_te_setup_refuses_a_wheel_with_another_checksum(tmp_path):
+    """A different binding (another build, a truncated copy) is a failure, not a skip."""
+    wheel = tmp_path / "transformer_engine_torch-2.11.0-cp311-cp311-linux_x86_64.whl"
+    wheel.write_bytes(b"not the wheel")
+    proc = _setup_script_in(tmp_path, MEGALOOP_TE_TORCH_WHEEL=str(wheel))
+    assert proc.returncode == 4, proc.stderr
+    assert "expected c976acc6fb7d39d813b85031c946a3c9d947722181699ad67723d7a771dc2e46" in proc.stderr
+    assert not (tmp_path / ".venv-te").exists()
