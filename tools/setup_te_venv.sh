@@ -55,9 +55,11 @@ pip=(.venv-te/bin/pip install -q)
 # Later installs may not move torch (the binding would fail to load with an undefined symbol).
 echo "torch==2.14.1" > .venv-te/constraints.txt
 
-# pip_or_unavailable WHAT ARGS...: a requirement pip cannot find (no such file on disk or index)
-# means "unavailable here"; any other pip failure is a real one and keeps its status.
-pip_or_unavailable() {
+# install WHAT ARGS...: pip install, its output kept unless it fails. A requirement pip cannot
+# find (no such file on this machine's disk or index) means "unavailable here"; any other pip
+# failure is a real one and keeps its status. (This machine's pip config names local index
+# folders that do not all exist; pip warns about each, which says nothing here, so not shown.)
+install() {
   local what=$1 log rc=0
   shift
   log=$(mktemp)
@@ -67,21 +69,21 @@ pip_or_unavailable() {
       rm -f "$log"
       unavailable "$what is not reachable by pip here"
     fi
-    cat "$log" >&2
+    grep -v "^WARNING: Location .* is ignored" "$log" >&2 || true
     rm -f "$log"
     exit "$rc"
   fi
   rm -f "$log"
 }
 
-pip_or_unavailable "torch==2.14.1 (the CUDA 13.0 build)" torch==2.14.1
-pip_or_unavailable "transformer-engine-cu13==2.11.0 (binary)" -c .venv-te/constraints.txt \
+install "torch==2.14.1 (the CUDA 13.0 build)" torch==2.14.1
+install "transformer-engine-cu13==2.11.0 (binary)" -c .venv-te/constraints.txt \
   --only-binary :all: transformer-engine-cu13==2.11.0
-"${pip[@]}" --no-deps --only-binary :all: transformer-engine==2.11.0
-"${pip[@]}" --no-deps "$wheel"
-"${pip[@]}" -c .venv-te/constraints.txt onnx onnxscript megatron-core==0.16.1 einops numpy \
-  sentencepiece psutil tqdm pytest safetensors transformers
-"${pip[@]}" --no-deps -e .
+install "transformer-engine==2.11.0 (binary)" --no-deps --only-binary :all: transformer-engine==2.11.0
+install "the TE PyTorch binding wheel" --no-deps "$wheel"
+install "the test dependencies" -c .venv-te/constraints.txt onnx onnxscript megatron-core==0.16.1 \
+  einops numpy sentencepiece psutil tqdm pytest safetensors transformers
+install "megaloop" --no-deps -e .
 ready || { echo "setup_te_venv: installed, but the import check failed:" >&2;
            .venv-te/bin/python -c "import torch, transformer_engine.pytorch, megatron.core, megaloop" >&2;
            exit 1; }
