@@ -245,10 +245,7 @@ class ModelService:
         from megaloop.inference.generate import SamplingParams
 
         n, lim = req.n or 1, self.limits
-        if len(prompts) > lim.max_prompts_per_request:
-            raise RequestError(400, f"the request has {len(prompts)} prompts; this server takes "
-                                    f"at most {lim.max_prompts_per_request} per request "
-                                    f"(--max-prompts-per-request)", "prompt")
+        self._check_prompt_count(len(prompts))
         if n > lim.max_n:
             raise RequestError(400, f"n {n}: this server gives at most {lim.max_n} choices per "
                                     f"prompt (--max-n)", "n")
@@ -280,6 +277,12 @@ class ModelService:
             raise RequestError(400, str(exc), str(exc).split()[0]) from None
         return Job(prompts, n, max_tokens, params, stop, logprobs, echo, bool(req.ignore_eos))
 
+    def _check_prompt_count(self, count: int) -> None:
+        if count > self.limits.max_prompts_per_request:
+            raise RequestError(400, f"the request has {count} prompts; this server takes at most "
+                                    f"{self.limits.max_prompts_per_request} per request "
+                                    f"(--max-prompts-per-request)", "prompt")
+
     def _check_engine_fit(self, total: int) -> None:
         """One row of ``total`` tokens (prompt plus max_tokens) fits the engine's limits."""
         cfg, allocator = self.engine_config, self.runner.lockstep.engine.allocator
@@ -301,6 +304,7 @@ class ModelService:
             texts_or_ids = list(prompt)
         if not texts_or_ids:
             raise RequestError(400, "prompt is an empty list", "prompt")
+        self._check_prompt_count(len(texts_or_ids))  # before tokenizing them all
         out = []
         for p in texts_or_ids:
             if isinstance(p, str):
