@@ -20,7 +20,8 @@ engine's counters) and vLLM's tokenizer endpoints: see megaloop/inference/server
 requests are decoded together by the batching engine (megaloop/inference/engine.py; its knobs
 ``--max-batch``, ``--block-size``, ``--num-blocks``, ``--prefill-chunk``). ``--num-loops``,
 ``--kv-policy`` and ``--exit`` are those of tools/generate.py and apply to every request;
-``--max-prompts-per-request``, ``--max-n`` and ``--max-request-tokens`` limit one request.
+``--max-prompts-per-request``, ``--max-n`` and ``--max-request-tokens`` limit one request (HTTP
+400), ``--max-request-bytes`` its body (HTTP 413, before the body is read).
 ``--transformer-impl`` is the layer backend the model is built with: `local`, the one the engine
 runs, whatever the checkpoint was saved with (the weights map by name; a line says so).
 """

@@ -33,7 +33,11 @@ Threads. The model is not re-entrant, and its process state is per thread (the C
 device; on CPU the shim's device-rewriting mode). So the model runs on the thread that loaded it
 (the main thread), which decodes every request's rows together with the batching engine
 (megaloop/inference/batcher.py: new requests join between steps); uvicorn's event loop runs in
-a second thread, where validation, tokenization and the responses happen. A client that leaves
+a second thread, where validation happens; tokenizing a request and building its response run
+in that loop's worker threads (they take time in proportion to the request's size). A body over
+``--max-request-bytes`` gets HTTP 413 before it is read. A fault that belongs to one row (a
+value the engine refuses, a draw that fails) fails only its request (HTTP 500 with the message,
+a stream's error event); the other rows decode on (megaloop/inference/lockstep.py). A client that leaves
 (its connection closes) has its rows cancelled, freed at the next engine step; a queued request
 never starts. ``GET /stats`` (megaloop's own) reports the engine's counters after its last step.
 
