@@ -476,8 +476,6 @@ def _load_fp8(rank, world, load):
     return run["model"].get("fp8_format"), getattr(model.config, "fp8", None), err.getvalue()
 
 
-@pytest.mark.xfail(strict=True, reason="megaloop/inference/loading.py (the loading engineer's) "
-                                       "does not drop a saved --fp8-format yet")
 def test_a_checkpoint_trained_with_fp8_loads_for_inference_without_it(tmp_path):
     """Decoding runs rows x 1 tokens and scoring any width, which FP8 GEMMs refuse: generation,
     serving and evaluation load the weights in their own precision and say so in one line."""

@@ -125,6 +125,14 @@ def _load_checkpoint(load_dir: str, tp_size: int, iteration: Optional[int],
     from megaloop.model.looped_gpt import build_model
 
     run = read_run_config(load_dir, iteration)
+    fp8 = run["model"].get("fp8_format")
+    if fp8 is not None:
+        # Decoding multiplies rows x 1 tokens; Transformer Engine's FP8 GEMMs need multiples of 16.
+        run["model"]["fp8_format"] = None
+        if runtime.is_rank_zero():
+            print(f"loading without the checkpoint's --fp8-format {fp8}: inference runs in the "
+                  f"weights' own precision (FP8 GEMMs refuse the token counts of decoding)",
+                  file=sys.stderr, flush=True)
     saved = run["model"].get("transformer_impl", ModelConfig.transformer_impl)
     run["model"]["transformer_impl"] = transformer_impl or saved
     model_cfg = config_from_dict(ModelConfig, run["model"])

@@ -35,7 +35,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megaloop.checkpoint.config import read_run_config  # noqa: F401  (callers' name)
 from megaloop.checkpoint.errors import CheckpointError, CheckpointMismatch
 from megaloop.checkpoint.format import agree, common_state, layout, read_common, unwrap
-from megaloop.checkpoint.load import read_shards, verify_files
+from megaloop.checkpoint.load import load_module_state, read_shards, verify_files
 from megaloop.checkpoint.manifest import MANIFEST  # noqa: F401  (callers' name)
 from megaloop.checkpoint.manifest import verify_manifest as _verify_manifest  # noqa: F401
 from megaloop.checkpoint.save import publish, write_shards
@@ -249,7 +249,7 @@ def load_checkpoint(load_dir: str, model, optimizer=None, scheduler=None, *,
     if load_rng:
         state["rng_state"] = _rng_sharded_object(None)
     loaded = read_shards(state, path)
-    module.load_state_dict(loaded["model"], strict=True)
+    load_module_state(module, loaded["model"])  # strict but for TE's unsaved extra state
     if load_optim:
         from_flags = schedule_bounds(optimizer)
         _load_optimizer(optimizer, loaded["optimizer"], path)
