@@ -170,11 +170,6 @@ def _local_to_te(rank, world, layout, path):
     return want, {_te_to_local_name(k): v for k, v in _params(te).items()}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "megaloop.checkpoint.load.read_shards asks for every TE module's _extra_state (a "
-    "ShardedObject), which a checkpoint of the local layers does not hold: 'Missing key in "
-    "checkpoint state_dict: ...q_layernorm._extra_state'. TE's set_extra_state(None) is a "
-    "no-op, so the read should leave absent extra state out and load it as None"))
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_local_checkpoint_loads_into_the_te_layers(gpu_node, tmp_path, layout, world):

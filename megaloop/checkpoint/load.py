@@ -14,7 +14,8 @@ from typing import Optional
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from megaloop.checkpoint.config import config_from_dict, read_run_config
 from megaloop.checkpoint.errors import CheckpointError, CheckpointMismatch
@@ -71,14 +72,33 @@ def read_shards(state: dict, path: str) -> dict:
     """Collective: megatron-core's sharded ``state`` (its ``model`` entry compared by shape
     first) read from checkpoint folder ``path``."""
     _compare_shapes(state["model"], path)
+    # Transformer Engine modules' extra state (FP8 scaling): a checkpoint saved with the local
+    # layers holds none, and TE takes an absent state as "nothing recorded yet". Only a model
+    # that asks for such state reads with megatron-core's key check; every other key stays strict.
+    extra = {k: v.key for k, v in state["model"].items()
+             if isinstance(v, ShardedObject) and k.endswith(EXTRA_STATE)}
     error = loaded = None
+    absent = set()
     try:
-        loaded = dist_checkpointing.load(state, path)
+        if extra:
+            loaded, _, absent = dist_checkpointing.load(state, path,
+                                                        strict=StrictHandling.RETURN_UNEXPECTED)
+        else:
+            loaded = dist_checkpointing.load(state, path)
     except READ_WRITE_ERRORS as exc:  # a shard cut short or missing: megatron-core's chain
         error = exc
     failures = agree(error)
     if failures:
         raise CheckpointError(unreadable(path, failures))
+    absent = {getattr(k, "key", k) for k in absent}
+    others = sorted(absent - set(extra.values()))
+    if others:
+        raise CheckpointMismatch(f"{path} lacks {', '.join(others[:3])}"
+                                 f"{' and more' if len(others) > 3 else ''}: load a checkpoint "
+                                 f"this model saved, or pass the flags of the model that wrote it")
+    for k, key in extra.items():
+        if key in absent:
+            loaded["model"][k] = None
     return loaded
 
 
