@@ -102,12 +102,24 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
                                          transformer_impl=transformer_impl)
     else:
         model, run, saved = _load_checkpoint(load_dir, tp_size, ckpt_step, transformer_impl)
-        if transformer_impl not in (None, saved) and runtime.is_rank_zero():
+        if transformer_impl not in (None, _resolved(saved)) and runtime.is_rank_zero():
             print(f"{purpose} with --transformer-impl {transformer_impl}: the checkpoint was "
                   f"saved with {saved}; weights map by name", file=sys.stderr, flush=True)
     model.to(current_device()).eval()
     tokenizer = build_tokenizer(config_from_dict(TokenizerConfig, run.get("tokenizer", {})))
     return model, tokenizer, run
+
+
+def _resolved(saved: str) -> str:
+    """The backend a saved transformer_impl names: ``auto`` is whichever this machine would build
+    (megaloop.model.config.use_transformer_engine), so loading an ``auto`` checkpoint into the
+    same layers is no change worth a line."""
+    if saved != "auto":
+        return saved
+    from megaloop.model.config import ModelConfig, use_transformer_engine
+
+    return "transformer_engine" if use_transformer_engine(
+        ModelConfig(transformer_impl="auto")) else "local"
 
 
 def _load_checkpoint(load_dir: str, tp_size: int, iteration: Optional[int],
