@@ -10,8 +10,16 @@ conversion recipe:
     python tools/convert_checkpoint.py import-hf --hf-dir Qwen3-1.7B-Base --save ckpt/looped \\
         --num-loops 3 [--lora-rank 32] [--tensor-model-parallel-size 2]
 
-It prints the pretrain_looplm.py flags that continue training the converted model. The checkpoint
-is written by one process at TP = 1 and loads at any TP size (dist_checkpointing reshards). Every
+A looped folder (Ouro's ``OuroForCausalLM``, e.g. Ouro-1.4B, or one export-hf wrote) imports
+as it is: the loop, the norms and the exit gate come from its config.json (every key honoured or
+refused by name: megaloop/convert/hf_looped.py), its tokenizer is copied next to the checkpoint and
+its early_exit_threshold becomes the default exit rule of generate, serve and lm-eval:
+
+    python tools/convert_checkpoint.py import-hf --hf-dir Ouro-1.4B --save ckpt/ouro \
+        [--tensor-model-parallel-size 2]
+
+Either way it prints the pretrain_looplm.py flags that continue training the converted model.
+The checkpoint is written by one process at TP = 1 and loads at any TP size (dist_checkpointing reshards). Every
 config.json field is honoured or refused by name (megaloop/convert/hf_families.py).
 
 Export (a megaloop checkpoint saved at any TP size -> a Hugging Face folder, loaded with
@@ -44,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     imp = sub.add_parser("import-hf", allow_abbrev=False,
-                         help="Hugging Face Llama/Mistral/Qwen2/Qwen3 folder -> looped checkpoint")
+                         help="Hugging Face Llama/Mistral/Qwen2/Qwen3 folder -> looped checkpoint; "
+                              "a looped (Ouro, export-hf) folder -> the same model")
     imp.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")
     imp.add_argument("--save", required=True,
                      help="checkpoint directory to write (iteration 0); not one that holds a "
@@ -65,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
             text = action.help.rsplit("(default:", 1)[0]
             action.help = text + f"(default: {recipe[action.dest]})"
 
+    p.import_hf = imp  # _looped_folder reads which of its flags were given
     exp = sub.add_parser("export-hf", help="megaloop checkpoint -> Hugging Face folder",
                          allow_abbrev=False)
     exp.add_argument("--load", required=True,
@@ -85,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     runtime.quiet_megatron()  # before the first megatron-core import (both commands)
     try:
         if args.command == "import-hf":
+            if _looped_folder(args.hf_dir, sys.argv[1:] if argv is None else argv,
+                             parser.import_hf):
+                return _import(args, None)
             loop = dataclass_from_args(LoopConfig, args)
             # Range checks of the loop flags before the slow imports (the layer count is checked
             # against config.json later).
@@ -100,6 +114,26 @@ def main(argv=None) -> int:
         return 2
 
 
+def _looped_folder(hf_dir: str, argv: list, imp: argparse.ArgumentParser) -> bool:
+    """Whether --hf-dir holds a looped model (Ouro's, or an export; Huginn is refused when it is
+    read): its loop comes from config.json and nothing is fresh, so a loop flag or --seed given
+    here would be ignored; ValueError naming them instead."""
+    from megaloop.convert.hf_import import read_hf_config
+    from megaloop.convert.hf_looped import is_looped_config
+
+    if not is_looped_config(read_hf_config(hf_dir)):
+        return False
+    takes = {"--hf-dir", "--save", "--tensor-model-parallel-size", "--no-progress"}
+    known = {o for a in imp._actions for o in a.option_strings}
+    given = sorted({t.split("=", 1)[0] for t in argv if t.startswith("--")} & known - takes)
+    if given:
+        raise ValueError(f"{hf_dir} holds a looped model: its loop (steps, norms, exit gate) "
+                         f"comes from config.json and none of its weights are fresh, so import-hf "
+                         f"takes no {', '.join(given)}; leave them out (pass loop and objective "
+                         f"flags to pretrain_looplm.py, which the printed command lists)")
+    return True
+
+
 def _world(seed: int):
     from megaloop import cpu_shim
     from megaloop.parallel.initialize import initialize_single_process
@@ -108,7 +142,8 @@ def _world(seed: int):
     initialize_single_process(seed=seed)
 
 
-def _import(args, loop: LoopConfig) -> int:
+def _import(args, loop) -> int:
+    """import-hf; ``loop``: the dense-to-loop recipe's LoopConfig, None for a looped folder."""
     from megaloop.checkpoint.tracker import check_new_save
     from megaloop.convert.hf_import import import_hf
     from megaloop.parallel.initialize import destroy
@@ -132,8 +167,9 @@ def _import(args, loop: LoopConfig) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return exc.exit_code
         check_new_save(args.save, "import-hf")
-        flags = import_hf(args.hf_dir, args.save, loop, tp_size=args.tensor_model_parallel_size,
-                          seed=args.seed, progress=not args.no_progress)
+        flags = import_hf(args.hf_dir, args.save, loop or LoopConfig(),
+                          tp_size=args.tensor_model_parallel_size, seed=args.seed,
+                          progress=not args.no_progress)
     finally:
         if lock is not None:
             lock.release()

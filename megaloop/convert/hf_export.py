@@ -108,17 +108,22 @@ def hf_config(model: ModelConfig, loop: LoopConfig, vocab_size: int, ouro: bool)
 def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: dict, *,
                     vocab_size: int | None = None, names: str = "auto",
                     dtype: torch.dtype = torch.float32,
-                    tokenizer: TokenizerConfig | None = None) -> dict:
+                    tokenizer: TokenizerConfig | None = None,
+                    generation: dict | None = None) -> dict:
     """Write the folder from a TP=1 megaloop state dict; returns the config written.
     ``tokenizer``: the run's; its files and EOD/BOS/pad ids go into the folder
-    (``hf_tokenizer``). Files are written 0644 and the folders created 0755 whatever the umask:
+    (``hf_tokenizer``). ``generation``: the run config's section of that name (the default
+    exit rule import-hf read from an Ouro folder), written back as Ouro's early_exit_threshold /
+    early_exit_step. Files are written 0644 and the folders created 0755 whatever the umask:
     an export is often written by one account and served or uploaded by another."""
     from safetensors.torch import save_file
 
+    from megaloop.convert.hf_looped import threshold_keys
     from megaloop.convert.hf_tokenizer import special_token_ids, write_tokenizer_files
     from megaloop.data.tokenizers import build_tokenizer
 
     check_exportable(model, loop)
+    exit_keys = threshold_keys(generation)  # refused before any file is written
     tok = build_tokenizer(tokenizer) if tokenizer is not None else None
     ouro = is_ouro_style(model, loop)
     if names == "ouro" and not ouro:
@@ -151,6 +156,7 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
         folder = os.path.dirname(folder)
     os.makedirs(out_dir, exist_ok=True)
     cfg = hf_config(model, loop, rows, ouro)
+    cfg.update(exit_keys)
     written = ["model.safetensors", "config.json", *MODELING_FILES]
     if tok is not None:
         # The tokenizer first: its conversion is the step that can fail (a missing protobuf),
@@ -211,4 +217,5 @@ def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
     tokenizer.validate()
     model, model_cfg, loop, run = load_model(load_dir, iteration=iteration)
     return write_hf_folder(out_dir, model_cfg, loop, model.state_dict(), vocab_size=vocab_size,
-                           names=names, dtype=dtype, tokenizer=tokenizer)
+                           names=names, dtype=dtype, tokenizer=tokenizer,
+                           generation=run.get("generation"))

@@ -20,12 +20,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 
 from megaloop.arguments import flag_name
-from megaloop.convert.hf_families import SUPPORTED, model_config_from_hf, rope_settings
+from megaloop.convert.hf_families import SUPPORTED, model_config_from_hf
+from megaloop.convert.hf_looped import (EXPORT_ARCHITECTURES, default_exit, is_looped_config,
+                                        looped_configs)
 from megaloop.convert.layout import Heads, from_hf, layer_from_hf, local_names
 from megaloop.data.config import TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig, padded_vocab_size
@@ -190,14 +192,24 @@ def load_into(model, tensors: dict) -> None:
             state[k].copy_(v)
 
 
+# Printed even at their defaults: a reader of the command sees the model's shape.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "kv_channels", "max_position_embeddings", "norm_scheme",
+                "num_loops", "num_prelude_layers", "num_coda_layers")
+
+
 def training_flags(model_cfg: ModelConfig, loop: LoopConfig, vocab: Vocab, tp_size: int,
                    load_dir: str) -> list:
-    """pretrain_looplm.py flags that rebuild exactly this model (every model and loop field)."""
+    """pretrain_looplm.py flags that rebuild exactly this model: every model and loop field
+    that differs from its default (the flags' defaults are the fields')."""
     flags = []
     for cfg in (model_cfg, loop):
         for f in fields(cfg):
             value = getattr(cfg, f.name)
-            if value is None or not f.init or f.metadata.get("cli") is False:
+            default = f.default if f.default is not MISSING else (
+                f.default_factory() if f.default_factory is not MISSING else MISSING)
+            if value is None or not f.init or f.metadata.get("cli") is False or (
+                    value == default and f.name not in SHAPE_FIELDS):
                 continue
             flags += [flag_name(f), str(value).lower() if isinstance(value, bool) else str(value)]
     return flags + vocab.flags() + ["--tensor-model-parallel-size", str(tp_size),
@@ -217,6 +229,8 @@ def import_hf(hf_dir: str, save_dir: str, loop: LoopConfig, *, tp_size: int = 1,
     from megaloop.parallel.initialize import set_seed
 
     cfg = read_hf_config(hf_dir)
+    if is_looped_config(cfg):
+        return import_looped(hf_dir, cfg, save_dir, tp_size=tp_size, progress=progress)
     vocab = plan_vocab(hf_dir, cfg["vocab_size"], tp_size)
     model_cfg = model_config_from_hf(cfg, vocab.divisible_by)
     if loop.num_coda_layers:
@@ -238,83 +252,96 @@ def import_hf(hf_dir: str, save_dir: str, loop: LoopConfig, *, tp_size: int = 1,
     return training_flags(model_cfg, loop, vocab, tp_size, save_dir)
 
 
-# --- A folder written by export-hf (hf_export.write_hf_folder) -> a model, for generation --------
-EXPORT_ARCHITECTURES = ("MegaloopForCausalLM", "OuroForCausalLM")
-# config.json keys that configuration_megaloop.py defaults (the Ouro layout): an Ouro-style
-# export may lack the megaloop ones, and the modeling file reads them with these values.
-EXPORT_DEFAULTS = {
-    "num_key_value_heads": None, "head_dim": None, "hidden_act": "silu",
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
-    "tie_word_embeddings": False, "total_ut_steps": 4, "norm_scheme": "ouro", "qk_norm": False,
-    "num_prelude_layers": 0, "num_coda_layers": 0, "step_norm_placement": "recurrent",
-    "use_exit_gate": True, "input_injection": "none", "injection_source": "embedding",
-    "lora_rank": 0, "lora_alpha": None, "lora_steps": 0, "qkv_bias": False, "rope_scaling": None,
-}
+# Tokenizer files a Hugging Face folder may hold: import-hf copies them next to the checkpoint,
+# which then stands alone (the training run and generation read them there).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 
+def carry_tokenizer(hf_dir: str, save_dir: str, vocab: Vocab) -> Vocab:
+    """``vocab`` with its tokenizer read from a copy of the folder's tokenizer files in
+    ``save_dir/tokenizer`` (unchanged for a NullTokenizer: the folder has none)."""
+    import shutil
+
+    if vocab.tokenizer.tokenizer_type != "HuggingFaceTokenizer":
+        return vocab
+    target = os.path.join(os.path.abspath(save_dir), "tokenizer")
+    os.makedirs(target, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(target, name))
+    tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=target)
+    return Vocab(vocab.table_rows, tokenizer, vocab.tokenizer_vocab, vocab.divisible_by)
+
+
+def import_looped(hf_dir: str, cfg: dict, save_dir: str, *, tp_size: int = 1,
+                  progress: bool = True) -> list:
+    """A looped folder (Ouro's, or an export) -> a megaloop checkpoint in ``save_dir``
+    (iteration 0) holding every tensor of the folder (the exit gate included: nothing is fresh),
+    the folder's tokenizer (copied into ``save_dir/tokenizer``) and its default exit rule (the
+    run config's ``generation`` section, from early_exit_threshold / early_exit_step); returns
+    the pretrain_looplm.py flags that train it. The loop is the folder's: config.json says how
+    many steps, which norms and which gate (``hf_looped.looped_configs``)."""
+    from tqdm import tqdm
+
+    from megaloop.checkpoint.save import save_weights
+    from megaloop.data.tokenizers import build_tokenizer
+    from megaloop.model.looped_gpt import build_model
+    from megaloop.parallel.config import ParallelConfig
+
+    model_cfg, loop = looped_configs(cfg)
+    vocab = plan_vocab(hf_dir, cfg["vocab_size"], tp_size)
+    model_cfg.make_vocab_size_divisible_by = vocab.divisible_by
+    generation = default_exit(cfg)
+    model = build_model(model_cfg, loop, vocab.tokenizer_vocab, tp_size=1)
+    reader = SafetensorsFolder(hf_dir)
+    heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
+                  model_cfg.kv_channels)
+    layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
+              "core": loop.num_core_layers(model_cfg.num_layers)}
+    with tqdm(total=1, desc="import-hf tensors", disable=not progress) as bar:
+        tensors = from_hf(reader.get, reader.names(), heads, layers)
+        bar.update(1)
+    table = tensors["embedding.word_embeddings.weight"]
+    if table.shape[0] != cfg["vocab_size"]:
+        raise ValueError(f"config.json's vocab_size {cfg['vocab_size']} differs from the "
+                         f"{table.shape[0]} rows of model.embed_tokens.weight")
+    load_sharded(model, tensors)  # every tensor covered, nothing left over (TP = 1 here)
+    vocab = carry_tokenizer(hf_dir, save_dir, vocab)
+    eos = cfg.get("eos_token_id")
+    eod = build_tokenizer(vocab.tokenizer).eod
+    if isinstance(eos, int) and eos != eod:
+        print(f"> note: config.json's eos_token_id {eos} is not the tokenizer's end-of-text "
+              f"token {eod}; megaloop separates documents and stops generating at {eod} (set "
+              f"eos_token in {save_dir}/tokenizer/tokenizer_config.json to change it)")
+    run = {"model": asdict(model_cfg), "loop": asdict(loop), "tokenizer": asdict(vocab.tokenizer),
+           "parallel": asdict(ParallelConfig(tensor_model_parallel_size=tp_size)),
+           "generation": generation,
+           "source": {"hf_folder": os.path.abspath(hf_dir),
+                      "architecture": cfg["architectures"][0]}}
+    save_weights(save_dir, 0, model, run_config=run)
+    if generation["exit"]:
+        print(f"> default exit rule {generation['exit']} (from {generation['source']}): "
+              f"generate, serve and lm-eval use it unless --exit says otherwise")
+    return training_flags(model_cfg, loop, vocab, tp_size, save_dir)
+
+
+# --- A looped folder (export-hf's, or Ouro's) -> a model, for generation --------------------------
 def exported_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
-    """(ModelConfig, LoopConfig) of an export's config.json: every key ``hf_config`` writes, read
-    back (``hf_config`` of the result writes the same keys and values). ValueError for a
-    config.json that is not a megaloop / Ouro export, naming what to do instead."""
-    from megaloop.convert.hf_export import check_exportable
-
+    """(ModelConfig, LoopConfig) of a looped folder's config.json (``hf_looped.looped_configs``);
+    ValueError for a config.json that is not one, naming what to do instead (a dense family:
+    import-hf converts it)."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch in SUPPORTED:
-        raise ValueError(f"this folder holds a dense {arch} (not a looped model exported by "
-                         f"megaloop): convert it first with `tools/convert_checkpoint.py import-hf "
-                         f"--hf-dir FOLDER --save CKPT ...` and pass --load CKPT")
-    if arch not in EXPORT_ARCHITECTURES or cfg.get("model_type") not in ("megaloop", "ouro"):
+        raise ValueError(f"this folder holds a dense {arch} (not a looped model): convert it "
+                         f"first with `tools/convert_checkpoint.py import-hf --hf-dir FOLDER "
+                         f"--save CKPT ...` and pass --load CKPT")
+    if not is_looped_config(cfg):
         raise ValueError(f"config.json (architecture {arch!r}, model_type "
                          f"{cfg.get('model_type')!r}) is not a megaloop or Ouro export: --load "
-                         f"reads megaloop checkpoints and folders written by "
-                         f"`tools/convert_checkpoint.py export-hf` "
+                         f"reads megaloop checkpoints and looped Hugging Face folders "
                          f"({' / '.join(EXPORT_ARCHITECTURES)})")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in cfg]
-    if missing:
-        raise ValueError(f"config.json lacks {missing}")
-    c = {**EXPORT_DEFAULTS, **cfg}
-    if c["hidden_act"] != "silu":
-        raise ValueError(f"hidden_act {c['hidden_act']!r}: only SwiGLU (silu) MLPs are supported")
-    if c.get("use_sliding_window"):
-        raise ValueError("sliding-window attention is not supported")
-    heads = c["num_attention_heads"]
-    theta, factor = rope_settings(c)
-    prelude, coda = c["num_prelude_layers"], c["num_coda_layers"]
-    model_cfg = ModelConfig(
-        num_layers=prelude + c["num_hidden_layers"] + coda, hidden_size=c["hidden_size"],
-        ffn_hidden_size=c["intermediate_size"], num_attention_heads=heads,
-        num_query_groups=c["num_key_value_heads"] or heads,
-        kv_channels=c["head_dim"] or c["hidden_size"] // heads,
-        max_position_embeddings=c["max_position_embeddings"], position_embedding_type="rope",
-        rotary_base=theta, rotary_percent=1.0, use_rope_scaling=factor is not None,
-        rope_scaling_factor=factor if factor is not None else ModelConfig.rope_scaling_factor,
-        normalization="RMSNorm", norm_epsilon=c["rms_norm_eps"], swiglu=True,
-        hidden_dropout=0.0, attention_dropout=0.0,  # the exported model has no dropout
-        disable_bias_linear=True, add_qkv_bias=bool(c["qkv_bias"]),
-        qk_layernorm=bool(c["qk_norm"]),
-        untie_embeddings_and_output_weights=not c["tie_word_embeddings"],
-        init_method_std=c["initializer_range"], norm_scheme=c["norm_scheme"],
-        # The export keeps the (padded) table as it is: build exactly vocab_size rows.
-        make_vocab_size_divisible_by=1)
-    loops = c["total_ut_steps"]
-    if c["lora_rank"] and c["lora_steps"] != loops:
-        raise ValueError(f"config.json: lora_steps {c['lora_steps']} != total_ut_steps {loops}; "
-                         f"megaloop keeps one adapter per trained loop step")
-    loop = LoopConfig(
-        num_loops=loops, num_prelude_layers=prelude, num_coda_layers=coda,
-        step_norm_placement=c["step_norm_placement"],
-        # The gate exists iff T > 1 and the objective is not "last" (LoopConfig.gated).
-        exit_loss="expected" if c["use_exit_gate"] else "last",
-        input_injection=c["input_injection"], injection_source=c["injection_source"],
-        lora_rank=c["lora_rank"], lora_alpha=c["lora_alpha"])
-    if loop.gated != bool(c["use_exit_gate"]):
-        raise ValueError(f"config.json: use_exit_gate {c['use_exit_gate']} with total_ut_steps "
-                         f"{loops}: a single-step model has no exit gate")
-    model_cfg.validate()
-    loop.validate(model_cfg.num_layers)
-    check_exportable(model_cfg, loop)  # what the export (and this reader) implements
-    return model_cfg, loop
+    return looped_configs(cfg)
 
 
 def exported_tokenizer(folder: str, table_rows: int, given: TokenizerConfig | None):
@@ -419,5 +446,5 @@ def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | No
                          f"of model.embed_tokens.weight")
     load_sharded(model, tensors)
     run = {"model": asdict(model_cfg), "loop": asdict(loop), "tokenizer": asdict(tok_cfg),
-           "hf_folder": os.path.abspath(folder)}
+           "hf_folder": os.path.abspath(folder), "generation": default_exit(cfg)}
     return model, model_cfg, loop, run

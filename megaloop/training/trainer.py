@@ -56,6 +56,10 @@ from megaloop.training.save_lock import SaveLock
 from megaloop.training.step_hooks import StepHooks, params_norm
 from megaloop.training.run_config import RunConfig
 
+# Run-config sections no flag sets, which a loaded checkpoint passes on to this run's saves: the
+# model's default exit rule and where it came from (import-hf of a looped folder writes them).
+INHERITED_SECTIONS = ("generation", "source")
+
 
 # --- one micro-batch ---------------------------------------------------------------------------
 def forward_step(data_iterator, model, num_loops: int, no_grad_steps: int = 0):
@@ -191,6 +195,7 @@ class Trainer:
         self.startup.mark("optimizer")
         self.iteration, self.consumed_samples, self.skipped = 0, 0, 0
         self.last_saved = None
+        self.inherited = {}  # run-config sections a loaded checkpoint passes on (_load)
         self.save_due = False  # a --save-interval save that fell on skipped steps
         self.logger = MetricsLogger(cfg.logging, cfg.to_dict(),
                                     is_writer=torch.distributed.get_rank() == 0)
@@ -240,6 +245,8 @@ class Trainer:
             self.logger.print(f"> no checkpoint in --load {ck.load}: starting from scratch")
             return None
         self.iteration, self.consumed_samples = info["iteration"], info["consumed_samples"]
+        saved = info["run_config"] or {}
+        self.inherited = {k: saved[k] for k in INHERITED_SECTIONS if k in saved}
         self.last_saved = self.iteration if ck.save == ck.load else None
         self.skipped = info["extra"].get("skipped_iters", 0)
         for note in info["notes"]:
@@ -278,8 +285,9 @@ class Trainer:
         optim = (None, None) if ck.no_save_optim else (self.optimizer, self.scheduler)
         path = checkpointing.save_checkpoint(
             ck.save, self.iteration, self.model, *optim,
-            run_config=self.cfg.to_dict(), consumed_samples=self.consumed_samples,
-            extra=self.checkpoint_extra(), checksums=ck.ckpt_checksums,
+            run_config={**self.cfg.to_dict(), **self.inherited},
+            consumed_samples=self.consumed_samples, extra=self.checkpoint_extra(),
+            checksums=ck.ckpt_checksums,
             save_rng=not ck.no_save_rng, saver=self.async_saver, strategy=self.save_strategy)
         self.last_saved = self.iteration
         if self.async_saver is None:
