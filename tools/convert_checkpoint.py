@@ -19,8 +19,9 @@ its early_exit_threshold becomes the default exit rule of generate, serve and lm
         [--tensor-model-parallel-size 2]
 
 Either way it prints the pretrain_looplm.py flags that continue training the converted model.
-The checkpoint is written by one process at TP = 1 and loads at any TP size (dist_checkpointing reshards). Every
-config.json field is honoured or refused by name (megaloop/convert/hf_families.py).
+The checkpoint is written by one process at TP = 1 and loads at any TP size (dist_checkpointing
+reshards). Every config.json field of a dense family is honoured or refused by name
+(megaloop/convert/hf_families.py).
 
 Export (a megaloop checkpoint saved at any TP size -> a Hugging Face folder, loaded with
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``):
