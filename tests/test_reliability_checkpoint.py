@@ -375,7 +375,9 @@ def test_latest_is_replaced_only_after_the_folder_is_in_place(tmp_path):
 
 def test_checkpoint_args_take_the_position_limit_and_qkv_bias(tmp_path, saved):
     """--use-checkpoint-args takes every model argument Megatron-LM's flag takes, also those a
-    load does not compare (--max-position-embeddings with RoPE, --add-qkv-bias)."""
+    load does not compare (--max-position-embeddings with RoPE, --add-qkv-bias, --rotary-base),
+    and the other settings that change the computation but no tensor (RoPE scaling, the norm
+    epsilon)."""
     from megaloop.training.checkpointing import apply_checkpoint_args
     from megaloop.training.run_config import parse_args
 
@@ -385,3 +387,11 @@ def test_checkpoint_args_take_the_position_limit_and_qkv_bias(tmp_path, saved):
     changed = apply_checkpoint_args(cfg)
     assert (cfg.model.max_position_embeddings, cfg.model.add_qkv_bias) == (32, False)
     assert "--max-position-embeddings 32" in changed and "--add-qkv-bias False" in changed
+    cfg = parse_args(TINY + ["--load", ckpt, "--use-checkpoint-args", "--rotary-base", "500000",
+                             "--use-rope-scaling", "--rope-scaling-factor", "4",
+                             "--norm-epsilon", "1e-3"])
+    saved_model = parse_args(TINY).model  # what the checkpoint was saved with
+    changed = apply_checkpoint_args(cfg)
+    for name in ("rotary_base", "use_rope_scaling", "rope_scaling_factor", "norm_epsilon"):
+        assert getattr(cfg.model, name) == getattr(saved_model, name), name
+        assert f"--{name.replace('_', '-')} {getattr(saved_model, name)}" in changed

@@ -185,10 +185,14 @@ def apply_checkpoint_args(cfg) -> list[str]:
     changed = []
     # The loop count and objective too (they decide whether the model has an exit gate), and
     # the model arguments Megatron-LM's flag also takes that a load does not compare: the
-    # position limit (compared only for a learned position table, which it sizes) and the QKV
-    # bias (its tensors).
+    # position limit (compared only for a learned position table, which it sizes), the QKV
+    # bias (its tensors) and the RoPE base; and, beyond Megatron-LM's list, what else changes
+    # the computation without changing a tensor: RoPE scaling and the norms' epsilon (an
+    # imported Ouro checkpoint has theta 1e6 and eps 1e-6, not the flags' 10000 and 1e-5).
     taken = {**ARCHITECTURE,
-             "model": ARCHITECTURE["model"] + ("max_position_embeddings", "add_qkv_bias"),
+             "model": ARCHITECTURE["model"] + (
+                 "max_position_embeddings", "add_qkv_bias", "rotary_base", "use_rope_scaling",
+                 "rope_scaling_factor", "norm_epsilon"),
              "loop": ARCHITECTURE["loop"] + ("num_loops", "exit_loss")}
     for section, names in taken.items():
         target = getattr(cfg, section)
