@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 RECIPES = Path(__file__).resolve().parent.parent / "examples" / "recipes"
-SCRIPTS = sorted(p for p in RECIPES.glob("*.sh") if not p.name.startswith(("_", "make_")))
+# The recipes that take (DATA_PREFIX, TOKENIZER_MODEL); the Ouro ones take a Hugging Face folder
+# first (test_ouro_recipe_flags_parse_and_validate; tests/test_ouro_recipes.py runs them).
+SCRIPTS = sorted(p for p in RECIPES.glob("*.sh")
+                 if not p.name.startswith(("_", "make_", "ouro_")))
+OURO = {"ouro_1.4b_sft": "pretrain", "ouro_1.4b_rltt": "rl"}
 
 
 def recipe_args(script: Path, size: str, data: str, tokenizer: str, **env) -> list[str]:
@@ -73,3 +77,56 @@ def test_recipe_flags_parse_and_validate(script, size, world, tmp_path):
         if script.stem in layers:
             assert cfg.model.num_layers == layers[script.stem]
             assert (cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (2048, 5632)
+
+
+@pytest.mark.parametrize("nodes,world", [("1", 8), ("4", 32)])
+@pytest.mark.parametrize("name", sorted(OURO))
+def test_ouro_recipe_flags_parse_and_validate(name, nodes, world, tmp_path):
+    """Both layouts of the Ouro recipes at full size give flags the entry point parses and
+    validates at that world size, with the paper's RL settings and the layout's TP size."""
+    from megaloop.rl.config import parse_args as parse_rl
+    from megaloop.training.run_config import parse_args
+
+    imported = tmp_path / "imported"
+    (imported / "tokenizer").mkdir(parents=True)
+    (imported / "latest_checkpointed_iteration.txt").write_text("0")
+    problems = tmp_path / "gsm8k.jsonl"
+    problems.write_text("")
+    data = str(tmp_path / "corpus_text_document")
+    env = {**os.environ, "SIZE": "full", "NODES": nodes, "PRINT_ARGS": "1",
+           "IMPORTED": str(imported)}
+    second = str(problems) if OURO[name] == "rl" else data
+    args = subprocess.run(["bash", str(RECIPES / f"{name}.sh"), str(tmp_path / "Ouro-1.4B"),
+                           second], env=env, check=True, capture_output=True,
+                          text=True).stdout.splitlines()
+    cfg = (parse_rl if OURO[name] == "rl" else parse_args)(args)
+    tp = 1 if nodes == "1" else 2
+    assert cfg.parallel.tensor_model_parallel_size == tp
+    assert cfg.checkpoint.use_checkpoint_args and cfg.checkpoint.load == str(imported)
+    assert cfg.tokenizer.tokenizer_model == str(imported / "tokenizer")
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.0, 0.0)
+    if OURO[name] == "rl":
+        rl = cfg.rl
+        assert (rl.objective, rl.temperature, rl.group_size, rl.prompts_per_step) == \
+            ("rltt", 0.9, 8, 32)
+        assert (cfg.optim.lr, cfg.training.train_iters) == (1e-5, 140)
+        # The RL checks that need the world size: prompts split over DP, micro-batches.
+        rl.validate(num_loops=4, gated=True, dp_size=world // tp,
+                    micro_batch_size=cfg.training.micro_batch_size)
+    else:
+        import numpy
+
+        from megaloop.data.indexed_format import IndexedWriter
+
+        writer = IndexedWriter(data + ".bin", numpy.uint16)
+        writer.add_documents(numpy.arange(6), numpy.array([2, 4]))
+        writer.finalize(data + ".idx")
+        mask = str(tmp_path / "corpus_lossmask_document")  # the twin --data-format sft reads
+        writer = IndexedWriter(mask + ".bin", numpy.uint8)
+        writer.add_documents(numpy.ones(6, numpy.uint8), numpy.array([2, 4]))
+        writer.finalize(mask + ".idx")
+        assert cfg.data.data_format == "sft" and cfg.checkpoint.finetune
+        # What --use-checkpoint-args takes from an imported Ouro-1.4B (65536 positions) before
+        # validation; this test's checkpoint folder is empty.
+        cfg.model.max_position_embeddings = 65536
+        cfg.validate(world_size=world)

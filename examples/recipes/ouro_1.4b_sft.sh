@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Continued training or SFT of ByteDance's Ouro-1.4B (or Ouro-1.4B-Thinking; Ouro-2.6B the same
+# way) starting from its public Hugging Face folder, at any TP / DP size.
+#
+#   [SIZE=cpu] bash examples/recipes/ouro_1.4b_sft.sh OURO_DIR DATA [extra flags]
+# OURO_DIR: the downloaded folder (config.json, model.safetensors, tokenizer.json).
+# DATA: a prefix written by tools/preprocess_data.py with Ouro's tokenizer
+# (--tokenizer-type HuggingFaceTokenizer --tokenizer-model OURO_DIR): with --data-format sft
+# (prompt/response or messages; DATA_FORMAT=sft, the default) or plain documents with
+# --append-eod (DATA_FORMAT=pretrain: continued pretraining). Extra flags come last and win.
+# Environment: SIZE=full (default) or cpu; NODES (full: 1 or 4); NPROC ranks on this node
+# (full 8, cpu 2); TP (full: 1 on one node, 2 on four; cpu 2); IMPORTED, where the converted
+# checkpoint goes (default runs/ouro_1.4b_imported; converted once, reused after); SAVE_DIR
+# (default runs/ouro_1.4b_sft_<SIZE>); PYTHON; PRINT_ARGS=1 prints the training flags instead.
+#
+# Step 1 converts the folder once (tools/convert_checkpoint.py import-hf): every config.json key
+# honoured or refused by name, the exit gate kept, the tokenizer copied to IMPORTED/tokenizer,
+# early_exit_threshold kept as the default exit rule of generate / serve / lm-eval. Step 2 trains
+# with --use-checkpoint-args (the model flags are the checkpoint's) and --finetune (its weights,
+# iteration 0, fresh AdamW and LR schedule). The objective is megaloop's exit objective,
+# sum_t p_t L_t + beta KL(p || uniform) with the folder's gate; Ouro's own `labels` loss is the
+# cross-entropy of the exit-weighted logits instead (docs/training.md, "Starting from Ouro").
+#
+# Layout (megaloop's choice; Ouro-1.4B is 1.4B parameters looped 4 times, 96 effective layers):
+# one 8-GPU node: TP 1, DP 8, distributed optimizer, micro-batch 1 of 4096 tokens, global batch
+# 128 (0.5M tokens per step); four nodes: TP 2, DP 16, micro-batch 2, the same global batch.
+# Four nodes: convert first on one node (IMPORT_ONLY=1 NODES=4 bash ...), then start this script
+# once per node (e.g. `srun --nodes 4 --ntasks-per-node 1 bash ...`) with NODES=4 and
+# MASTER_ADDR set to the first node: torchrun's c10d rendezvous joins the 32 ranks.
+# Schedule (megaloop's choice for SFT of a converged model): LR 2e-5 warmed up over 100 steps,
+# cosine to 2e-6 over 2000 steps (override with --train-iters, --lr, ...); no dropout (Ouro has
+# none; --use-checkpoint-args takes no training flag); beta 0.05, small as in
+# Ouro's later stages, keeps the gate where it is.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+source "$HERE/_sizes.sh"
+SIZE=${SIZE:-full}
+OURO_DIR=${1:?usage: $0 OURO_DIR DATA [extra flags]}
+DATA=${2:?usage: $0 OURO_DIR DATA [extra flags]}
+shift 2
+DATA_FORMAT=${DATA_FORMAT:-sft}
+IMPORTED=${IMPORTED:-$ROOT/runs/ouro_1.4b_imported}
+SAVE_DIR=${SAVE_DIR:-$ROOT/runs/ouro_1.4b_sft_$SIZE}
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+
+if [[ $SIZE == cpu ]]; then
+    NPROC=${NPROC:-2}; TP=${TP:-2}
+    ARGS=(--seq-length 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 2
+          --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 1 --lr-decay-style cosine
+          --log-interval 1 --eval-interval 1000 --eval-iters 1 --split 90,10,0 --num-workers 0)
+elif [[ ${NODES:-1} == 4 ]]; then
+    NPROC=${NPROC:-8}; TP=${TP:-2}
+    ARGS=(--seq-length 4096 --micro-batch-size 2 --global-batch-size 128 --bf16
+          --use-distributed-optimizer --train-iters 2000 --lr 2e-5 --min-lr 2e-6
+          --lr-warmup-iters 100 --lr-decay-style cosine --log-interval 10 --eval-interval 200
+          --eval-iters 10 --split 995,5,0)
+else
+    NPROC=${NPROC:-8}; TP=${TP:-1}
+    ARGS=(--seq-length 4096 --micro-batch-size 1 --global-batch-size 128 --bf16
+          --use-distributed-optimizer --train-iters 2000 --lr 2e-5 --min-lr 2e-6
+          --lr-warmup-iters 100 --lr-decay-style cosine --log-interval 10 --eval-interval 200
+          --eval-iters 10 --split 995,5,0)
+fi
+ARGS+=(--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+       --hidden-dropout 0 --attention-dropout 0
+       --exit-kl-beta 0.05 --tensor-model-parallel-size "$TP"
+       --use-checkpoint-args --load "$IMPORTED" --finetune
+       --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$IMPORTED/tokenizer"
+       --data-path "$DATA" --save "$SAVE_DIR")
+[[ $DATA_FORMAT == sft ]] && ARGS+=(--data-format sft)
+ARGS+=("$@")
+if [[ ${PRINT_ARGS:-0} == 1 ]]; then
+    printf '%s\n' "${ARGS[@]}"
+    exit 0
+fi
+
+cd "$ROOT"
+if [[ ! -f $IMPORTED/latest_checkpointed_iteration.txt ]]; then
+    if [[ ${NODES:-1} != 1 && ${IMPORT_ONLY:-0} != 1 ]]; then
+        echo "error: $IMPORTED holds no converted checkpoint: run IMPORT_ONLY=1 on one node" \
+            "first (every node would convert at once)" >&2
+        exit 2
+    fi
+    echo "== import $OURO_DIR -> $IMPORTED"
+    $PY tools/convert_checkpoint.py import-hf --hf-dir "$OURO_DIR" --save "$IMPORTED" \
+        --tensor-model-parallel-size "$TP" --no-progress
+fi
+[[ ${IMPORT_ONLY:-0} == 1 ]] && exit 0
+[[ $SIZE == cpu ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [[ ${NODES:-1} == 1 ]]; then
+    PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    LAUNCH=(--nproc_per_node "$NPROC" --master_port "$PORT")
+else
+    LAUNCH=(--nproc_per_node "$NPROC" --nnodes "$NODES" --rdzv-backend c10d
+            --rdzv-endpoint "${MASTER_ADDR:?set MASTER_ADDR to the first node}:${MASTER_PORT:-29500}"
+            --rdzv-id "${RDZV_ID:-ouro_1.4b_sft}")
+fi
+exec $PY -m torch.distributed.run "${LAUNCH[@]}" pretrain_looplm.py "${ARGS[@]}"
