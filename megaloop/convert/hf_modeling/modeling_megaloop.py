@@ -4,7 +4,8 @@
     for t = 1..T:  z = h if t == 1 else inject(h, e or prelude output)
                    h = looped stack(z; step t)        # the same layers every step
                    y = norm(h); h = y (recurrent) or h (readout)
-    logits = lm_head(coda(y_T))                       # the last step's prediction
+    logits = lm_head(coda(y_T))                       # the last step's prediction, or
+                                                      # each token's exit step's (Ouro's rule)
 
 It computes exactly what megaloop's LoopedGPTModel computes (megaloop's export test compares the
 logits), at any loop count: ``total_ut_steps`` in the config, or ``num_loops=`` per call. There is
@@ -205,7 +206,8 @@ class MegaloopModel(MegaloopPreTrainedModel):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, num_loops=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, num_loops=None,
+                exit_rule=None):
         b, s = input_ids.shape
         device = input_ids.device
         if position_ids is None:
@@ -220,6 +222,7 @@ class MegaloopModel(MegaloopPreTrainedModel):
             h = layer(h, cos, sin, mask)
         src = e if self.config.injection_source == "embedding" else h
         steps = num_loops or self.config.total_ut_steps
+        outputs = []
         for t in range(steps):
             if t > 0 and self.input_injection is not None:
                 h = self.input_injection(h, src)
@@ -227,9 +230,29 @@ class MegaloopModel(MegaloopPreTrainedModel):
                 h = layer(h, cos, sin, mask, t)
             y = self.norm(h)
             h = y if self.config.step_norm_placement == "recurrent" else h
+            outputs.append(y)
+        if exit_rule is not None:
+            y = select_exit_step(outputs, self.early_exit_gate, *exit_rule)
         for layer in self.coda:
             y = layer(y, cos, sin, mask)
         return self.coda_norm(y) if self.coda_norm is not None else y
+
+
+def select_exit_step(outputs, gate, step, threshold):
+    """Each token's state at its exit step, as Ouro's code reads it: ``step`` (0-based) for
+    every token, else the first step whose cumulative exit probability
+    1 - prod_{s<=t} (1 - sigmoid(gate(y_s))) reaches ``threshold`` (the last step if none)."""
+    if step is not None:
+        return outputs[min(step, len(outputs) - 1)]
+    chosen, survival = outputs[-1], None
+    done = torch.zeros(outputs[0].shape[:-1], dtype=torch.bool, device=outputs[0].device)
+    for y in outputs[:-1]:
+        lam = torch.sigmoid(gate(y).float()).squeeze(-1)
+        survival = 1 - lam if survival is None else survival * (1 - lam)
+        stop = (1 - survival >= threshold) & ~done
+        chosen = torch.where(stop[..., None], y, chosen)  # a token keeps its first stop
+        done |= stop
+    return chosen
 
 
 class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
@@ -245,9 +268,26 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
+    def exit_rule(self, exit_at_step, exit_threshold):
+        """(step, threshold) of Ouro's exit rule (its argument names; defaults: config.json's
+        early_exit_step and early_exit_threshold), or None for the last step (a threshold of 1
+        or more: every step runs, as megaloop reads it)."""
+        c = self.config
+        step = exit_at_step if exit_at_step is not None else getattr(c, "early_exit_step", None)
+        threshold = exit_threshold if exit_threshold is not None else \
+            getattr(c, "early_exit_threshold", None)
+        if step is None and (threshold is None or threshold >= 1.0):
+            return None
+        if self.model.early_exit_gate is None and step is None:
+            raise ValueError(f"early_exit_threshold {threshold}: this model has no exit gate")
+        return step, threshold
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
-                num_loops=None, **kwargs):
-        hidden = self.model(input_ids, attention_mask, position_ids, num_loops)
+                num_loops=None, exit_at_step=None, exit_threshold=None, **kwargs):
+        # As in Ouro's code, the exit rule picks each token's step for prediction; a loss
+        # (labels) is the last step's.
+        rule = None if labels is not None else self.exit_rule(exit_at_step, exit_threshold)
+        hidden = self.model(input_ids, attention_mask, position_ids, num_loops, rule)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)
         loss = None
