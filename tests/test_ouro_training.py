@@ -102,3 +102,48 @@ def test_first_training_loss_equals_the_reference(imported, tp, pp):
     assert max(abs(a - b) for a, b in zip(stats["exit_probs"], probs)) <= TOL
     # Every rank reports the same statistics (they are reduced over the pipeline).
     assert all(r[0]["loss"] == stats["loss"] for r in results)
+
+
+def _per_step(rank, world, source, ids):
+    """Full-vocabulary log-probs [T, b, s, V] of megaloop's model read from ``source`` (an
+    import-hf checkpoint, or the Ouro folder itself through the generation loader) at TP =
+    ``world``: step t's are the last step's of a t-step run (Ouro has no injection, so the
+    first t steps of a T-step run are a t-step run)."""
+    from megatron.core import tensor_parallel
+
+    from distributed import setup_parallel
+    from megaloop.checkpoint.load import load_model
+    from megaloop.convert.hf_import import is_looped_config, load_exported, read_hf_config
+
+    setup_parallel(world)
+    if os.path.isfile(os.path.join(source, "config.json")):
+        assert is_looped_config(read_hf_config(source))
+        model = load_exported(source, tp_size=world)[0]
+    else:
+        model = load_model(source, tp_size=world)[0]
+    model.eval()
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    out = []
+    with torch.no_grad():
+        for t in range(1, model.loop.num_loops + 1):
+            logits = model(ids, pos, None, num_loops=t)
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            out.append(torch.log_softmax(logits.float(), -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("route", ["checkpoint", "folder"])
+def test_per_step_log_probs_equal_the_reference(imported, route):
+    """Steps T = 1..4 of the imported model (and of the folder read directly for generation)
+    == the reference, at TP=1 and TP=2, fp32: 1e-5 absolute on log-probabilities of a 128-token
+    vocabulary (both sides compute in fp32; the orders of the sums differ)."""
+    from ouro_reference import per_step_log_probs
+
+    ckpt, weights, cfg = imported
+    source = ckpt if route == "checkpoint" else os.path.join(os.path.dirname(ckpt), "ouro")
+    ids = torch.tensor([[5, 9, 17, 4, 30, 12, 7, 21], [3, 3, 60, 101, 44, 8, 2, 90]])
+    want = per_step_log_probs(weights, cfg, ids)
+    for tp in (1, 2):
+        got = run_distributed(_per_step, tp, source, ids)[0]
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() < 1e-5, (tp, (got - want).abs().amax((1, 2, 3)))
