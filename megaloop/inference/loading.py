@@ -176,7 +176,10 @@ def parse_prompt_ids(text: str) -> list[int]:
 def check_generation_flags(load: str, kv_policy: str, exit_text, num_loops=None,
                            spell=cli_name, ckpt_step: Optional[int] = None):
     """The flags generate.py, serve.py and the lm-eval adapter share, checked before any model is
-    loaded: the early-exit rule (or None); ValueError naming the flag otherwise."""
+    loaded: the early-exit rule (or None); ValueError naming the flag otherwise. Without
+    ``exit_text`` (the flag not given) the rule is the model's own default (``default_exit_rule``:
+    an imported Ouro folder's early_exit_threshold), announced in one line on rank 0's stderr;
+    ``none`` is full depth whatever the model says."""
     from megaloop.inference.early_exit import parse_exit
     from megaloop.inference.kv_cache import parse_policy
 
@@ -185,7 +188,37 @@ def check_generation_flags(load: str, kv_policy: str, exit_text, num_loops=None,
         parse_policy(kv_policy)
     rule = parse_exit(exit_text)
     check_load(load, ckpt_step, spell)
+    if exit_text is None:
+        text, source = default_exit_rule(load, ckpt_step)
+        if text:
+            rule = parse_exit(text)
+            if runtime.is_rank_zero():
+                print(f"early exit {text} from the model ({source}); {spell('exit')} none for "
+                      f"full depth, or {spell('exit')} RULE for another", file=sys.stderr,
+                      flush=True)
     return rule
+
+
+def default_exit_rule(load: str, ckpt_step: Optional[int] = None):
+    """(rule text, where it came from) of the model in ``load``, or (None, None): a looped
+    Hugging Face folder's early_exit_step / early_exit_threshold
+    (``megaloop.convert.hf_looped.default_exit``), or a checkpoint run config's ``generation``
+    section (written by import-hf of such a folder and passed on by the runs that trained from
+    it). A checkpoint that cannot be read here answers (None, None): its load says why."""
+    if is_hf_folder(load):
+        from megaloop.convert.hf_import import read_hf_config
+        from megaloop.convert.hf_looped import default_exit, is_looped_config
+
+        cfg = read_hf_config(load)
+        generation = default_exit(cfg) if is_looped_config(cfg) else {}
+    else:
+        from megaloop.checkpoint.config import read_run_config
+
+        try:
+            generation = read_run_config(load, ckpt_step).get("generation") or {}
+        except (OSError, ValueError, KeyError, RuntimeError):
+            return None, None  # the load itself reports an unreadable checkpoint by name
+    return generation.get("exit"), generation.get("source")
 
 
 def check_load(load: str, ckpt_step: Optional[int] = None, spell=cli_name) -> None:
