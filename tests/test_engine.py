@@ -60,8 +60,8 @@ def _alone(model, prompt, max_tokens, policy, rule, params):
     gen = Generator(model, V, kv_policy=policy, exit_rule=rule and parse_exit(rule))
     seen, logits = [], gen._logits
 
-    def record(ids, kv):
-        out = logits(ids, kv)
+    def record(*args):
+        out = logits(*args)
         seen.append(torch.log_softmax(out[0, -1].cpu(), -1))
         return out
 
@@ -93,7 +93,7 @@ def _alone_chunked(model, prompt, max_tokens, policy, rule, params, chunk):
             logits, depth = early_exit.decode_step(model, ids, pos, kv, T, rule)
             depths.append(int(depth[0]))
         elif rule is not None:
-            logits = early_exit.prefill(model, ids, pos, kv, T, causal)
+            logits, _ = early_exit.prefill(model, ids, pos, kv, T, causal, rule=rule)
         else:
             logits = model(ids, pos, causal, num_loops=T, kv_cache=kv)
         kv.advance(n)

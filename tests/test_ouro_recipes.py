@@ -103,10 +103,23 @@ def test_ouro_recipes_end_to_end(tmp_path):
     # Plain transformers on the export == the reference on the exported tensors: each token
     # read at the first step whose cumulative exit probability reaches 0.6 (Ouro's rule, from
     # config.json), and at the last step with exit_threshold=1.0.
-    from transformers import AutoModelForCausalLM
+    import io
+    import logging
 
-    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
-                                                 dtype=torch.float32).eval()
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # The configuration class carries the folder's model type: loading names no other type.
+    said = io.StringIO()
+    handler = logging.StreamHandler(said)
+    transformers.logging.get_logger().addHandler(handler)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
+                                                     dtype=torch.float32).eval()
+        AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    finally:
+        transformers.logging.get_logger().removeHandler(handler)
+    assert "You are using a model of type" not in said.getvalue(), said.getvalue()
     ids = torch.tensor([[5, 9, 17, 4, 30, 12, 7, 21]])
     weights = {k: v.float() for k, v in exported.items()}
     per_step = per_step_log_probs(weights, cfg, ids)  # [T, 1, s, V]

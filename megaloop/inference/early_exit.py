@@ -10,7 +10,9 @@ functions are its callers:
   step-t K/V, so the tokens after it attend to it at every step (the choice Ouro-style "exit =
   stop updating the state" implies: its state stays h_t);
 - ``prefill``: the prompt through every step, read out at each (a later token may exit at any
-  step, and the coda's cache of each step must hold the prompt);
+  step, and the coda's cache of each step must hold the prompt); under a rule the last
+  position's logits are read at the step the rule picks for it, so the first generated token
+  follows the rule too;
 - ``score`` and ``exit_log_probs``: the same rule teacher-forced, per token (masked): the loss or
   the log-probabilities of each token at its exit step, so a rule's quality cost is measurable
   on held-out text and lm-eval scores what decoding would run.
@@ -59,13 +61,47 @@ def decode_step(model, ids, position_ids, kv, num_loops: int, rule: ExitRule,
 
 
 @torch.no_grad()
-def prefill(model, ids, position_ids, kv, num_loops: int, attention_mask=None):
+def prefill(model, ids, position_ids, kv, num_loops: int, attention_mask=None,
+            rule: Optional[ExitRule] = None):
     """The prompt through all T steps, reading out at every step so that the coda's cache of
-    every step holds the prompt (a later token may exit at any step): last-step logits
-    [b, s, v/tp]. The caller advances ``kv``."""
+    every step holds the prompt (a later token may exit at any step). Without ``rule``: the
+    last step's logits [b, s, v/tp]. With ``rule``: (the logits [b, 1, v/tp] of the last
+    position at the step the rule picks for it, that step per row [b]): the first generated
+    token follows the exit rule as every later one does, while the prompt's K/V are those of
+    every step. The rule sees what teacher-forced scoring (``score``) shows it for that
+    position, so a row's first token does not depend on its batch-mates. The caller advances
+    ``kv``."""
     ctx = recurrence.context(model, ids, attention_mask, None, num_loops, kv,
                              read_every_step=True)
-    return recurrence.fold(model, recurrence.begin(model, ids, position_ids, ctx), ctx)
+    if rule is None:
+        return recurrence.fold(model, recurrence.begin(model, ids, position_ids, ctx), ctx)
+    from megaloop.model.exit_rules import full_vocab_log_probs
+
+    b = ids.size(0)
+    chosen, depth = None, torch.zeros(b, dtype=torch.long, device=ids.device)
+    decided = torch.zeros(b, dtype=torch.bool, device=ids.device)
+    previous = None
+
+    def on_step(t, carry, out):
+        nonlocal chosen, previous
+        last = out.logits[-1]  # [b, v/tp]: the position that predicts the first new token
+        if t < num_loops:
+            logp = full_vocab_log_probs(out.logits[-1:]).transpose(0, 1) \
+                if rule.reads_log_probs else None
+            survival = carry.log_survival[:, -1:].detach() if rule.reads_survival else None
+            stop = rule.stops(t, (b, 1), ids.device, survival, logp, previous)[:, -1]
+            previous = logp
+        else:
+            stop = torch.ones(b, dtype=torch.bool, device=ids.device)
+        new = stop & ~decided
+        if chosen is None:
+            chosen = last.new_zeros(last.shape)
+        chosen[new], depth[new] = last[new], t
+        decided.logical_or_(new)
+
+    recurrence.fold(model, recurrence.begin(model, ids, position_ids, ctx), ctx,
+                    on_step=on_step)
+    return chosen.unsqueeze(1), depth
 
 
 @torch.no_grad()

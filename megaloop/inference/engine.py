@@ -91,8 +91,8 @@ class Request:
     """With record_logprobs: per generated token the [V] fp32 log-softmax (CPU) of the logits
     it was drawn from, before temperature / top-k / top-p."""
     depths: list = field(default_factory=list)
-    """With an exit rule: the loop steps each generated token ran (the first, from the
-    prefill, ran all T)."""
+    """With an exit rule: the loop steps each generated token ran (the first was read at the
+    rule's step of the prefill, which ran all T for the prompt's K/V: T is recorded)."""
     error: Optional[BaseException] = None
     """What ``on_token`` or sampling its token raised (the request was then cancelled)."""
     cancelled: bool = False
@@ -274,7 +274,9 @@ class InferenceEngine:
             logits, depth = early_exit.decode_step(self.model, ids, positions, kv,
                                                    self.num_loops, self.exit_rule, mask)
         elif self.exit_rule is not None:
-            logits = early_exit.prefill(self.model, ids, positions, kv, self.num_loops, mask)
+            # (the last position's logits at the rule's step: the first token follows the rule)
+            logits, _ = early_exit.prefill(self.model, ids, positions, kv, self.num_loops, mask,
+                                           rule=self.exit_rule)
         else:
             logits = self.model(ids, positions, mask, num_loops=self.num_loops, kv_cache=kv)
         if kv.entries:

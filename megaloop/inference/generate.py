@@ -9,6 +9,10 @@ Prompts of different lengths share a batch as in megatron-core's static engine: 
 prefix length is prefilled at once, then every row advances one position per forward; a row
 still inside its prompt is fed its next prompt token (its sampled token is discarded), a row past
 it is fed what it generated. A row stops at the end-of-document token or after ``max_tokens``.
+Under an exit rule a prompt token always runs all T steps (it is prefill, whichever forward
+feeds it) and the first generated token is read at the rule's step of the last prompt position
+(megaloop/inference/early_exit.py), so a row's tokens do not depend on its batch-mates' prompt
+lengths (tests/test_exit_batch.py).
 
 Under tensor parallelism the vocab-parallel logits are gathered, and every rank samples from the
 same CPU generator seeded alike, so all ranks pick the same token without a broadcast.
@@ -16,6 +20,7 @@ same CPU generator seeded alike, so all ranks pick the same token without a broa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -87,24 +92,50 @@ class Generator:
         if reason:
             raise ValueError(reason)
 
-    def _logits(self, ids: torch.Tensor, kv: Optional[LoopKVCache]) -> torch.Tensor:
-        """Full-vocabulary fp32 logits [b, s, V] of ``ids`` (the positions after the cache)."""
+    def _logits(self, ids: torch.Tensor, kv: Optional[LoopKVCache],
+                reading: Optional[list] = None) -> torch.Tensor:
+        """Full-vocabulary fp32 logits [b, s, V] of ``ids`` (the positions after the cache; under
+        an exit rule [b, 1, V], the last position's). ``reading``: per row, whether its fed token
+        is still a prompt token (an exit rule then runs it through all T steps, as a prefill)."""
         from megatron.core import tensor_parallel
 
         offset = kv.offset if kv is not None else 0
         pos = torch.arange(offset, offset + ids.size(1), device=ids.device).expand_as(ids)
-        if self.exit_rule is not None and ids.size(1) == 1 and kv.offset > 0:
-            logits, depth = early_exit.decode_step(self.model, ids, pos, kv, self.num_loops,
-                                                   self.exit_rule)
-            self.depths.extend(depth.tolist())
-        elif self.exit_rule is not None:
-            logits = early_exit.prefill(self.model, ids, pos, kv, self.num_loops)
-        else:
+        if self.exit_rule is None:
             logits = self.model(ids, pos, None, num_loops=self.num_loops, kv_cache=kv)
+        elif ids.size(1) > 1 or kv.offset == 0 or reading is None:
+            logits, _ = early_exit.prefill(self.model, ids, pos, kv, self.num_loops,
+                                           rule=self.exit_rule)
+        else:
+            logits = self._exit_step(ids, pos, kv, reading)
         if kv is not None:
             kv.advance(ids.size(1))
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         return logits[..., :self.vocab_size].float()
+
+    def _exit_step(self, ids, pos, kv: LoopKVCache, reading: list) -> torch.Tensor:
+        """One position under an exit rule: the rows still reading their prompt run all T steps
+        (``early_exit.prefill``), the others decode with the rule (``early_exit.decode_step``),
+        each group on its own rows of the cache, so that a row's tokens are those it would get
+        alone, whatever its batch-mates' prompt lengths."""
+        b, logits = ids.size(0), None
+        for prompt in (True, False):
+            rows = [i for i in range(b) if bool(reading[i]) == prompt]
+            if not rows:
+                continue
+            index = torch.tensor(rows, device=ids.device)
+            with kv.rows(index) if len(rows) < b else contextlib.nullcontext():
+                if prompt:
+                    part, _ = early_exit.prefill(self.model, ids[index], pos[index], kv,
+                                                 self.num_loops, rule=self.exit_rule)
+                else:
+                    part, depth = early_exit.decode_step(self.model, ids[index], pos[index], kv,
+                                                         self.num_loops, self.exit_rule)
+                    self.depths.extend(depth.tolist())
+            if logits is None:
+                logits = part.new_zeros((b,) + tuple(part.shape[1:]))
+            logits[index] = part
+        return logits
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: int,
@@ -135,7 +166,8 @@ class Generator:
         clock, timings = time.perf_counter(), []
         while pos < total and not all(done):
             ids = seq[:, fed:pos] if kv is not None else seq[:, :pos]
-            logits = self._logits(ids, kv)[:, -1]
+            # (a row whose fed position is inside its prompt is still reading it)
+            logits = self._logits(ids, kv, [fed < n for n in lengths])[:, -1]
             timings.append(time.perf_counter() - clock)
             clock = time.perf_counter()
             fed = pos

@@ -27,6 +27,8 @@ import contextlib
 import re
 from typing import Callable, Hashable, Optional
 
+import torch
+
 POLICIES = ("full", "last-step", "first-step", "shared-mod-k")
 
 
@@ -128,16 +130,23 @@ class LoopKVCache:
             raise ValueError(f"early exit compacts the batch, but the cache holds loop-variant "
                              f"entries ({', '.join(map(str, self.entries))}) that it cannot "
                              f"compact; decode without --exit")
-        self._rows = rows
+        # Nested calls compose: the rows of an inner call index the outer call's rows (a
+        # Generator step runs its prompt-reading and its decoding rows apart; decoding then
+        # compacts its own rows as they exit).
+        outer = self._rows
+        self._rows = rows if outer is None else outer.index_select(0, rows)
         try:
             yield
         finally:
-            self._rows = None
+            self._rows = outer
 
     def fill_exited(self, rows, position: int, exit_step: int, num_loops: int) -> None:
         """Rows whose token left the loop at ``exit_step`` have no K/V at later steps: copy their
         exit step's K/V (core and coda) into the slots of steps exit_step+1 .. T at
-        ``position``, so later tokens attend to them at every step."""
+        ``position``, so later tokens attend to them at every step. Inside ``rows`` the rows
+        index that call's subset."""
+        if self._rows is not None:
+            rows = self._rows.index_select(0, torch.as_tensor(rows, device=self._rows.device))
         for block in ("core", "coda"):
             source = self.dicts.get((block, self.slot(exit_step)))
             if not source:

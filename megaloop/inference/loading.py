@@ -214,6 +214,7 @@ def default_exit_rule(load: str, ckpt_step: Optional[int] = None):
     else:
         from megaloop.checkpoint.config import read_run_config
 
+        runtime.quiet_megatron()  # reading a checkpoint imports megatron-core (its warnings)
         try:
             generation = read_run_config(load, ckpt_step).get("generation") or {}
         except (OSError, ValueError, KeyError, RuntimeError):

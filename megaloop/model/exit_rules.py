@@ -15,6 +15,7 @@ applies it either way (``Stop``) and stops every token at T at the latest.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,7 +54,11 @@ class ExitRule:
         if self.kind == "fixed":
             return torch.full(shape, t >= self.value, dtype=torch.bool, device=device)
         if self.kind == "q":
-            return 1 - log_survival.float().exp() >= self.value
+            # CDF_t >= q, as log-survival <= log(1 - q): 1 - exp(s) rounds to 1 once s < -17
+            # in fp32, so ``q:1`` would fire on a confident gate, while no sigmoid product
+            # reaches 0 (q:1 is "never before T").
+            bound = math.log1p(-self.value) if self.value < 1 else -math.inf
+            return log_survival.float() <= bound
         if previous is None:
             return torch.zeros(shape, dtype=torch.bool, device=device)
         return successive_kl(log_probs, previous) < self.value

@@ -1,0 +1,119 @@
+"""Early exit in generation, decided per token and per row alone:
+
+- the first generated token follows the exit rule: its log-probabilities are those teacher-forced
+  scoring under the same rule gives the last prompt position (``early_exit.exit_log_probs``, which
+  runs the prompt without any cache), not the last step's;
+- a batch of prompts of different lengths decodes under ``--exit`` exactly as each prompt alone
+  (tokens, logits and executed depths), in ``Generator`` and in the batching engine: the tail of
+  a longer prompt runs all T steps as prefill, never the decode path's early exit.
+"""
+
+import pytest
+import torch
+
+from distributed import run_distributed, setup_parallel
+from test_inference import VOCAB, _model, _sharp_gate
+
+PROMPTS = [[5, 6], [9, 10, 11, 12, 13, 14, 15], [17, 18, 19, 20, 21]]
+MAX_TOKENS = 5
+V = VOCAB - 6
+LOOP = {"num_loops": 4, "num_coda_layers": 1, "num_prelude_layers": 1}
+
+
+def _build(rule_text):
+    model = _model({}, LOOP)
+    _sharp_gate(model)
+    model.eval()
+    return model
+
+
+def _recording(gen):
+    """Wrap ``gen._logits`` to keep the [b, V] log-softmax of every forward's last position."""
+    seen, logits = [], gen._logits
+
+    def record(*args, **kwargs):
+        out = logits(*args, **kwargs)
+        seen.append(torch.log_softmax(out[:, -1].cpu(), -1))
+        return out
+
+    gen._logits = record
+    return seen
+
+
+def _generator_batch_vs_alone(rank, world, rule_text):
+    from megaloop.inference.early_exit import parse_exit
+    from megaloop.inference.generate import Generator, SamplingParams
+
+    setup_parallel(world)
+    model = _build(rule_text)
+    rule = parse_exit(rule_text)
+    params = SamplingParams()  # greedy: Generator draws a whole batch's samples at once
+    gen = Generator(model, V, num_loops=4, exit_rule=rule)
+    seen = _recording(gen)
+    batched = gen.generate(PROMPTS, MAX_TOKENS, params)
+    lengths = [len(p) for p in PROMPTS]
+    # The forward at position pos - 1 gives row i's token pos - lengths[i] once pos >= lengths[i].
+    first = min(lengths)
+    batched_logp = [[seen[pos - first][i] for pos in range(lengths[i], lengths[i] + MAX_TOKENS)]
+                    for i in range(len(PROMPTS))]
+    alone, alone_logp, alone_depths = [], [], []
+    for prompt in PROMPTS:
+        one = Generator(model, V, num_loops=4, exit_rule=rule)
+        one_seen = _recording(one)
+        alone += one.generate([prompt], MAX_TOKENS, params)
+        alone_logp.append([row[0] for row in one_seen])
+        alone_depths.append(one.depths)
+    gap = max((a - b).abs().max().item() for row_a, row_b in zip(batched_logp, alone_logp)
+              for a, b in zip(row_a, row_b))
+    return batched, alone, gap, alone_depths
+
+
+@pytest.mark.parametrize("rule", ["q:0.5", "kl:0.5"])
+def test_generator_mixed_prompt_lengths_decode_as_each_alone(rule):
+    batched, alone, gap, depths = run_distributed(_generator_batch_vs_alone, 1, rule)[0]
+    assert batched == alone
+    assert gap < 1e-5, gap
+    # The rule really exits early somewhere (else the test could not tell the paths apart).
+    assert any(d < 4 for row in depths for d in row), depths
+
+
+def _first_token(rank, world, rule_text):
+    """Per prompt: the log-probs Generator and the engine draw the first token from, the
+    teacher-forced log-probs of the last prompt position under the rule and at step T, and the
+    rule's step there."""
+    from megaloop.inference.early_exit import exit_log_probs, parse_exit
+    from megaloop.inference.engine import EngineConfig, InferenceEngine
+    from megaloop.inference.generate import Generator, SamplingParams
+
+    setup_parallel(world)
+    model = _build(rule_text)
+    rule = parse_exit(rule_text)
+    engine = InferenceEngine(model, V, exit_rule=rule, config=EngineConfig(
+        max_sequence_length=16, max_batch=4, block_size=4, prefill_chunk=3))
+    requests = [engine.add(p, 1, SamplingParams(), record_logprobs=True) for p in PROMPTS]
+    while engine.has_work():
+        engine.step()
+    rows = []
+    for prompt, request in zip(PROMPTS, requests):
+        gen = Generator(model, V, num_loops=4, exit_rule=rule)
+        seen = _recording(gen)
+        gen.generate([prompt], 1)
+        ids = torch.tensor([prompt])
+        pos = torch.arange(len(prompt)).unsqueeze(0)
+        with torch.no_grad():
+            ruled, depth = exit_log_probs(model, ids, pos, 4, rule, V)
+            full, _ = exit_log_probs(model, ids, pos, 4, None, V)
+        rows.append((seen[0][0], request.logprobs[0], ruled[0, -1], full[0, -1],
+                     int(depth[0, -1])))
+    return rows
+
+
+@pytest.mark.parametrize("rule", ["q:0.5", "kl:0.5"])
+def test_first_generated_token_follows_the_exit_rule(rule):
+    rows = run_distributed(_first_token, 1, rule)[0]
+    for generator, engine, ruled, full, depth in rows:
+        assert (generator - ruled).abs().max() < 1e-5
+        assert (engine - ruled).abs().max() < 1e-5
+        if depth < 4:  # read before step T: not the full-depth distribution
+            assert (generator - full).abs().max() > 1e-3
+    assert any(row[-1] < 4 for row in rows), [row[-1] for row in rows]
