@@ -15,14 +15,16 @@
 # (megaloop.model.specs.norm_spec), never apex's FusedLayerNorm. Whatever the base image ships
 # is left as it is.
 #
-# Base image: NGC PyTorch 25.11. megatron-core 0.16.1 is tested with Transformer Engine
-# >= 2.9.0a0, < 2.12.0 (its `dev` extra) and its own CI image for that release builds on
-# nvcr.io/nvidia/pytorch:25.11-py3. Older bases such as 25.04 carry a TE below that range (TE
-# features megatron-core 0.16 enables behind version checks are then missing). 25.11's torch
-# (2.10.0a0, a pre-release above 2.6.0) satisfies megatron-core's torch>=2.6.0, so pip keeps the
-# image's CUDA-matched build. The build below fails if the image's torch is replaced or its TE is
-# outside the tested range. Override with --build-arg BASE_IMAGE=... (keep both conditions).
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
+# Base image: NGC PyTorch 26.06, the base megatron-core 0.19.0's own CI image builds on (its
+# docker/.ngc_version.dev). Its Python is 3.12, so pip takes the newest megatron-core that setup.py's
+# range admits (0.19.x). Its torch satisfies megatron-core's torch>=2.6.0, so pip keeps the
+# image's CUDA-matched build. Transformer Engine comes from the image: megatron-core 0.19 declares
+# no TE range (its CI runs the image's TE), so the build checks TE >= 2.9 and that megatron-core's
+# TE extension imports with it; on a base where pip takes megatron-core 0.16.1 (Python 3.11, e.g.
+# 25.11), the build checks 0.16.1's tested range >= 2.9.0a0, < 2.12.0 instead. The build fails if
+# the image's torch is replaced or its TE is outside the range. Override with
+# --build-arg BASE_IMAGE=... (keep both conditions).
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.06-py3
 FROM ${BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \
@@ -36,7 +38,7 @@ ENV PYTHONUNBUFFERED=1 \
 # Besides install_requires: the `log` extra, and the `hf` and `serve` extras, so that the image
 # also converts and exports Hugging Face folders and runs tools/serve.py on the GPU node.
 RUN TORCH_BEFORE="$(python -c 'import torch; print(torch.__version__)')" && \
-    PIP_CONSTRAINT= pip install megatron-core==0.16.1 einops sentencepiece psutil tqdm \
+    PIP_CONSTRAINT= pip install "megatron-core>=0.16.1,<0.20" einops sentencepiece psutil tqdm \
         tensorboard wandb tokenizers transformers safetensors protobuf fastapi uvicorn jinja2 && \
     TORCH_AFTER="$(python -c 'import torch; print(torch.__version__)')" && \
     if [ "$TORCH_BEFORE" != "$TORCH_AFTER" ]; then \
@@ -45,10 +47,14 @@ RUN TORCH_BEFORE="$(python -c 'import torch; print(torch.__version__)')" && \
     fi
 
 # Transformer Engine comes from the base image (megaloop's `gpu` path); check it is a version
-# megatron-core 0.16.1 was tested with before anything else is built on it.
-RUN python -c "import transformer_engine as te; from packaging.version import Version as V; \
-v = V(te.__version__.split('+')[0]); ok = V('2.9.0a0') <= v < V('2.12.0'); \
-print('transformer_engine', te.__version__, 'ok' if ok else 'outside >=2.9.0a0,<2.12.0'); \
+# the installed megatron-core was tested with before anything else is built on it.
+RUN python -c "import transformer_engine as te, importlib.metadata as m; \
+from packaging.version import Version as V; \
+mc = V(m.version('megatron-core')); v = V(te.__version__.split('+')[0]); \
+ok = V('2.9.0a0') <= v < V('2.12.0') if mc < V('0.17') else V('2.9.0a0') <= v; \
+import megatron.core.extensions.transformer_engine; \
+print('megatron-core', mc, 'transformer_engine', te.__version__, \
+'ok' if ok else 'outside the range megatron-core was tested with'); \
 raise SystemExit(0 if ok else 1)"
 
 WORKDIR /workspace/megaloop

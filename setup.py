@@ -10,9 +10,9 @@ setup(
     py_modules=["pretrain_looplm"],
     python_requires=">=3.10",
     install_requires=[
-        # megatron-core 0.16.x is the last release for Python 3.11; checkpoints are not readable
-        # across minor versions, so pin it exactly.
-        "megatron-core==0.16.1",
+        # 0.16.1 (the last release for Python 3.11, which pip takes there) through 0.19.x (Python
+        # 3.12, current GPU images); both are tested (tools/setup_mc19_venv.sh).
+        "megatron-core>=0.16.1,<0.20",
         "torch>=2.6",
         "einops",
         "numpy",

@@ -154,7 +154,27 @@ def _patch_level1() -> None:
         # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, which would recurse.
         torch.default_generator.manual_seed(seed)
 
+    class HostStream:
+        """The one stream of the host: everything already ran in order, nothing to wait for
+        (megatron-core 0.19's gradient sync waits on the current stream for CUDA-graph events)."""
+
+        def wait_event(self, _event):
+            _record("torch.cuda stream wait (no-op)")
+
+        def wait_stream(self, _stream):
+            _record("torch.cuda stream wait (no-op)")
+
+        def synchronize(self):
+            _record("torch.cuda stream synchronize (no-op)")
+
+    host_stream = HostStream()
+
+    def current_stream(device=None):
+        _record("torch.cuda.current_stream")
+        return host_stream
+
     torch.cuda.current_device = current_device
+    torch.cuda.current_stream = current_stream
     torch.cuda.synchronize = noop
     torch.cuda.empty_cache = noop
     for mod in (torch.cuda, cuda_random):

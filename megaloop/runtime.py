@@ -37,6 +37,14 @@ KNOWN_WARNINGS = (
     # torch 2.13 renamed: one FutureWarning per rank, nothing a user can change.
     (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
      FutureWarning),
+    # megatron-core 0.19 warns at import that its multimodal MIMO classes are experimental
+    # (imported by the models package; megaloop never builds one).
+    (r".*is experimental and still under active development", UserWarning),
+    # megatron-core 0.19 reads a checkpoint's common state through torch's DCP with no_dist
+    # (a --load's config read before any process group): torch says it assumes one process.
+    (r"torch\.distributed is disabled, unavailable or uninitialized", UserWarning),
+    # ... passing torch DCP's load its storage reader positionally, which torch 2.13 warns of.
+    (r"The argument order of (load|save) has been changed", UserWarning),
 )
 
 # megatron-core logging records (logger name, message substring) dropped the same way. GPTDataset
@@ -53,6 +61,12 @@ KNOWN_LOG_RECORDS = (
      "using Megatron-FSDP with Megatron"),
     ("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
      "using Megatron-FSDP with Megatron"),
+    # megatron-core 0.19 calls its own asynchronous checkpoint writer (the one megaloop drives,
+    # megaloop.compat.async_save_options) deprecated in favour of nvidia-resiliency-ext's.
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
+    # ... and reads a checkpoint's common.pt (which megaloop writes for 0.16's sake,
+    # megaloop.compat.write_common_file) through a function it calls deprecated.
+    ("megatron.core.dist_checkpointing.strategies.common", "load_common is deprecated"),
 )
 
 

@@ -9,12 +9,12 @@ import shutil
 import numpy
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as McoreNull
 
 from megaloop.data.config import DataConfig
 from megaloop.data.indexed_format import (BadIndexedDataset, IndexedWriter,
                                           check_indexed_dataset, optimal_dtype)
 from megaloop.data.tokenizers import NullTokenizer
+from test_data_tokenizers import McoreNull
 
 
 def _documents(seed: int, n: int, high: int) -> list[numpy.ndarray]:

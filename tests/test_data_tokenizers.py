@@ -10,7 +10,7 @@ import sys
 import numpy
 import pytest
 import sentencepiece
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as McoreNull
+from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as _McoreNull
 
 from megaloop.arguments import add_dataclass_args, dataclass_from_args
 from megaloop.data.config import DataConfig, TokenizerConfig
@@ -20,6 +20,16 @@ from megaloop.data.tokenizers import build_tokenizer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = ["the quiet river follows the old road.", "a=3; b=a+4; c=b*2; c=? answer: 14.",
         "A->C, B->A, C->B. start at B, follow 2 arrows. where are you? answer: C."]
+
+
+def McoreNull(vocab_size: int):
+    """megatron-core's NullTokenizer for megaloop's ``--vocab-size N`` (N ordinary ids, then EOD =
+    N; Megatron-LM's meaning through megatron-core 0.16). megatron-core 0.17 made vocab_size count
+    the EOD (EOD = N - 1); megaloop keeps the meaning, so that a flag trains the same model (and
+    reads the same data) on either version: on 0.17+ the reference is asked for N + 1."""
+    ref = _McoreNull(vocab_size)
+    return ref if ref.eod == vocab_size else _McoreNull(vocab_size + 1)
+
 
 
 def test_train_tokenizer_cli_pad_differs_from_eod(tmp_path):

@@ -181,6 +181,10 @@ def test_gpu_extra_comes_from_the_base_and_te_range_matches_megatron_core():
     except Exception:
         pytest.skip("megatron-core metadata not available")
     te = [Requirement(r) for r in reqs if r.startswith("transformer-engine")]
-    if not te:
-        pytest.skip("megatron-core declares no Transformer Engine range")
+    if not te or not str(te[0].specifier):
+        # megatron-core 0.19 declares none (its CI runs its NGC image's TE): the build then
+        # checks TE >= the lower bound and that megatron-core's TE extension imports.
+        assert "import megatron.core.extensions.transformer_engine" in text
+        assert f"else V('{low}') <= v" in text
+        return
     assert str(te[0].specifier) in (f">={low},<{high}", f"<{high},>={low}"), te[0].specifier

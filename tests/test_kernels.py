@@ -272,17 +272,18 @@ def _recording(base):
 def _recording_spec(layer_spec):
     from megatron.core.transformer.spec_utils import get_module
 
+    from megaloop.compat import submodules_of, with_submodules
     from megaloop.model.lora import TARGETS
 
     def spec(*args, **kwargs):
         s = layer_spec(*args, **kwargs)
-        sub, parents = s.submodules, {}
+        sub, parents = submodules_of(s), {}
         for name, (parent, _) in TARGETS.items():
             parent_spec = parents.get(parent, getattr(sub, parent))
-            target = getattr(parent_spec.submodules, name)
-            parents[parent] = dataclasses.replace(parent_spec, submodules=dataclasses.replace(
-                parent_spec.submodules, **{name: _recording(get_module(target))}))
-        return dataclasses.replace(s, submodules=dataclasses.replace(sub, **parents))
+            target = getattr(submodules_of(parent_spec), name)
+            parents[parent] = with_submodules(parent_spec,
+                                              **{name: _recording(get_module(target))})
+        return with_submodules(s, **parents)
 
     return spec
 

@@ -31,6 +31,7 @@ from megaloop.checkpoint.errors import CheckpointError
 from megaloop.checkpoint.format import READ_WRITE_ERRORS, agree, common_state, unwrap
 from megaloop.checkpoint.manifest import write_manifest, write_manifest_from
 from megaloop.checkpoint.tracker import TRACKER, checkpoint_dir, read_tracker, write_tracker
+from megaloop.compat import async_save_options, common_state_inside_shards, write_common_file
 
 
 def check_finite_parameters(module, iteration: int, save_dir: str) -> None:
@@ -88,7 +89,10 @@ def write_shards(save_dir: str, iteration: int, module, state: dict, *, strategy
         request = dist_checkpointing.save(state, tmp,
                                           sharded_strategy=strategy
                                           or get_default_save_sharded_strategy(),
-                                          async_sharded_save=asynchronous)
+                                          async_sharded_save=asynchronous,
+                                          **(async_save_options() if asynchronous else {}))
+        if common_state_inside_shards() and torch.distributed.get_rank() == 0:
+            write_common_file(state, tmp)  # readable by megatron-core 0.16 too
     except READ_WRITE_ERRORS as exc:  # disk full, quota, I/O error: every rank reports below
         error = exc
     # (the agreement is also the barrier: every rank's shards are on disk before going on)

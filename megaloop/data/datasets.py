@@ -36,8 +36,8 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix, parse_and_normalize_split)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megaloop.compat import cp_split
 from megaloop.data.config import DataConfig
 from megaloop.data.indexed_format import read_digest, sampled_fields
 from megaloop.data.sft import SFTDataset, lossmask_prefix
@@ -267,7 +267,7 @@ def on_this_context_parallel_rank(batch: dict) -> dict:
     group = parallel_state.get_context_parallel_group(check_initialized=False)
     if group is None or group.size() == 1:
         return batch
-    return get_batch_on_this_cp_rank(dict(batch), cp_group=group)
+    return cp_split(dict(batch), group)
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:

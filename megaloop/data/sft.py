@@ -77,7 +77,8 @@ class SFTDataset(GPTDataset):
 
     def __getitem__(self, idx: Optional[int]) -> dict[str, torch.Tensor]:
         sample = super().__getitem__(idx)
-        mask, _ = self._mask_view._query_document_sample_shuffle_indices(0 if idx is None else idx)
+        # (megatron-core 0.16 returns (tokens, document ids), 0.19 a third item too)
+        mask = self._mask_view._query_document_sample_shuffle_indices(0 if idx is None else idx)[0]
         # The stored mask marks response *tokens*; the loss is on *labels* (tokens shifted by one).
         mask = torch.from_numpy(mask[1:] if self.config.add_extra_token_to_sequence
                                 else numpy.roll(mask, -1)).float()

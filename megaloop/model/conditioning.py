@@ -37,7 +37,6 @@ before activation recomputation re-runs the core. All parameters are replicated 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megaloop.compat import with_submodules
 from megaloop.model.carry import Slot
 from megaloop.model.loop_step import ReselectStep, StepHolder
 from megaloop.model.recurrence import LoopVariant
@@ -162,7 +162,7 @@ def conditioned_spec(spec: ModuleSpec, form: str, clock: StepHolder, config) -> 
         for slot in ("input_layernorm", "pre_mlp_layernorm"):
             changes[slot] = ModuleSpec(module=ScaledNorm,
                                        params={"inner": getattr(sub, slot), "clock": clock})
-    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes))
+    return with_submodules(spec, **changes)
 
 
 class TimestepConditioning(MegatronModule, LoopVariant):

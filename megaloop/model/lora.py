@@ -44,6 +44,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, get_module
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
                                              make_sharded_tensors_for_checkpoint)
 
+from megaloop.compat import submodules_of, with_submodules
 from megaloop.model.loop_step import ReselectStep, StepHolder
 from megaloop.model.recurrence import LoopVariant
 
@@ -188,17 +189,16 @@ def lora_linear(base: type, kind: str) -> type:
 def with_lora(spec: ModuleSpec, lora: LoRASetup) -> ModuleSpec:
     """A transformer-layer spec whose four target linears carry stepwise adapters; whatever
     class (and params) the spec had for each is kept as the base."""
-    sub = spec.submodules
+    sub = submodules_of(spec)
     parents = {}
     for name, (parent, kind) in TARGETS.items():
         parent_spec = parents.get(parent, getattr(sub, parent))
-        target = getattr(parent_spec.submodules, name)
+        target = getattr(submodules_of(parent_spec), name)
         params = dict(target.params) if isinstance(target, ModuleSpec) else {}
         adapted = ModuleSpec(module=lora_linear(get_module(target), kind),
                              params={**params, "lora": lora})
-        parents[parent] = dataclasses.replace(parent_spec, submodules=dataclasses.replace(
-            parent_spec.submodules, **{name: adapted}))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **parents))
+        parents[parent] = with_submodules(parent_spec, **{name: adapted})
+    return with_submodules(spec, **parents)
 
 
 class StepwiseLoRA(LoopVariant):

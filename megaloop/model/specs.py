@@ -32,7 +32,6 @@ learnable norm of ``--normalization``), `frms` (the same without a scale) or `id
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -41,6 +40,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megaloop.compat import with_submodules
 from megaloop.model.lora import LoRASetup, with_lora
 
 NORM_SCHEMES = ("ouro", "pre", "post", "sandwich", "magic")
@@ -121,15 +121,12 @@ def _with_input_norms(spec: ModuleSpec, norm, use_te: bool) -> ModuleSpec:
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
         from megatron.core.models.gpt import gpt_layer_specs
 
-        attn = dataclasses.replace(attn, submodules=dataclasses.replace(
-            attn.submodules, linear_qkv=TEColumnParallelLinear))
-        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
-            mlp.submodules, linear_fc1=TEColumnParallelLinear))
+        attn = with_submodules(attn, linear_qkv=TEColumnParallelLinear)
+        mlp = with_submodules(mlp, linear_fc1=TEColumnParallelLinear)
         local = gpt_layer_specs.get_gpt_layer_local_spec().submodules
         keys_map = {**keys_map, **local.sharded_state_dict_keys_map}
-    return dataclasses.replace(spec, submodules=dataclasses.replace(
-        sub, self_attention=attn, mlp=mlp, input_layernorm=norm, pre_mlp_layernorm=norm,
-        sharded_state_dict_keys_map=keys_map))
+    return with_submodules(spec, self_attention=attn, mlp=mlp, input_layernorm=norm,
+                           pre_mlp_layernorm=norm, sharded_state_dict_keys_map=keys_map)
 
 
 def layer_spec(config, norm_scheme: str, use_te: bool, unfuse_input_norms: bool = False,
@@ -162,8 +159,7 @@ def layer_spec(config, norm_scheme: str, use_te: bool, unfuse_input_norms: bool 
         where = "branch" if norm_scheme == "ouro" else "sum"
         bda = ModuleSpec(module=NormedBiasDropoutAdd,
                          params={"config": config, "norm": norm, "where": where})
-        submodules = dataclasses.replace(spec.submodules, self_attn_bda=bda, mlp_bda=bda)
-        spec = dataclasses.replace(spec, submodules=submodules)
+        spec = with_submodules(spec, self_attn_bda=bda, mlp_bda=bda)
     if lora is not None:
         spec = with_lora(spec, lora)
     return spec

@@ -42,6 +42,7 @@ from megaloop.checkpoint.save import publish, write_shards
 from megaloop.checkpoint.tracker import (TRACKER, available_iterations, checkpoint_dir,
                                          read_tracker, remove_stale_saves,  # noqa: F401
                                          resolve, write_tracker)
+from megaloop.compat import groups_paired_as_in_0_16
 from megaloop.training.async_checkpointing import collect_sidecars
 from megaloop.training.checkpoint_fit import (ARCHITECTURE, compare_architecture,
                                               compare_optimizer_groups, compare_schedule,
@@ -326,7 +327,8 @@ def _load_optimizer(optimizer, state: dict, path: str) -> None:
             deferred = st.pop("param_state")
             st.pop("param_state_sharding_type")
         try:
-            opt.load_state_dict(st)
+            with groups_paired_as_in_0_16():
+                opt.load_state_dict(st)
         except (ValueError, KeyError) as exc:  # megatron-core matches the saved groups to ours
             raise CheckpointMismatch(
                 f"{path}: the checkpoint's optimizer parameter groups are not this run's "

@@ -100,7 +100,7 @@ def describe_samples(dataset, first: int, count: int, limit: int = 4) -> str:
         name = _dataset_name(ds)
         per_dataset[name] += 1
         if len(documents) < limit and hasattr(ds, "_query_document_sample_shuffle_indices"):
-            _, ids = ds._query_document_sample_shuffle_indices(j)
+            ids = ds._query_document_sample_shuffle_indices(j)[1]  # (0.19 adds a third item)
             documents.append(f"{os.path.basename(name)}[{j}]: {[int(d) for d in ids]}")
     text = (f"samples {first}..{first + count - 1} of the training stream, from "
             + ", ".join(f"{name} ({n})" for name, n in per_dataset.items()))
