@@ -6,6 +6,8 @@
   schedule's bounds from 0.17 on (``groups_paired_as_in_0_16``).
 - Asynchronous saves: 0.19 defaults to NVIDIA Resiliency Extension's writer (``nvrx``, a
   package of its own); megaloop keeps megatron-core's own (``async_save_options``).
+- A checkpoint writer's failure: 0.19's in-process writer reports it by its class alone, which
+  hid "disk full" (``keep_writer_errors``).
 - A layer spec's sub-module slots: 0.16 gives every slot as a ``ModuleSpec`` (its ``submodules``
   a dataclass); 0.19 gives the MLP slot as ``functools.partial(MLP.as_mlp_submodule,
   submodules=MLPSubmodules(...))``. ``submodules_of`` and ``with_submodules`` read and replace
@@ -116,3 +118,33 @@ def groups_paired_as_in_0_16():
     finally:
         for m, keys in zip(modules, saved):
             m.param_group_identifier_keys = keys
+
+
+_writer_errors_kept = False
+
+
+def keep_writer_errors() -> None:
+    """Under megatron-core 0.17+, let a checkpoint writer's exception reach the save's error with
+    its text. 0.19's ``FileSystemWriterAsync`` runs its first write bucket in the calling process
+    or thread, which returns the exception it caught (an ``OSError`` with errno ENOSPC on a full
+    disk) instead of the written items; its caller then fails an ``assert isinstance(..., list)``
+    whose message is only the class, and the save's error no longer says which errno it was
+    (megaloop.checkpoint.save names a full disk from it). Re-raising the returned exception makes
+    the caller's own message quote it, as 0.16's did. The other buckets run in threads that
+    report through a queue and are left as they are. Idempotent; a no-op before 0.17."""
+    global _writer_errors_kept
+    if _writer_errors_kept or not common_state_inside_shards():
+        return
+    _writer_errors_kept = True
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    write = FileSystemWriterAsync.write_preloaded_data
+
+    def write_raising(*args, **kwargs):
+        out = write(*args, **kwargs)
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Exception):
+            raise out[1]
+        return out
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_raising)

@@ -31,7 +31,8 @@ from megaloop.checkpoint.errors import CheckpointError
 from megaloop.checkpoint.format import READ_WRITE_ERRORS, agree, common_state, unwrap
 from megaloop.checkpoint.manifest import write_manifest, write_manifest_from
 from megaloop.checkpoint.tracker import TRACKER, checkpoint_dir, read_tracker, write_tracker
-from megaloop.compat import async_save_options, common_state_inside_shards, write_common_file
+from megaloop.compat import (async_save_options, common_state_inside_shards, keep_writer_errors,
+                             write_common_file)
 
 
 def check_finite_parameters(module, iteration: int, save_dir: str) -> None:
@@ -84,6 +85,7 @@ def write_shards(save_dir: str, iteration: int, module, state: dict, *, strategy
     fail_save_if_any(error, save_dir, iteration, tmp)
     if not asynchronous:
         _use_in_process_results_queue()
+    keep_writer_errors()  # (before the save forks its writer: the fork inherits it)
     request = None
     try:
         request = dist_checkpointing.save(state, tmp,
