@@ -43,6 +43,8 @@ PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
 FOREIGN = {"sbatch", "srun", "docker", "curl", "pip", "pytest", "scontrol", "git", "export",
            "tar", "ls", "cd", "cat", "kill"}
 FLAG = re.compile(r"(?<![\w\-/.])--[A-Za-z][A-Za-z0-9_\-]*\*?")  # `--moe-*`: a family
+# The studies' shared modules (no command line of their own).
+STUDY_LIBRARIES = {"study.py", "verdicts.py"}
 # Shell scripts that hand their flags to a Python program: a recipe's go to the trainer, a
 # study's to every study (examples/studies/run_all.sh passes "$@" to each).
 SHELL_TO_PYTHON = {"tools/gpu_check.sh": ["-m megaloop.gpu_check"],
@@ -52,7 +54,7 @@ SHELL_TO_PYTHON = {"tools/gpu_check.sh": ["-m megaloop.gpu_check"],
                    "examples/studies/run_all.sh": sorted(
                        os.path.relpath(p, ROOT)
                        for p in glob.glob(os.path.join(ROOT, "examples/studies/*.py"))
-                       if not p.endswith("study.py"))}
+                       if os.path.basename(p) not in STUDY_LIBRARIES)}
 
 
 # ---------------------------------------------------------------------------------- the pages
@@ -276,7 +278,7 @@ def _all_flags() -> frozenset[str]:
                 + sorted(os.path.relpath(p, ROOT) for pattern in
                          ("tools/*.py", "examples/studies/*.py", "benchmarks/*.py")
                          for p in glob.glob(os.path.join(ROOT, pattern))
-                         if not p.endswith("study.py")))
+                         if os.path.basename(p) not in STUDY_LIBRARIES))
     return frozenset().union(*(flags_of(p) for p in programs))
 
 

@@ -53,19 +53,66 @@ def test_spread_and_verdict_rule_on_hand_computed_numbers():
     # [1.0, 1.2, 1.1]: mean 1.1, deviations -0.1, 0.1, 0, sample variance 0.02 / 2 = 0.01
     mean, sd = mean_sd([1.0, 1.2, 1.1])
     assert math.isclose(mean, 1.1) and math.isclose(sd, 0.1)
-    assert spread([1.0, 1.2, 1.1]) == "1.100 ± 0.100"
+    assert spread([1.0, 1.2, 1.1]) == "1.100 ± 0.100 (1.000 / 1.200 / 1.100)"
     # against [1.5, 1.7, 1.6] (sd 0.1): pooled sd 0.1, |diff| 0.5 > 0.2
     diff, word = compare([1.0, 1.2, 1.1], [1.5, 1.7, 1.6])
     assert math.isclose(diff, -0.5) and word == "beyond spread"
     # against [1.2, 1.4, 1.0] (mean 1.2, sd 0.2): pooled sqrt((0.01 + 0.04) / 2) = 0.158,
-    # |diff| 0.1 < 0.316
-    assert compare([1.0, 1.2, 1.1], [1.2, 1.4, 1.0])[1] == "within spread"
+    # |diff| 0.1 < 0.316: no difference shown, and no equality either
+    assert compare([1.0, 1.2, 1.1], [1.2, 1.4, 1.0])[1] == "not distinguishable at 3 seeds"
     # the boundary: sd 0.1 each, |diff| 0.19 within, 0.21 beyond (2 x pooled = 0.2)
-    assert compare([0.9, 1.0, 1.1], [1.09, 1.19, 1.29])[1] == "within spread"
+    assert compare([0.9, 1.0, 1.1], [1.09, 1.19, 1.29])[1] == "not distinguishable at 3 seeds"
     assert compare([0.9, 1.0, 1.1], [1.11, 1.21, 1.31])[1] == "beyond spread"
+    assert compare([0.9, 1.0, 1.1], [1.0, 1.1])[1] == "not distinguishable at 3 and 2 seeds"
     # one seed: no sd, no verdict
     assert math.isnan(mean_sd([2.0])[1]) and spread([2.0]) == "2.000"
     assert verdict_cell([2.0], [1.0]) == "+1.000, one seed: no verdict"
+
+
+def test_equivalence_needs_a_margin_and_a_narrow_interval():
+    """Two one-sided tests at 5% as a 90% Welch interval inside (-m, m), on numbers worked out
+    by hand: a = [0.50, 0.51, 0.49] (mean 0.5, sd 0.01), b = [0.50, 0.52, 0.50] (mean 0.50667,
+    sd 0.011547). Variances of the means 3.333e-5 and 4.444e-5, se = 0.0088192; Welch df =
+    (7.778e-5)^2 / ((3.333e-5)^2 / 2 + (4.444e-5)^2 / 2) = 3.92, so t(0.95, 3) = 2.353 and the
+    interval is -0.006667 ± 0.020752 = (-0.027419, 0.014085)."""
+    from verdicts import difference_interval, t95
+
+    from study import compare, verdict_cell
+
+    a, b = [0.50, 0.51, 0.49], [0.50, 0.52, 0.50]
+    low, high = difference_interval(a, b)
+    assert math.isclose(low, -0.027419, abs_tol=2e-6) and math.isclose(high, 0.014085,
+                                                                      abs_tol=2e-6)
+    assert t95(3.92) == 2.353 and t95(0.5) == 6.314 and t95(100) == 1.697
+    assert compare(a, b, margin=0.05)[1] == "equivalent within ±0.05"
+    assert compare(a, b, margin=0.02)[1] == "not distinguishable at 3 seeds"  # 0.0274 > 0.02
+    assert compare(a, b)[1] == "not distinguishable at 3 seeds"  # no margin: no equivalence
+    assert verdict_cell(a, b, margin=0.05) == "-0.007, equivalent within ±0.05"
+    # A wide spread never reads as the same: loop vs dense 8 at k = 4 (seeds 1234 / 1235 / 1236
+    # of the published table); the difference -0.21 is within spread and far from equivalent.
+    loop, dense = [0.99, 0.14, 0.24], [0.33, 1.00, 0.67]
+    assert compare(loop, dense, margin=0.1)[1] == "not distinguishable at 3 seeds"
+    low, high = difference_interval(loop, dense)
+    assert low < -0.5 and high > 0.1
+
+
+def test_split_seeds_are_flagged():
+    from study import spread
+
+    # sorted 0.14 / 0.24 / 0.99 leave a gap of 0.75 > 0.5: one seed learned, two did not
+    assert spread([0.99, 0.14, 0.24]).endswith("(0.990 / 0.140 / 0.240, split)")
+    # 0.33 / 0.67 / 1.00: gaps of 0.34 and 0.33, no split
+    assert "split" not in spread([0.33, 1.00, 0.67])
+    # not accuracy-like (a loss of 1.5 and 0.2): never flagged
+    assert "split" not in spread([1.5, 0.2, 0.25])
+
+
+def test_t_table_equals_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    from verdicts import T95
+
+    for df, value in enumerate(T95, start=1):
+        assert math.isclose(value, stats.t.ppf(0.95, df), abs_tol=6e-4), df
 
 
 def test_unigram_entropy_of_a_hand_made_corpus(tmp_path):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import sys
@@ -42,6 +41,10 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from verdicts import (VERDICT_RULE, compare, mean_sd, spread,  # noqa: E402,F401  (studies' names)
+                      verdict_cell)
 
 SIZES = {
     # hidden, heads, seq, micro/global batch, iterations, lr, warmup, eval iters, corpus docs,
@@ -76,10 +79,6 @@ REASONING = {"automaton": AUTOMATON}
 # iteration.
 REASONING_MODEL = {"tiny": dict(hidden=32), "cpu": dict(hidden=64),
                    "gpu": dict(hidden=512, heads=8)}
-
-VERDICT_RULE = ("a difference is *beyond spread* when |mean difference| > 2 x the pooled "
-                "standard deviation sqrt((sd_a^2 + sd_b^2) / 2) of the two arms' seeds (sample "
-                "sd), *within spread* otherwise; with one seed per arm there is no verdict")
 
 
 # An arm has left the initial plateau (the loss of predicting token frequencies alone) when its
@@ -125,35 +124,6 @@ def whole_problems(prefix: str, seq: int) -> int:
         raise ValueError(f"{prefix}: a problem is {length} tokens, longer than the {seq}-token "
                          f"sequence")
     return seq // length * length
-
-
-def mean_sd(values: list) -> tuple[float, float]:
-    """Mean and sample standard deviation (n - 1; NaN for one value)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, float("nan")
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-
-
-def compare(a: list, b: list) -> tuple[float, str]:
-    """(mean(a) - mean(b), verdict under VERDICT_RULE)."""
-    (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
-    if len(a) < 2 or len(b) < 2:
-        return ma - mb, "one seed: no verdict"
-    pooled = math.sqrt((sa ** 2 + sb ** 2) / 2)
-    return ma - mb, "beyond spread" if abs(ma - mb) > 2 * pooled else "within spread"
-
-
-def spread(values: list, digits: int = 3) -> str:
-    """``mean ± sd`` (the value alone for one seed)."""
-    mean, sd = mean_sd(values)
-    return f"{mean:.{digits}f}" if len(values) < 2 else f"{mean:.{digits}f} ± {sd:.{digits}f}"
-
-
-def verdict_cell(a: list, b: list, digits: int = 3) -> str:
-    diff, word = compare(a, b)
-    return f"{diff:+.{digits}f}, {word}"
 
 
 def _child(fn, args, queue):
@@ -391,7 +361,7 @@ class Study:
         lines = [f"# {title}", "",
                  f"Size `{self.size['name']}`, {time.strftime('%Y-%m-%d')}, "
                  f"{time.time() - self.started:.0f} s, seeds {', '.join(map(str, self.seeds))}"
-                 f" (mean ± sample sd over them). Command: `{command}`", "",
+                 f" (mean ± sample sd over them, then each seed's value). Command: `{command}`", "",
                  f"Verdicts: {VERDICT_RULE}.", ""]
         for section in sections:
             lines += [section, ""]
