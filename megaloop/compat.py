@@ -8,6 +8,8 @@
   package of its own); megaloop keeps megatron-core's own (``async_save_options``).
 - A checkpoint writer's failure: 0.19's in-process writer reports it by its class alone, which
   hid "disk full" (``keep_writer_errors``).
+- A GPT dataset's sample query returns (tokens, document ids) in 0.16 and a third item in
+  0.19 (``tokens_and_documents``).
 - A layer spec's sub-module slots: 0.16 gives every slot as a ``ModuleSpec`` (its ``submodules``
   a dataclass); 0.19 gives the MLP slot as ``functools.partial(MLP.as_mlp_submodule,
   submodules=MLPSubmodules(...))``. ``submodules_of`` and ``with_submodules`` read and replace
@@ -21,6 +23,16 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import os
+
+
+@functools.lru_cache(maxsize=None)
+def mcore_version() -> tuple[int, int]:
+    """(major, minor) of the installed megatron-core."""
+    from importlib.metadata import version
+
+    major, minor = version("megatron-core").split(".")[:2]
+    return int(major), int(minor)
 
 
 def submodules_of(spec):
@@ -50,10 +62,7 @@ COMMON_FILE = "common.pt"
 
 def common_state_inside_shards() -> bool:
     """Whether this megatron-core keeps the common state in the torch_dist files (>= 0.17)."""
-    from importlib.metadata import version
-
-    major, minor = (int(x) for x in version("megatron-core").split(".")[:2])
-    return (major, minor) >= (0, 17)
+    return mcore_version() >= (0, 17)
 
 
 def async_save_options() -> dict:
@@ -71,14 +80,20 @@ def write_common_file(state: dict, folder: str) -> None:
     """Rank 0: ``state``'s common part (what megatron-core's save keeps out of the shards:
     neither sharded nor local non-persistent entries) to ``folder``/common.pt, as megatron-core
     0.16 writes it. Call after ``dist_checkpointing.save`` has applied the state's factories."""
-    import os
-
     import torch
     from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 
     _, persistent = extract_nonpersistent(state)
     _, common = extract_sharded_base(persistent)
     torch.save(common, os.path.join(folder, COMMON_FILE))
+
+
+# --- data ------------------------------------------------------------------------------------
+def tokens_and_documents(dataset, idx: int):
+    """(token ids, document ids) of sample ``idx`` of a megatron-core GPTDataset, whatever else
+    this version's ``_query_document_sample_shuffle_indices`` returns with them."""
+    out = dataset._query_document_sample_shuffle_indices(idx)
+    return out[0], out[1]
 
 
 # --- context parallelism ----------------------------------------------------------------------
@@ -133,7 +148,7 @@ def keep_writer_errors() -> None:
     the caller's own message quote it, as 0.16's did. The other buckets run in threads that
     report through a queue and are left as they are. Idempotent; a no-op before 0.17."""
     global _writer_errors_kept
-    if _writer_errors_kept or not common_state_inside_shards():
+    if _writer_errors_kept or mcore_version() < (0, 17):
         return
     _writer_errors_kept = True
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (

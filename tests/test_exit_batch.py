@@ -20,7 +20,7 @@ V = VOCAB - 6
 LOOP = {"num_loops": 4, "num_coda_layers": 1, "num_prelude_layers": 1}
 
 
-def _build(rule_text):
+def _build():
     model = _model({}, LOOP)
     _sharp_gate(model)
     model.eval()
@@ -45,7 +45,7 @@ def _generator_batch_vs_alone(rank, world, rule_text):
     from megaloop.inference.generate import Generator, SamplingParams
 
     setup_parallel(world)
-    model = _build(rule_text)
+    model = _build()
     rule = parse_exit(rule_text)
     params = SamplingParams()  # greedy: Generator draws a whole batch's samples at once
     gen = Generator(model, V, num_loops=4, exit_rule=rule)
@@ -86,7 +86,7 @@ def _first_token(rank, world, rule_text):
     from megaloop.inference.generate import Generator, SamplingParams
 
     setup_parallel(world)
-    model = _build(rule_text)
+    model = _build()
     rule = parse_exit(rule_text)
     engine = InferenceEngine(model, V, exit_rule=rule, config=EngineConfig(
         max_sequence_length=16, max_batch=4, block_size=4, prefill_chunk=3))

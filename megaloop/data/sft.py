@@ -43,6 +43,7 @@ import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megaloop.compat import tokens_and_documents
 from megaloop.data.config import SFT_LOSSMASK_SUFFIX, SFT_TEXT_SUFFIX
 
 
@@ -77,8 +78,7 @@ class SFTDataset(GPTDataset):
 
     def __getitem__(self, idx: Optional[int]) -> dict[str, torch.Tensor]:
         sample = super().__getitem__(idx)
-        # (megatron-core 0.16 returns (tokens, document ids), 0.19 a third item too)
-        mask = self._mask_view._query_document_sample_shuffle_indices(0 if idx is None else idx)[0]
+        mask, _ = tokens_and_documents(self._mask_view, 0 if idx is None else idx)
         # The stored mask marks response *tokens*; the loss is on *labels* (tokens shifted by one).
         mask = torch.from_numpy(mask[1:] if self.config.add_extra_token_to_sequence
                                 else numpy.roll(mask, -1)).float()

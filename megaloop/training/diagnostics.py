@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megaloop.compat import tokens_and_documents
 from megaloop.device import current_device
 from megaloop.model.instruments import (GEOMETRY_KEYS, LoopGeometry,  # noqa: F401
                                         StepGradNorms)
@@ -100,7 +101,7 @@ def describe_samples(dataset, first: int, count: int, limit: int = 4) -> str:
         name = _dataset_name(ds)
         per_dataset[name] += 1
         if len(documents) < limit and hasattr(ds, "_query_document_sample_shuffle_indices"):
-            ids = ds._query_document_sample_shuffle_indices(j)[1]  # (0.19 adds a third item)
+            _, ids = tokens_and_documents(ds, j)
             documents.append(f"{os.path.basename(name)}[{j}]: {[int(d) for d in ids]}")
     text = (f"samples {first}..{first + count - 1} of the training stream, from "
             + ", ".join(f"{name} ({n})" for name, n in per_dataset.items()))
