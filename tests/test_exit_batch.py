@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from distributed import run_distributed, setup_parallel
+from megaloop.device import current_device
 from test_inference import VOCAB, _model, _sharp_gate
+from test_placement import check_placement
 
 PROMPTS = [[5, 6], [9, 10, 11, 12, 13, 14, 15], [17, 18, 19, 20, 21]]
 MAX_TOKENS = 5
@@ -41,6 +43,7 @@ def _recording(gen):
 
 
 def _generator_batch_vs_alone(rank, world, rule_text):
+    check_placement()  # as on a GPU: model and cache on the device, prompts moved there
     from megaloop.inference.early_exit import parse_exit
     from megaloop.inference.generate import Generator, SamplingParams
 
@@ -81,6 +84,7 @@ def _first_token(rank, world, rule_text):
     """Per prompt: the log-probs Generator and the engine draw the first token from, the
     teacher-forced log-probs of the last prompt position under the rule and at step T, and the
     rule's step there."""
+    check_placement()
     from megaloop.inference.early_exit import exit_log_probs, parse_exit
     from megaloop.inference.engine import EngineConfig, InferenceEngine
     from megaloop.inference.generate import Generator, SamplingParams
@@ -98,8 +102,8 @@ def _first_token(rank, world, rule_text):
         gen = Generator(model, V, num_loops=4, exit_rule=rule)
         seen = _recording(gen)
         gen.generate([prompt], 1)
-        ids = torch.tensor([prompt])
-        pos = torch.arange(len(prompt)).unsqueeze(0)
+        ids = torch.tensor([prompt], device=current_device())  # where the model is
+        pos = torch.arange(len(prompt), device=current_device()).unsqueeze(0)
         with torch.no_grad():
             ruled, depth = exit_log_probs(model, ids, pos, 4, rule, V)
             full, _ = exit_log_probs(model, ids, pos, 4, None, V)
