@@ -557,7 +557,7 @@ def main(argv=None) -> int:
             print(f"note: {servers[i].label} exit {servers[i].exit_rule or 'off'} c{c}: {chunks} "
                   f"token chunks for {tokens} tokens")
     if hf_runs:
-        print("\n| Hugging Face generate() (export-hf folder, no KV cache) | batch | output tok/s |"
+        print("\n| Hugging Face generate() (export-hf folder, KV cache) | batch | output tok/s |"
               "\n|---|---|---|")
         for b, runs in hf_runs.items():
             print(f"| greedy, {a.max_tokens} new tokens | {b} | {Spread.of(runs).fmt()} |")

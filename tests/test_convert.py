@@ -333,7 +333,7 @@ def test_tool_round_trip_and_errors(tmp_path):
     theirs, exported = _hf_logits(str(tmp_path / "out"), ids, (1,))
     with torch.no_grad():
         assert (theirs[1] - hf(ids).logits).abs().max().item() < 1e-4
-        # generate() works (no KV cache: the prefix is re-run) and is greedy decoding.
+        # generate() is greedy decoding (its cache: tests/test_export_cache.py).
         out = exported.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
         x = ids[:1, :4]
         for _ in range(3):

@@ -8,8 +8,12 @@
                                                       # each token's exit step's (Ouro's rule)
 
 It computes exactly what megaloop's LoopedGPTModel computes (megaloop's export test compares the
-logits), at any loop count: ``total_ut_steps`` in the config, or ``num_loops=`` per call. There is
-no KV cache: generation re-runs the whole prefix for every new token, which is correct and slow.
+logits), at any loop count: ``total_ut_steps`` in the config, or ``num_loops=`` per call.
+
+Generation keeps a key/value cache per layer and per loop step (one ``DynamicCache`` entry each:
+prelude layers first, then the coda's, then step 1's core layers, step 2's, ...), so every new
+token runs all T steps over itself alone and ``generate()`` is linear in length. A cache serves
+one loop count: it is refused when the call asks for more steps than it holds.
 """
 
 import math
@@ -17,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_megaloop import MegaloopConfig, OuroConfig
@@ -94,7 +98,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, mask, step):
+    def forward(self, x, cos, sin, mask, step, cache=None, index=None):
         b, s, _ = x.shape
         q = self.q_proj(x, step).view(b, s, self.heads, self.head_dim)
         k = self.k_proj(x, step).view(b, s, self.groups, self.head_dim)
@@ -104,6 +108,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if cache is not None:  # the keys and values of this layer at this step, all positions
+            k, v = cache.update(k, v, index)
         repeat = self.heads // self.groups  # query head j reads key/value head j // repeat
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
@@ -140,8 +146,8 @@ class DecoderLayer(nn.Module):
             self.input_layernorm_2 = RMSNorm(config.hidden_size, eps)
             self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x, cos, sin, mask, step=0):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, step)
+    def forward(self, x, cos, sin, mask, step=0, cache=None, index=None):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, step, cache, index)
         x = x + (self.input_layernorm_2(a) if self.ouro else a)
         m = self.mlp(self.post_attention_layernorm(x), step)
         return x + (self.post_attention_layernorm_2(m) if self.ouro else m)
@@ -207,34 +213,44 @@ class MegaloopModel(MegaloopPreTrainedModel):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, num_loops=None,
-                exit_rule=None):
+                exit_rule=None, cache=None):
         b, s = input_ids.shape
         device = input_ids.device
+        c = self.config
+        steps = num_loops or c.total_ut_steps
+        prelude, coda, core = len(self.prelude), len(self.coda), len(self.layers)
+        past = cache.get_seq_length() if cache is not None else 0
+        if past and len(cache) < prelude + coda + steps * core:
+            raise ValueError(f"num_loops {steps}: this cache was filled at fewer loop steps; "
+                             f"start a new cache for a different loop count")
         if position_ids is None:
-            position_ids = torch.arange(s, device=device)[None].expand(b, s)
-        mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
+            position_ids = torch.arange(past, past + s, device=device)[None].expand(b, s)
+        # query i (at position past + i) reads keys 0 .. past + i
+        mask = torch.ones(s, past + s, dtype=torch.bool, device=device).tril(past)[None, None]
         if attention_mask is not None:  # padding: nobody attends to a padded key
+            if attention_mask.shape[-1] != past + s:
+                raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns: give "
+                                 f"one per cached and new token ({past} + {s})")
             mask = mask & attention_mask[:, None, None, :].bool()
         e = self.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, e.dtype)
         h = e
-        for layer in self.prelude:
-            h = layer(h, cos, sin, mask)
-        src = e if self.config.injection_source == "embedding" else h
-        steps = num_loops or self.config.total_ut_steps
+        for i, layer in enumerate(self.prelude):
+            h = layer(h, cos, sin, mask, cache=cache, index=i)
+        src = e if c.injection_source == "embedding" else h
         outputs = []
         for t in range(steps):
             if t > 0 and self.input_injection is not None:
                 h = self.input_injection(h, src)
-            for layer in self.layers:
-                h = layer(h, cos, sin, mask, t)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos, sin, mask, t, cache, prelude + coda + t * core + i)
             y = self.norm(h)
-            h = y if self.config.step_norm_placement == "recurrent" else h
+            h = y if c.step_norm_placement == "recurrent" else h
             outputs.append(y)
         if exit_rule is not None:
             y = select_exit_step(outputs, self.early_exit_gate, *exit_rule)
-        for layer in self.coda:
-            y = layer(y, cos, sin, mask)
+        for i, layer in enumerate(self.coda):
+            y = layer(y, cos, sin, mask, cache=cache, index=prelude + i)
         return self.coda_norm(y) if self.coda_norm is not None else y
 
 
@@ -282,22 +298,45 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
             raise ValueError(f"early_exit_threshold {threshold}: this model has no exit gate")
         return step, threshold
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls):
+        # generate() would size its own cache by num_hidden_layers; this model needs one entry
+        # per layer and loop step, and makes its cache in forward (use_cache=True).
+        return False
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
-                num_loops=None, exit_at_step=None, exit_threshold=None, **kwargs):
+                num_loops=None, exit_at_step=None, exit_threshold=None, use_cache=None,
+                cache=None, past_key_values=None, **kwargs):
         # As in Ouro's code, the exit rule picks each token's step for prediction; a loss
         # (labels) is the last step's.
         rule = None if labels is not None else self.exit_rule(exit_at_step, exit_threshold)
-        hidden = self.model(input_ids, attention_mask, position_ids, num_loops, rule)
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache()
+        hidden = self.model(input_ids, attention_mask, position_ids, num_loops, rule, cache)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)
         loss = None
         if labels is not None:  # next-token cross-entropy of the last step
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        # transformers 5 names the output's cache "cache", 4.x "past_key_values"
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past = cache.get_seq_length() if cache is not None else 0
+        inputs = {"input_ids": input_ids[:, past:], "attention_mask": attention_mask,
+                  "use_cache": kwargs.get("use_cache"), "cache": cache}
+        # this model's own generate() arguments pass through to forward
+        for name in ("num_loops", "exit_at_step", "exit_threshold"):
+            if kwargs.get(name) is not None:
+                inputs[name] = kwargs[name]
+        return inputs
+
+
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else \
+    "past_key_values"
 
 
 class OuroForCausalLM(MegaloopForCausalLM):
