@@ -119,6 +119,7 @@ def test_cached_generate_is_greedy_decoding_one_token_per_forward(exported):
     seen = []
     hook = model.get_input_embeddings().register_forward_hook(
         lambda module, args, out: seen.append(args[0].shape[1]))
+    greedy = {}
     try:
         for kw in _calls(kind):
             outs = {}
@@ -137,8 +138,11 @@ def test_cached_generate_is_greedy_decoding_one_token_per_forward(exported):
             assert seen == [ids.shape[1]] + [1] * (NEW - 1), seen
             if not kw:  # at the trained depth: megaloop's greedy continuation of each prompt
                 assert outs[True].tolist() == expected, (kind, outs[True].tolist(), expected)
+            greedy[str(kw)] = outs[True].tolist()
     finally:
         hook.remove()
+    # generate() hands num_loops and the exit arguments on to forward (they change the text)
+    assert len({str(v) for v in greedy.values()}) == len(greedy), greedy
 
 
 def test_a_cache_of_fewer_steps_is_refused(exported):
