@@ -75,13 +75,12 @@ def _alone_chunked(model, prompt, max_tokens, policy, rule, params, chunk):
     padding), then decoded: under the one-slot and mod-k policies a chunk reads the earlier
     chunks' cached K/V as decoding does, so chunking is part of what is computed."""
     from megaloop.inference import early_exit
-    from megaloop.inference.generate import sample
     from megaloop.inference.kv_cache import LoopKVCache
+    from megaloop.inference.sampling import sample_rows
 
     rule = rule and early_exit.parse_exit(rule)
     T = model.loop.num_loops
     kv = LoopKVCache(1, len(prompt) + max_tokens, policy)
-    generator = torch.Generator().manual_seed(params.seed)
     seq, out, seen, depths = list(prompt), [], [], []
     while len(out) < max_tokens:
         start = kv.offset
@@ -101,7 +100,8 @@ def _alone_chunked(model, prompt, max_tokens, policy, rule, params, chunk):
             continue
         logits = logits[0, -1, :V].float().unsqueeze(0)
         seen.append(torch.log_softmax(logits[0], -1))
-        token = int(sample(logits, params, generator)[0])
+        token = int(sample_rows(logits, [params.temperature], [params.top_k], [params.top_p],
+                                [params.seed], [0], [len(out)])[0][0])
         out.append(token)
         seq.append(token)
     return out, torch.stack(seen), depths
@@ -446,7 +446,7 @@ def test_a_row_whose_sampling_fails_ends_alone():
     not fail, and every other row answers as alone."""
     rows, alone, used, has_work = run_distributed(_sampling_fault, 1)[0]
     out, finish, error = rows[1]
-    assert out == [] and finish == "cancelled" and "probability tensor" in error, rows[1]
+    assert out == [] and finish == "cancelled" and "cannot sample this row" in error, rows[1]
     for i in (0, 2, 3):
         assert rows[i][:2] == (alone[i], "length"), (i, rows[i], alone[i])
     assert used == 0 and not has_work

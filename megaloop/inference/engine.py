@@ -21,9 +21,11 @@ attention mask for the padding (decode forwards over the same rows reuse it whil
 columns), and writes the new tokens' K/V back into their blocks. Every KV
 policy works as in ``Generator`` (the gathered view is a ``LoopKVCache``).
 
-Each request samples from its own CPU generator seeded by its ``SamplingParams.seed``, one draw
-per token, so its tokens are those of ``Generator`` decoding it alone (tests/test_engine.py),
-whatever else is in the batch, and every tensor-parallel rank draws the same ones.
+All rows of a forward sample in one call (megaloop/inference/sampling.py), each from the
+counter-based stream of its ``SamplingParams.seed`` and its ``stream``, with one transfer of the
+chosen ids to the host; so a request's tokens are those of ``Generator`` decoding it alone
+(tests/test_engine.py), whatever else is in the batch, and every tensor-parallel rank draws the
+same ones.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ import torch.nn.functional as F
 from megaloop.device import current_device
 from megaloop.inference import early_exit
 from megaloop.inference.flags import check_num_loops, check_sampling, check_seed
-from megaloop.inference.generate import SamplingParams, sample
+from megaloop.inference.generate import SamplingParams
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
+from megaloop.inference.sampling import sample_rows
 
 
 # Columns a decode forward's gathered cache keeps free, so that the next SPARE_COLUMNS decode
@@ -99,7 +102,8 @@ class Request:
     blocks: list = field(default_factory=list)
     cached: int = 0
     """Tokens in the KV cache (prompt prefilled so far, then generated tokens fed back)."""
-    generator: Optional[torch.Generator] = None
+    stream: int = 0
+    """Its random stream under ``params.seed`` (``Generator`` row i draws from stream i)."""
 
 
 class InferenceEngine:
@@ -157,7 +161,7 @@ class InferenceEngine:
     # --- the caller's side ----------------------------------------------------------------
     def add(self, prompt: list, max_tokens: int, params: SamplingParams = SamplingParams(),
             on_token: Optional[Callable] = None, record_logprobs: bool = False,
-            ignore_eos: bool = False) -> Request:
+            ignore_eos: bool = False, stream: int = 0) -> Request:
         """Queue a request (admitted at a later ``step()``). ``on_token(request, token)`` is
         called on the thread running ``step()`` right after each token is sampled; True
         finishes the request (``stop``). An exception it raises, or one raised sampling the
@@ -182,8 +186,7 @@ class InferenceEngine:
                              f"pool's --num-blocks {self.allocator.num_blocks}")
         with self._lock:
             request = Request(self._next_id, list(prompt), max_tokens, params, on_token,
-                              record_logprobs, ignore_eos)
-            request.generator = torch.Generator().manual_seed(params.seed)
+                              record_logprobs, ignore_eos, stream=stream)
             self._next_id += 1
             self._queue.append(request)
         return request
@@ -301,7 +304,7 @@ class InferenceEngine:
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_tokens"] += n
         if request.cached == len(request.prompt):
-            self._emit(request, logits[0, -1], self.num_loops, finished)
+            self._emit([request], logits[:, -1], [self.num_loops], finished)
 
     def _decode(self, requests: list, finished: list) -> None:
         device = current_device()
@@ -313,23 +316,35 @@ class InferenceEngine:
         self.stats["decode_rows_max"] = max(self.stats["decode_rows_max"], len(requests))
         self.stats["decode_rows_mean"] = self._decode_rows / self.stats["decode_forwards"]
         depths = depth.tolist() if depth is not None else [self.num_loops] * len(requests)
-        for i, r in enumerate(requests):
-            self._emit(r, logits[i, -1], depths[i], finished)
+        self._emit(requests, logits[:, -1], depths, finished)
 
-    def _emit(self, request: Request, logits: torch.Tensor, depth: int, finished: list) -> None:
-        """Sample the request's next token from its [V] logits and retire it if it is done."""
-        logits = logits.cpu().unsqueeze(0)
-        try:
-            token = int(sample(logits, request.params, request.generator)[0])
-        except Exception as error:  # this row's fault: it alone ends, the other rows go on
-            request.finish, request.error = "cancelled", error
+    def _emit(self, requests: list, logits: torch.Tensor, depths: list, finished: list) -> None:
+        """Sample every request's next token from its row of the [n, V] logits in one call,
+        and retire the requests that are done."""
+        params = [r.params for r in requests]
+        tokens, ok = sample_rows(logits, [p.temperature for p in params],
+                                 [p.top_k for p in params], [p.top_p for p in params],
+                                 [p.seed for p in params], [r.stream for r in requests],
+                                 [len(r.out) for r in requests])
+        tokens, ok = torch.stack([tokens, ok.long()]).tolist()  # the one transfer to the host
+        for i, request in enumerate(requests):
+            self._take(request, logits[i], tokens[i], bool(ok[i]), depths[i], finished)
+
+    def _take(self, request: Request, logits: torch.Tensor, token: int, ok: bool, depth: int,
+              finished: list) -> None:
+        """Append the request's sampled token (or end it alone if its row could not be
+        sampled) and retire it if it is done."""
+        if not ok:  # this row's fault: it alone ends, the other rows go on
+            request.finish, request.error = "cancelled", ValueError(
+                f"cannot sample this row's next token: its logits hold NaN or +inf, or none "
+                f"is finite at temperature {request.params.temperature:g}")
             with self._lock:
                 self._retire(request)
             finished.append(request)
             return
         request.out.append(token)
         if request.record_logprobs:
-            request.logprobs.append(F.log_softmax(logits[0], dim=-1))
+            request.logprobs.append(F.log_softmax(logits, dim=-1).cpu())
         if self.exit_rule is not None:
             request.depths.append(depth)
         stop = False

@@ -15,7 +15,8 @@ feeds it) and the first generated token is read at the rule's step of the last p
 lengths (tests/test_exit_batch.py).
 
 Under tensor parallelism the vocab-parallel logits are gathered, and every rank samples from the
-same CPU generator seeded alike, so all ranks pick the same token without a broadcast.
+same counter-based streams (megaloop/inference/sampling.py: row i of a batch draws from stream i
+of ``SamplingParams.seed``), so all ranks pick the same token without a broadcast.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from megaloop.device import current_device
 from megaloop.inference import early_exit
 from megaloop.inference.flags import check_num_loops, check_sampling
 from megaloop.inference.kv_cache import LoopKVCache
+from megaloop.inference.sampling import sample_rows
 
 @dataclass
 class SamplingParams:
@@ -43,7 +45,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Keep the smallest set of most likely tokens whose probability reaches p (1: all)."""
     seed: int = 0
-    """Seed of the sampling generator (the same on every rank)."""
+    """Seed of the rows' random streams (the same on every rank)."""
 
 
 def continuation_text(tokenizer, prompt: list[int], out: list[int]) -> str:
@@ -54,25 +56,6 @@ def continuation_text(tokenizer, prompt: list[int], out: list[int]) -> str:
     before = tokenizer.detokenize(prompt)
     whole = tokenizer.detokenize(list(prompt) + list(out))
     return whole[len(before):] if whole.startswith(before) else tokenizer.detokenize(out)
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-    """[b, v] fp32 logits -> [b] token ids."""
-    if params.temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits / params.temperature
-    if params.top_k > 0:
-        kth = logits.topk(min(params.top_k, logits.size(-1)), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already reach p (the first always stays).
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 class Generator:
@@ -158,7 +141,6 @@ class Generator:
             seq[i, :len(p)] = torch.tensor(p)
         seq = seq.to(device)
         kv = None if self.kv_policy == "none" else LoopKVCache(b, total, self.kv_policy)
-        generator = torch.Generator().manual_seed(params.seed)
         out = [[] for _ in range(b)]
         done = [False] * b
         pos = min(lengths)  # the first position to predict
@@ -171,7 +153,15 @@ class Generator:
             timings.append(time.perf_counter() - clock)
             clock = time.perf_counter()
             fed = pos
-            nxt = sample(logits.cpu(), params, generator)
+            nxt, ok = sample_rows(logits, [params.temperature] * b, [params.top_k] * b,
+                                  [params.top_p] * b, [params.seed] * b, list(range(b)),
+                                  [len(o) for o in out])
+            nxt, ok = torch.stack([nxt, ok.long()]).tolist()
+            for i in range(b):
+                if not (ok[i] or done[i] or pos < lengths[i]):
+                    raise ValueError(f"cannot sample row {i}'s next token: its logits hold NaN "
+                                     f"or +inf, or none is finite at temperature "
+                                     f"{params.temperature:g}")
             for i in range(b):
                 if done[i] or pos < lengths[i]:
                     continue  # finished, or still reading its prompt (seq holds that token)

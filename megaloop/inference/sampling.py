@@ -1,0 +1,91 @@
+"""Choosing every row's next token in one call, from a counter-based random stream per row.
+
+A row's draw is a pure function of (seed, stream, counter): the uniform number behind its n-th
+token is a hash of the row's seed, its stream (the row index of a ``Generator`` batch, 0 for an
+engine request) and n. So a row samples the same tokens alone or in any batch, with any
+batch-mates, on every tensor-parallel rank, and nothing (no generator object, no host round
+trip per row) is kept between tokens. The hash is SplitMix64's finaliser, computed in int64
+tensors on the logits' device; the top 53 bits make a float64 uniform, which picks a token by
+inverse transform over the row's kept tokens, sorted by probability.
+
+Per row, as in the usual order: temperature, then top-k (the k largest logits), then top-p (of
+the top-k's softmax, the smallest most-likely set reaching p; its first token always stays).
+Temperature 0 is greedy. A row whose logits cannot be sampled (NaN, +inf, or nothing finite
+after the temperature) is reported as failed rather than raising, so that the caller can end
+that row alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch stores."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MUL1, _MUL2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function (int64 arithmetic wraps modulo 2**64 as uint64 would)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, streams: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """[b] float64 in (0, 1): the draw of each row's (seed, stream, counter)."""
+    x = _mix(_mix(_mix(seeds) + streams) + counters)
+    return (_shr(x, 11).double() + 0.5) / float(1 << 53)
+
+
+def sample_rows(logits: torch.Tensor, temperature: list, top_k: list, top_p: list,
+                seeds: list, streams: list, counters: list):
+    """[b, V] fp32 logits and per-row settings -> ([b] token ids, [b] bool ok), on the logits'
+    device. A row not ok (its logits cannot be sampled from: module docstring) has token 0."""
+    b, vocab = logits.shape
+    device = logits.device
+    temp = torch.tensor(temperature, dtype=torch.float32, device=device)
+    greedy = temp <= 0
+    tokens = logits.argmax(-1)
+    ok = torch.isfinite(logits).any(-1)
+    sampled = ~greedy
+    if not bool(sampled.any()):
+        return tokens, ok
+    z = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+    # NaN or +inf (a broken row, or logits that overflow at this temperature): not sampleable
+    broken = (torch.isnan(z) | torch.isposinf(z)).any(-1) & sampled
+    z = torch.nan_to_num(z, nan=float("-inf"), posinf=float("-inf"))
+    ranked, order = z.sort(-1, descending=True)
+    rank = torch.arange(vocab, device=device)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device)
+    ranked = ranked.masked_fill(rank[None] >= k[:, None], float("-inf"))
+    p = torch.tensor(top_p, dtype=torch.float64, device=device)
+    probs = torch.softmax(ranked.double(), -1)
+    # drop a token when the tokens before it already reach p (the first always stays)
+    drop = (probs.cumsum(-1) - probs >= p[:, None]) & (rank[None] > 0)
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(-1)
+    ok = ok & ~broken & (greedy | torch.isfinite(ranked[:, 0]) & (cdf[:, -1] > 0))
+    u = uniforms(torch.tensor([_signed(s) for s in seeds], device=device),
+                 torch.tensor(streams, dtype=torch.long, device=device),
+                 torch.tensor(counters, dtype=torch.long, device=device))
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1)
+    # (rounding can put u * total past the last kept token: take the last one with mass)
+    last = (probs > 0).long().cumsum(-1).argmax(-1)
+    pick = torch.minimum(pick, last)
+    drawn = order.gather(-1, pick[:, None]).squeeze(-1)
+    tokens = torch.where(sampled, drawn, tokens)
+    return torch.where(ok, tokens, torch.zeros_like(tokens)), ok
