@@ -95,8 +95,8 @@ def check_num_loops(value, spell: Callable[[str], str] = cli_name) -> None:
 # 1e-38 the quotient of any logit is infinite (softmax then gives NaN and the draw fails). At
 # 1e-6 a logit would need a magnitude of 3e32 to overflow, which only a broken model produces.
 MIN_TEMPERATURE = 1e-6
-# The seeds torch.Generator.manual_seed takes: a 64-bit integer, signed or unsigned (a negative
-# seed s is the unsigned 2**64 + s); beyond them it raises "Overflow when unpacking long long".
+# A seed is a 64-bit integer, signed or unsigned (a negative seed s is the unsigned 2**64 + s):
+# the sampler's streams (megaloop/inference/sampling.py) hash its 64 bits.
 SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
 
 
@@ -121,7 +121,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float,
 
 
 def check_seed(seed, spell: Callable[[str], str] = cli_name) -> None:
-    """An integer torch's generators take (SEED_RANGE); ValueError naming the value otherwise."""
+    """A 64-bit integer (SEED_RANGE); ValueError naming the value otherwise."""
     low, high = SEED_RANGE
     if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
         raise ValueError(f"{spell('seed')} {seed}: must be an integer from {low} to {high} "
