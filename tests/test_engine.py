@@ -1,7 +1,8 @@
 """The batching engine against each request decoded alone: requests of different prompt lengths,
 arriving at different steps, decoded together give the tokens (greedy and sampled) and the
 logits of ``Generator`` decoding each alone, for every KV policy, with and without an exit rule
-and with chunked prefill; a long prompt's chunks do not stall the running rows; early exit runs
+and with chunked prefill; prompts of one length prefill in one forward; a long prompt's chunks
+do not stall the running rows; early exit runs
 only the rows still in the loop at each step; cancelled and finished requests free their blocks;
 a request that does not fit waits; an oversized one is refused; a pool of exactly one request's
 blocks serves it; ``max_batch`` caps the running rows; a cancelled queued request is returned
@@ -153,6 +154,28 @@ def test_batched_equals_alone(policy, rule, temperature, chunk):
     if rule is not None and rule.startswith("q"):
         assert len({d for r in results for d in r[3]}) > 1  # rows exited at different steps
     assert stats["used_blocks"] == 0 and stats["running"] == stats["queued"] == 0
+
+
+def _prefill_together(rank, world):
+    setup_parallel(world)
+    model = _model()
+    engine = _engine(model, prefill_chunk=64)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [40, 41], [13, 14, 15, 16]]
+    requests = [engine.add(p, 5, _params(i, 1.0)) for i, p in enumerate(prompts)]
+    engine.step()
+    first = dict(engine.stats)
+    while engine.has_work():
+        engine.step()
+    alone = [_alone(model, p, 5, "full", None, _params(i, 1.0))[0] for i, p in enumerate(prompts)]
+    return first, [r.out for r in requests], alone
+
+
+def test_prompts_of_one_length_prefill_in_one_forward():
+    """Four prompts arriving together, three of length 4 and one of 2: two prefill forwards
+    (one per length), and every request's tokens are those it gets alone."""
+    first, outs, alone = run_distributed(_prefill_together, 1)[0]
+    assert first["prefill_forwards"] == 2 and first["prefill_tokens"] == 14, first
+    assert outs == alone
 
 
 def _no_stall(rank, world):

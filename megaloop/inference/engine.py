@@ -7,9 +7,10 @@
    (a request takes the blocks of its prompt plus ``max_tokens`` at admission, so a running row
    never runs out mid-way; one that does not fit waits for another to finish);
 3. prefill at most ``prefill_chunk`` prompt tokens: one request's chunk or the whole chunks of
-   several, one forward each, so that a long prompt is read over several steps while the
-   running rows keep decoding; a prompt is cut at multiples of ``prefill_chunk`` whatever the
-   batch; its last chunk samples the request's first token;
+   several, so that a long prompt is read over several steps while the running rows keep
+   decoding; chunks of the same length share one forward (left-padded as in decode); a prompt
+   is cut at multiples of ``prefill_chunk`` whatever the batch; its last chunk samples the
+   request's first token;
 4. decode one token for every running row in one forward. With an exit rule each row leaves the
    loop at its own step (``early_exit.decode_step``: a row that exits at step t takes no part in
    steps t+1..T), across requests;
@@ -220,7 +221,7 @@ class InferenceEngine:
         # one-slot and mod-k KV policies a chunk reads the earlier chunks' cached (last-step /
         # first-step) K/V, so where a prompt is cut is part of its result, and must not depend
         # on what else is in the batch.
-        budget = self.config.prefill_chunk
+        budget, chunks = self.config.prefill_chunk, {}
         for request in list(self._running):
             n = min(self.config.prefill_chunk, len(request.prompt) - request.cached)
             if n <= 0:
@@ -228,7 +229,9 @@ class InferenceEngine:
             if n > budget:
                 break
             budget -= n
-            self._prefill(request, n, finished)
+            chunks.setdefault(n, []).append(request)
+        for n, requests in chunks.items():
+            self._prefill(requests, n, finished)
         decoding = [r for r in self._running if r.cached >= len(r.prompt) and r.finish is None]
         if decoding:
             self._decode(decoding, finished)
@@ -295,16 +298,20 @@ class InferenceEngine:
         self.stats["forward_s"] += computed - gathered
         return logits, depth
 
-    def _prefill(self, request: Request, n: int, finished: list) -> None:
+    def _prefill(self, requests: list, n: int, finished: list) -> None:
+        """The next ``n`` prompt tokens of each of ``requests`` in one forward; the requests
+        whose prompt this completes sample their first token."""
         device = current_device()
-        start = request.cached
-        ids = torch.tensor([request.prompt[start:start + n]], device=device)
-        positions = torch.arange(start, start + n, device=device).unsqueeze(0)
-        logits, _ = self._forward([request], ids, positions, decode=False)
+        ids = torch.tensor([r.prompt[r.cached:r.cached + n] for r in requests], device=device)
+        positions = torch.tensor([list(range(r.cached, r.cached + n)) for r in requests],
+                                 device=device)
+        logits, _ = self._forward(requests, ids, positions, decode=False)
         self.stats["prefill_forwards"] += 1
-        self.stats["prefill_tokens"] += n
-        if request.cached == len(request.prompt):
-            self._emit([request], logits[:, -1], [self.num_loops], finished)
+        self.stats["prefill_tokens"] += n * len(requests)
+        read = [i for i, r in enumerate(requests) if r.cached == len(r.prompt)]
+        if read:
+            self._emit([requests[i] for i in read], logits[read, -1],
+                       [self.num_loops] * len(read), finished)
 
     def _decode(self, requests: list, finished: list) -> None:
         device = current_device()
