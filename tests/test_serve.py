@@ -255,6 +255,25 @@ def test_serve_refuses_a_tensor_parallel_size_other_than_the_launch(monkeypatch,
     assert not torch.distributed.is_initialized()
 
 
+def test_serve_refuses_what_speculation_cannot_run_with(ckpt, monkeypatch, capsys):
+    """--speculate with an exit rule or a one-slot KV policy, or not d:k: exit 2, the flag
+    named, before any process group starts."""
+    spec = importlib.util.spec_from_file_location("serve_tool",
+                                                  os.path.join(ROOT, "tools", "serve.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    for extra, words in ((["--exit", "q:0.5"], "--speculate 2:2 and --exit: choose one"),
+                         (["--kv-policy", "last-step"], "--speculate 2:2 needs --kv-policy full")):
+        assert tool.main(["--load", ckpt, "--port", "1", "--speculate", "2:2"] + extra) == 2
+        err = capsys.readouterr().err
+        assert words in err, err
+    assert tool.main(["--load", ckpt, "--port", "1", "--speculate", "two"]) == 2
+    assert "--speculate 'two': give d:k" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
 def test_tp2_server_under_torchrun_answers_as_tp1(server, ckpt, tmp_path):
     """``torchrun --nproc-per-node 2 tools/serve.py --tensor-model-parallel-size 2``: rank 0
     answers HTTP (greedy ids of two prompts, a sampled request with a seed and n, a stop string,

@@ -44,7 +44,7 @@ from megaloop.inference.flags import (add_ckpt_step_flag, add_generation_flags, 
 from megaloop.inference.limits import RequestLimits  # noqa: E402
 
 
-ENGINE_FLAGS = ("max_batch", "block_size", "num_blocks", "prefill_chunk")
+ENGINE_FLAGS = ("max_batch", "block_size", "num_blocks", "prefill_chunk", "speculate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +97,7 @@ def main(argv=None) -> int:
         return refuse("the server needs FastAPI and uvicorn: pip install -e '.[serve]'")
     from megaloop.inference.engine import EngineConfig
     from megaloop.inference.loading import check_generation_flags, check_transformer_impl
+    from megaloop.inference.speculation import check_speculate
 
     limits = dataclass_from_args(RequestLimits, args)
     engine_config = EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
                                       ckpt_step=args.ckpt_step)
         impl = check_transformer_impl(args.transformer_impl, engine=True)
+        check_speculate(args.speculate, rule, args.kv_policy)
     except ValueError as exc:
         return refuse(str(exc))
 

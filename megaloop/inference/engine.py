@@ -45,6 +45,7 @@ from megaloop.inference.flags import check_num_loops, check_sampling, check_seed
 from megaloop.inference.generate import SamplingParams
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
 from megaloop.inference.sampling import sample_rows
+from megaloop.inference.speculation import check_speculate, parse_speculate, speculate_round
 
 
 # Columns a decode forward's gathered cache keeps free, so that the next SPARE_COLUMNS decode
@@ -66,11 +67,15 @@ class EngineConfig:
     """KV blocks in the pool (0: enough for ``max_batch`` rows of ``max_sequence_length``)."""
     prefill_chunk: int = 256
     """Prompt tokens prefilled per engine step at most (a longer prompt takes several steps)."""
+    speculate: str = ""
+    """``d:k``: self-speculative decoding, k tokens drafted at loop depth d and verified at the
+    full depth in one forward (lossless; megaloop/inference/speculation.py). Empty: off."""
 
     def validate(self) -> None:
         for name in ("max_sequence_length", "max_batch", "block_size", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        parse_speculate(self.speculate)
         if self.num_blocks < 0:
             raise ValueError(f"--num-blocks {self.num_blocks}: must be >= 0 (0: sized from "
                              f"--max-batch and --max-sequence-length)")
@@ -127,6 +132,7 @@ class InferenceEngine:
         reason = model.loop.supports(depth=self.num_loops, exit=exit_rule, kv_policy=kv_policy)
         if reason:
             raise ValueError(reason)
+        self.speculate = check_speculate(config.speculate, exit_rule, kv_policy, self.num_loops)
         if is_active(model.loop):
             # Its coarse steps keep chunk latents per batch as cache entries, which the engine
             # can neither page nor regroup between steps.
@@ -155,7 +161,8 @@ class InferenceEngine:
         self.stats: dict = {"steps": 0, "decode_forwards": 0, "prefill_forwards": 0,
                             "prefill_tokens": 0, "gathers": 0, "decode_rows_max": 0, "decode_rows_mean": 0.0,
                             "forward_s": 0.0, "gather_s": 0.0, "free_blocks": num_blocks,
-                            "used_blocks": 0, "queued": 0, "running": 0}
+                            "used_blocks": 0, "queued": 0, "running": 0, "drafted": 0,
+                            "accepted": 0}
         self._decode_rows = 0
         self._decode_view = None  # (request ids, the last decode forward's gathered cache)
 
@@ -314,6 +321,17 @@ class InferenceEngine:
                        [self.num_loops] * len(read), finished)
 
     def _decode(self, requests: list, finished: list) -> None:
+        if self.speculate:
+            # Rows with room for a draft speculate, k as large as all of them can take (a
+            # row's blocks end at max_tokens); a row one token short of it decodes plainly.
+            room = {r.id: r.max_tokens - len(r.out) - 1 for r in requests}
+            drafting = [r for r in requests if room[r.id] >= 1]
+            if drafting:
+                k = min([self.speculate[1]] + [room[r.id] for r in drafting])
+                self._speculate(drafting, k, finished)
+            requests = [r for r in requests if room[r.id] < 1]
+            if not requests:
+                return
         device = current_device()
         ids = torch.tensor([[r.out[-1]] for r in requests], device=device)
         positions = torch.tensor([[r.cached] for r in requests], device=device)
@@ -324,6 +342,25 @@ class InferenceEngine:
         self.stats["decode_rows_mean"] = self._decode_rows / self.stats["decode_forwards"]
         depths = depth.tolist() if depth is not None else [self.num_loops] * len(requests)
         self._emit(requests, logits[:, -1], depths, finished)
+
+    def _speculate(self, requests: list, k: int, finished: list) -> None:
+        """One self-speculative round (megaloop/inference/speculation.py) for the decoding rows:
+        each emits the tokens it kept and the verified one after them."""
+        clock = time.perf_counter()
+        logits, emitted, ok, drafted, accepted = speculate_round(self, requests, k)
+        self._decode_view = None  # the rows grew unevenly: the next decode gathers afresh
+        self.stats["forward_s"] += time.perf_counter() - clock
+        self.stats["decode_forwards"] += k + 1
+        self.stats["drafted"] += drafted
+        self.stats["accepted"] += accepted
+        self._decode_rows += len(requests) * (k + 1)
+        self.stats["decode_rows_max"] = max(self.stats["decode_rows_max"], len(requests))
+        self.stats["decode_rows_mean"] = self._decode_rows / self.stats["decode_forwards"]
+        for i, request in enumerate(requests):
+            for j, token in enumerate(emitted[i]):
+                if request.finish is not None:
+                    break
+                self._take(request, logits[i, j], token, ok[i], self.num_loops, finished)
 
     def _emit(self, requests: list, logits: torch.Tensor, depths: list, finished: list) -> None:
         """Sample every request's next token from its row of the [n, V] logits in one call,

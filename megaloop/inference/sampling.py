@@ -51,22 +51,16 @@ def uniforms(seeds: torch.Tensor, streams: torch.Tensor, counters: torch.Tensor)
     return (_shr(x, 11).double() + 0.5) / float(1 << 53)
 
 
-def sample_rows(logits: torch.Tensor, temperature: list, top_k: list, top_p: list,
-                seeds: list, streams: list, counters: list):
-    """[b, V] fp32 logits and per-row settings -> ([b] token ids, [b] bool ok), on the logits'
-    device. A row not ok (its logits cannot be sampled from: module docstring) has token 0."""
+def probabilities(logits: torch.Tensor, temperature: list, top_k: list, top_p: list):
+    """([b, V] float64 probabilities after temperature, top-k and top-p, in vocabulary order;
+    [b] bool: rows that cannot be sampled). Greedy rows (temperature 0) are computed at
+    temperature 1 (their caller takes the argmax)."""
     b, vocab = logits.shape
     device = logits.device
     temp = torch.tensor(temperature, dtype=torch.float32, device=device)
-    greedy = temp <= 0
-    tokens = logits.argmax(-1)
-    ok = torch.isfinite(logits).any(-1)
-    sampled = ~greedy
-    if not bool(sampled.any()):
-        return tokens, ok
-    z = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+    z = logits / torch.where(temp <= 0, torch.ones_like(temp), temp)[:, None]
     # NaN or +inf (a broken row, or logits that overflow at this temperature): not sampleable
-    broken = (torch.isnan(z) | torch.isposinf(z)).any(-1) & sampled
+    broken = (torch.isnan(z) | torch.isposinf(z)).any(-1)
     z = torch.nan_to_num(z, nan=float("-inf"), posinf=float("-inf"))
     ranked, order = z.sort(-1, descending=True)
     rank = torch.arange(vocab, device=device)
@@ -77,15 +71,40 @@ def sample_rows(logits: torch.Tensor, temperature: list, top_k: list, top_p: lis
     # drop a token when the tokens before it already reach p (the first always stays)
     drop = (probs.cumsum(-1) - probs >= p[:, None]) & (rank[None] > 0)
     probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    broken = broken | ~torch.isfinite(ranked[:, 0]) | ~torch.isfinite(probs).all(-1)
+    out = torch.zeros_like(probs).scatter(-1, order, probs)
+    return torch.nan_to_num(out, nan=0.0), broken
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[b] token ids drawn by inverse transform: the first token (in vocabulary order) whose
+    cumulative probability reaches u times the row's total."""
     cdf = probs.cumsum(-1)
-    ok = ok & ~broken & (greedy | torch.isfinite(ranked[:, 0]) & (cdf[:, -1] > 0))
-    u = uniforms(torch.tensor([_signed(s) for s in seeds], device=device),
-                 torch.tensor(streams, dtype=torch.long, device=device),
-                 torch.tensor(counters, dtype=torch.long, device=device))
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1)
-    # (rounding can put u * total past the last kept token: take the last one with mass)
+    # (rounding can put u * total past the last token with mass: take that one)
     last = (probs > 0).long().cumsum(-1).argmax(-1)
-    pick = torch.minimum(pick, last)
-    drawn = order.gather(-1, pick[:, None]).squeeze(-1)
-    tokens = torch.where(sampled, drawn, tokens)
+    return torch.minimum(pick, last)
+
+
+def stream_uniforms(seeds: list, streams: list, counters: list, device) -> torch.Tensor:
+    """``uniforms`` of Python lists (seeds of either sign) on ``device``."""
+    return uniforms(torch.tensor([_signed(s) for s in seeds], device=device),
+                    torch.tensor(streams, dtype=torch.long, device=device),
+                    torch.tensor(counters, dtype=torch.long, device=device))
+
+
+def sample_rows(logits: torch.Tensor, temperature: list, top_k: list, top_p: list,
+                seeds: list, streams: list, counters: list):
+    """[b, V] fp32 logits and per-row settings -> ([b] token ids, [b] bool ok), on the logits'
+    device. A row not ok (its logits cannot be sampled from: module docstring) has token 0."""
+    greedy = torch.tensor([t <= 0 for t in temperature], device=logits.device)
+    tokens = logits.argmax(-1)
+    ok = torch.isfinite(logits).any(-1)
+    if bool(greedy.all()):
+        return tokens, ok
+    probs, broken = probabilities(logits, temperature, top_k, top_p)
+    u = stream_uniforms(seeds, streams, counters, logits.device)
+    tokens = torch.where(greedy, tokens, draw(probs, u))
+    ok = ok & (greedy | ~broken)
     return torch.where(ok, tokens, torch.zeros_like(tokens)), ok

@@ -1,0 +1,175 @@
+"""Self-speculative decoding (``--speculate d:k``) against decoding at full depth.
+
+- greedy: requests arriving at different steps decode the same tokens with and without
+  speculation, at every draft depth d < T, and drafts are both kept and rejected (so both
+  branches of the rule ran);
+- sampling: the token after a speculative round's first draft is distributed as depth-T
+  sampling: over 2400 seeds, for each first token x1 the counts of the second token x2 match
+  p(x2 | prompt, x1), computed here by a teacher-forced full-depth forward with the same top-k,
+  by a chi-square test at the 0.1% level; the same test rejects the draft distribution q (the
+  depth-d model's), so it can tell the two apart; and the drafts kept number
+  sum over requests of sum_x min(p(x), q(x)) within 4 standard deviations (the rule's rate);
+- what speculation cannot do is refused by name.
+"""
+
+import pytest
+import torch
+
+from distributed import run_distributed, setup_parallel
+from flags import llama_style
+
+VOCAB = 256
+V = VOCAB - 6
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24], [30, 31]]
+ARRIVE = [0, 1, 1, 3]
+
+
+def _model():
+    from megaloop.model.config import LoopConfig
+    from megaloop.model.looped_gpt import build_model
+
+    model_cfg = llama_style(num_layers=4, hidden_size=32, num_attention_heads=4,
+                            max_position_embeddings=64, transformer_impl="local",
+                            norm_scheme="pre")
+    loop = LoopConfig(num_loops=4, num_prelude_layers=1, num_coda_layers=1)
+    model = build_model(model_cfg, loop, VOCAB, tp_size=1)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # (pre-norm: the shallow model's drafts are often, not always, right)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def _engine(model, speculate="", **config):
+    from megaloop.inference.engine import EngineConfig, InferenceEngine
+
+    config = {"max_sequence_length": 40, "max_batch": 64, "block_size": 4, **config}
+    return InferenceEngine(model, V, config=EngineConfig(speculate=speculate, **config))
+
+
+def _staggered(engine, max_tokens, params):
+    requests, step = [], 0
+    while step <= max(ARRIVE) or engine.has_work():
+        for i, arrive in enumerate(ARRIVE):
+            if arrive == step:
+                requests.append(engine.add(PROMPTS[i], max_tokens, params))
+        engine.step()
+        step += 1
+    return [r.out for r in requests]
+
+
+def _greedy(rank, world):
+    from megaloop.inference.generate import SamplingParams
+
+    setup_parallel(world)
+    model = _model()
+    plain = _staggered(_engine(model), 16, SamplingParams())
+    results = {}
+    for spec in ("1:3", "2:3", "3:2", "2:8"):
+        engine = _engine(model, spec)
+        results[spec] = (_staggered(engine, 16, SamplingParams()), engine.stats["drafted"],
+                         engine.stats["accepted"])
+    return plain, results
+
+
+def test_greedy_speculation_decodes_the_full_depth_tokens():
+    plain, results = run_distributed(_greedy, 1)[0]
+    for spec, (outs, drafted, accepted) in results.items():
+        assert outs == plain, (spec, outs, plain)
+        assert 0 < accepted < drafted, (spec, accepted, drafted)
+
+
+N, TOP_K, TEMP = 2400, 4, 0.4
+PROMPT = [40, 41, 42, 43]
+
+
+def _sampled(rank, world, spec):
+    from megaloop.inference.generate import SamplingParams
+    from megaloop.inference.sampling import probabilities
+
+    setup_parallel(world)
+    model = _model()
+    engine = _engine(model, spec, max_sequence_length=8)
+    requests = [engine.add(PROMPT, 3, SamplingParams(temperature=TEMP, top_k=TOP_K, seed=s))
+                for s in range(N)]
+    while engine.has_work():
+        engine.step()
+    pairs = [tuple(r.out[:2]) for r in requests]
+    d = int(spec.split(":")[0])
+    exact = {}
+    with torch.no_grad():
+        for x1 in sorted({a for a, _ in pairs}):
+            ids = torch.tensor([PROMPT + [x1]])
+            pos = torch.arange(ids.size(1)).unsqueeze(0)
+            for depth in (4, d):
+                logits = model(ids, pos, None, num_loops=depth)[0, -1, :V].float()
+                exact[(x1, depth)] = probabilities(logits[None], [TEMP], [TOP_K], [1.0])[0][0]
+    return pairs, exact, engine.stats["drafted"], engine.stats["accepted"]
+
+
+def _chi_square(pairs, exact, depth):
+    """Pearson's statistic of the x2 counts against p(x2 | x1) at ``depth``, over the x1
+    groups, and its degrees of freedom (cells with expected count >= 5; the rest pooled)."""
+    stat, df = 0.0, 0
+    for x1 in sorted({a for a, _ in pairs}):
+        group = [b for a, b in pairs if a == x1]
+        p = exact[(x1, depth)]
+        if len(group) < 20:
+            continue
+        cells = [(t, len(group) * p[t].item()) for t in range(V) if p[t] > 0]
+        big = [(t, e) for t, e in cells if e >= 5]
+        rest = sum(e for t, e in cells if e < 5)
+        observed = {t: group.count(t) for t in set(group)}
+        for t, e in big:
+            stat += (observed.get(t, 0) - e) ** 2 / e
+        small = len(group) - sum(observed.get(t, 0) for t, _ in big)
+        if rest > 0:
+            stat += (small - rest) ** 2 / rest
+        elif small:
+            stat += float("inf")  # a token outside the support
+        df += len(big) + (rest > 0) - 1
+    return stat, df
+
+
+def test_sampled_speculation_keeps_the_full_depth_distribution():
+    from scipy.stats import chi2
+
+    pairs, exact, drafted, accepted = run_distributed(_sampled, 1, "1:1")[0]
+    # every request drafted once; a draft is kept with probability sum_x min(p(x), q(x))
+    assert drafted == N
+    rates = [torch.minimum(exact[(x1, 4)], exact[(x1, 1)]).sum().item() for x1, _ in pairs]
+    expected, sd = sum(rates), sum(a * (1 - a) for a in rates) ** 0.5
+    assert 0.1 * N < expected < 0.95 * N, expected  # both outcomes are common
+    assert abs(accepted - expected) < 4 * sd, (accepted, expected, sd)
+    stat, df = _chi_square(pairs, exact, 4)
+    assert df >= 6 and stat < chi2.ppf(0.999, df), (stat, df)
+    # the draft model's distribution is told apart by the same test
+    stat_q, df_q = _chi_square(pairs, exact, 1)
+    assert stat_q > chi2.ppf(0.999, df_q), (stat_q, df_q)
+
+
+def _refusals(rank, world):
+    from megaloop.inference.early_exit import parse_exit
+    from megaloop.inference.engine import EngineConfig, InferenceEngine
+
+    setup_parallel(world)
+    model = _model()
+    reasons = []
+    for kw, spec in (({}, "4:2"), ({}, "2"), ({}, "0:2"), ({"kv_policy": "last-step"}, "2:2"),
+                     ({"exit_rule": parse_exit("q:0.5")}, "2:2")):
+        try:
+            InferenceEngine(model, V, config=EngineConfig(speculate=spec), **kw)
+        except ValueError as error:
+            reasons.append(str(error))
+    return reasons
+
+
+def test_what_speculation_cannot_do_is_refused_by_name():
+    reasons = run_distributed(_refusals, 1)[0]
+    assert len(reasons) == 5, reasons
+    assert reasons[0].startswith("--speculate 4:2: the draft depth 4 must be below the "
+                                 "decoding depth 4")
+    assert reasons[1].startswith("--speculate '2': give d:k")
+    assert reasons[2].startswith("--speculate 0:2: the draft depth and the drafted tokens")
+    assert reasons[3].startswith("--speculate 2:2 needs --kv-policy full")
+    assert reasons[4].startswith("--speculate 2:2 and --exit: choose one")
