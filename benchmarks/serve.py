@@ -5,8 +5,8 @@ Hugging Face generate() on the exported model (prints, never asserts).
     python benchmarks/serve.py [--load demo/checkpoint --data-path demo/corpus_text_document]
     python benchmarks/serve.py --before-tree /tmp/old   # also a server from another checkout
 
-Two servers of this tree are started as subprocesses on the same checkpoint, one at full depth
-and one with ``--exit RULE``, and driven through the ``openai`` client (asyncio) at each
+Servers of this tree are started as subprocesses on the same checkpoint, one at full depth, one
+with ``--exit RULE`` and one with ``--speculate d:k``, and driven through the ``openai`` client (asyncio) at each
 ``--concurrency``: a cell sends max(c, --min-requests) streamed completions, greedy, every
 prompt ``--prompt-length`` held-out token ids, every answer ``--max-tokens`` tokens
 (``ignore_eos``; a server that refuses that field is asked without it and the table shows the
@@ -21,7 +21,10 @@ that the machine's load falls on all alike; a figure is the mean and (range) of 
 ratio is taken within each repeat (the two figures measured minutes apart, under the same
 load) and reported as the mean and range of those; a goal counts as met only when the whole
 range clears it. The exit rule's held-out loss increase is measured here too, the way
-benchmarks/decode.py measures it (deterministic: no spread).
+benchmarks/decode.py measures it (deterministic: no spread). Quality beside every speed-up:
+each server's greedy answers to the first ``--agreement-prompts`` prompts are compared with the
+full-depth server's (speculation must give the same text; early exit's share of identical
+answers is reported), and the speculating server's acceptance rate is read from its ``/stats``.
 
 The disconnect check streams one long answer beside a few busy rows, closes the stream after a
 few tokens, and reads from the server's request log how many tokens that request still
@@ -49,6 +52,8 @@ GOAL_BATCHING = 6.0  # tokens/s at concurrency 16 over concurrency 1
 GOAL_EXIT = 1.4  # early exit over full depth at concurrency 16
 GOAL_EXIT_LOSS = 0.01  # ... at this held-out loss increase at most
 GOAL_HF = 3.0  # the server at concurrency 16 over HF generate() at batch 16
+GOAL_HF_ONE = 1.0  # the server at concurrency 1 over HF generate() at batch 1
+GOAL_SPECULATE = 1.5  # self-speculation over full depth at concurrency 1 (greedy text identical)
 
 
 # --- figures over repeats ------------------------------------------------------------------------
@@ -132,8 +137,8 @@ def summarize(cells: list) -> dict:
 
 
 def table(rows: list) -> str:
-    """A markdown table of (server, exit, concurrency, requests, summary) rows."""
-    head = ("| server | exit | concurrency | requests | tokens/request | output tok/s | "
+    """A markdown table of (server, mode, concurrency, requests, summary) rows."""
+    head = ("| server | mode | concurrency | requests | tokens/request | output tok/s | "
             "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |\n" + "|---" * 10 + "|")
     lines = [head]
     for server, rule, c, n, s in rows:
@@ -153,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit", default="kl:0.3",
                    help="the early-exit server's rule (default kl:0.3: benchmarks/decode.py's "
                         "per-token rule of lowest depth within 1%% held-out loss on the demo)")
+    p.add_argument("--speculate", default="2:4",
+                   help="the speculating server's d:k (default 2:4; '' leaves it out)")
+    p.add_argument("--agreement-prompts", type=int, default=8,
+                   help="greedy answers compared with full depth's, per server")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
     p.add_argument("--min-requests", type=int, default=8,
                    help="a cell sends max(concurrency, this) requests")
@@ -197,7 +206,7 @@ def check_args(a) -> None:
         raise ValueError("--concurrency '': name at least one client count, e.g. 1,4,16,64")
     a.hf_batch = _ints("--hf-batch", a.hf_batch)
     for flag in ("min_requests", "prompt_length", "max_tokens", "repeats", "threads",
-                 "disconnect_after", "windows"):
+                 "disconnect_after", "windows", "agreement_prompts"):
         if getattr(a, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: must be at least 1")
     if a.disconnect_after >= a.max_tokens:
@@ -217,7 +226,10 @@ def check_args(a) -> None:
                          f"is expected)")
     from megaloop.inference.early_exit import parse_exit
 
+    from megaloop.inference.speculation import parse_speculate
+
     parse_exit(a.exit)  # its own one-line error for a malformed rule
+    parse_speculate(a.speculate)
 
 
 # --- servers -------------------------------------------------------------------------------------
@@ -230,15 +242,19 @@ def _free_port() -> int:
 class Server:
     """One tools/serve.py subprocess, its log in a file."""
 
-    def __init__(self, label: str, tree: str, load: str, exit_rule, threads: int, logdir: str):
-        self.label, self.exit_rule = label, exit_rule
+    def __init__(self, label: str, tree: str, load: str, mode, threads: int, logdir: str):
+        # mode: None (full depth), an exit rule, or "speculate d:k"
+        self.label, self.mode = label, mode
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(logdir, f"{label}-{exit_rule or 'full'}.log".replace(":", "_"))
+        name = (mode or "full").replace(":", "_").replace(" ", "_")
+        self.log_path = os.path.join(logdir, f"{label}-{name}.log")
         cmd = [sys.executable, os.path.join(tree, "tools", "serve.py"), "--load",
                os.path.abspath(load), "--port", str(self.port), "--model-name", "bench"]
-        if exit_rule:
-            cmd += ["--exit", exit_rule]
+        if mode and mode.startswith("speculate "):
+            cmd += ["--speculate", mode.split(" ", 1)[1]]
+        elif mode:
+            cmd += ["--exit", mode]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
         self.log = open(self.log_path, "w")
         # Run where this benchmark runs: a run's tokenizer path may be relative to there.
@@ -320,6 +336,18 @@ async def _cell(server: Server, prompts: list, concurrency: int, max_tokens: int
     wall = time.perf_counter() - start
     await client.close()
     return Cell.of(wall, results)
+
+
+async def _greedy(server: Server, prompts: list, max_tokens: int) -> list:
+    """The server's greedy answer (text) to each prompt, one request at a time."""
+    client = _client(server)
+    texts = []
+    for p in prompts:
+        r = await client.completions.create(model="bench", prompt=p, max_tokens=max_tokens,
+                                            temperature=0)
+        texts.append(r.choices[0].text)
+    await client.close()
+    return texts
 
 
 async def _probe(server: Server, prompt: list) -> None:
@@ -429,9 +457,12 @@ def hf_tokens_per_s(model, prompts: list, max_tokens: int) -> float:
     return len(prompts) * max_tokens / wall
 
 
-def verdicts(tps: dict, hf: dict, rule: str, increase: float, disconnect) -> list:
-    """The issue's goals, one line each, from per-repeat tokens/s: ``tps[(exit rule or None,
-    concurrency)]``, ``hf[batch]``; ``increase``: the exit rule's held-out loss increase."""
+def verdicts(tps: dict, hf: dict, rule: str, increase: float, disconnect,
+             speculate: str = "", identical=None, acceptance=None) -> list:
+    """The issue's goals, one line each, from per-repeat tokens/s: ``tps[(mode, concurrency)]``
+    (mode None: full depth; the exit rule; "speculate d:k"), ``hf[batch]``; ``increase``: the
+    exit rule's held-out loss increase; ``identical``: the speculating server's greedy answers
+    that equal full depth's, (equal, asked); ``acceptance``: its accepted / drafted."""
     lines = []
     if (None, 1) in tps and (None, 16) in tps:
         r = ratio(tps[(None, 16)], tps[(None, 1)])
@@ -449,6 +480,22 @@ def verdicts(tps: dict, hf: dict, rule: str, increase: float, disconnect) -> lis
         r = ratio(tps[(None, 16)], hf[16])
         lines.append(f"server at concurrency 16 (full depth) vs HF generate() at batch 16: "
                      f"{r.fmt(2)}x, goal >= {GOAL_HF:g}x: {verdict(r, GOAL_HF)}")
+    if (None, 1) in tps and 1 in hf:
+        r = ratio(tps[(None, 1)], hf[1])
+        lines.append(f"server at concurrency 1 (full depth) vs HF generate() at batch 1: "
+                     f"{r.fmt(2)}x, goal >= {GOAL_HF_ONE:g}x: {verdict(r, GOAL_HF_ONE)}")
+    mode = f"speculate {speculate}"
+    if speculate and (mode, 1) in tps and (None, 1) in tps:
+        r = ratio(tps[(mode, 1)], tps[(None, 1)])
+        ok = verdict(r, GOAL_SPECULATE)
+        same = "" if identical is None else f", greedy text identical in {identical[0]} of " \
+                                              f"{identical[1]} answers"
+        if identical is not None and identical[0] != identical[1]:
+            ok = "not met (the text differs from full depth's)"
+        rate = "" if acceptance is None else f", acceptance {acceptance:.2f}"
+        lines.append(f"self-speculation ({speculate}) vs full depth at concurrency 1: "
+                     f"{r.fmt(2)}x{same}{rate}, goal >= {GOAL_SPECULATE:g}x with identical "
+                     f"text: {ok}")
     if disconnect is not None:
         lines.append(f"disconnect (goal: freed within one decoding step): {disconnect}")
     return lines
@@ -489,7 +536,8 @@ def main(argv=None) -> int:
     from megaloop.data.heldout import validation_windows
 
     torch.set_num_threads(a.threads)
-    n_prompts = max(max(a.concurrency), a.min_requests, max(a.hf_batch, default=1), 4)
+    n_prompts = max(max(a.concurrency), a.min_requests, max(a.hf_batch, default=1), 4,
+                    a.agreement_prompts)
     length = max(a.window_length, a.prompt_length)
     data = torch.from_numpy(validation_windows(a.data_path, a.windows + n_prompts, length))
     windows = data[:a.windows, :a.window_length]
@@ -509,14 +557,19 @@ def main(argv=None) -> int:
     logdir = tempfile.mkdtemp(prefix="bench_serve_")
     trees = [(a.label, os.path.abspath(a.tree))] + ([("before", os.path.abspath(a.before_tree))]
                                      if a.before_tree else [])
-    servers = [Server(label, tree, a.load, rule, a.threads, logdir)
-               for label, tree in trees for rule in (None, a.exit)]
+    # (the before-tree predates --speculate)
+    servers = [Server(label, tree, a.load, mode, a.threads, logdir)
+               for label, tree in trees
+               for mode in (None, a.exit) + ((f"speculate {a.speculate}",)
+                                             if a.speculate and label != "before" else ())]
     hf = None
     try:
         for s in servers:
             s.wait(a.startup_timeout)
         for s in servers:
             asyncio.run(_probe(s, prompts[0]))
+        answers = {s: asyncio.run(_greedy(s, prompts[:a.agreement_prompts], a.max_tokens))
+                   for s in servers}
         if a.hf_batch:
             folder = a.hf_folder
             if folder is None:
@@ -540,12 +593,19 @@ def main(argv=None) -> int:
 
         disconnect = {s.label: asyncio.run(_disconnect(s, prompts, a.max_tokens,
                                                        a.disconnect_after))
-                      for s in servers if s.exit_rule is None}
+                      for s in servers if s.mode is None}
+        acceptance = {}
+        for s in servers:
+            if s.mode and s.mode.startswith("speculate "):
+                import httpx
+
+                stats = httpx.get(s.url + "/stats", timeout=30).json()
+                acceptance[s.label] = stats["accepted"] / max(stats["drafted"], 1)
     finally:
         for s in servers:
             s.stop()
 
-    rows = [(servers[i].label, servers[i].exit_rule or "off", c, max(c, a.min_requests),
+    rows = [(servers[i].label, servers[i].mode or "off", c, max(c, a.min_requests),
              summarize(cs)) for (i, c), cs in sorted(cells.items())]
     load = os.popen("cat /proc/loadavg").read().split()[:3]
     print(f"\nload average {' '.join(load)} at the end; figures: mean (range) over "
@@ -554,19 +614,33 @@ def main(argv=None) -> int:
     for (i, c), cs in sorted(cells.items()):
         chunks, tokens = sum(x.chunks for x in cs), sum(sum(x.tokens) for x in cs)
         if chunks != tokens:  # several tokens' text in one chunk (or a token without text)
-            print(f"note: {servers[i].label} exit {servers[i].exit_rule or 'off'} c{c}: {chunks} "
+            print(f"note: {servers[i].label} {servers[i].mode or 'off'} c{c}: {chunks} "
                   f"token chunks for {tokens} tokens")
     if hf_runs:
         print("\n| Hugging Face generate() (export-hf folder, KV cache) | batch | output tok/s |"
               "\n|---|---|---|")
         for b, runs in hf_runs.items():
             print(f"| greedy, {a.max_tokens} new tokens | {b} | {Spread.of(runs).fmt()} |")
+    print("\ngreedy answers equal to full depth's (same server tree, "
+          f"{a.agreement_prompts} prompts):")
+    for s in servers:
+        if s.mode is not None:
+            full = next(f for f in servers if f.label == s.label and f.mode is None)
+            same = sum(x == y for x, y in zip(answers[s], answers[full]))
+            print(f"  {s.label}, {s.mode}: {same} of {len(answers[s])}")
     for label, _ in trees:
-        tps = {(rule, c): [cell.tokens_per_s for cell in cells[(i, c)]]
-               for i, srv in enumerate(servers) if srv.label == label
-               for rule in [srv.exit_rule] for c in a.concurrency}
+        tps = {(srv.mode, c): [cell.tokens_per_s for cell in cells[(i, c)]]
+               for i, srv in enumerate(servers) if srv.label == label for c in a.concurrency}
+        spec = next((s for s in servers if s.label == label and s.mode
+                     and s.mode.startswith("speculate ")), None)
+        identical = None
+        if spec is not None:
+            full = next(f for f in servers if f.label == label and f.mode is None)
+            identical = (sum(x == y for x, y in zip(answers[spec], answers[full])),
+                         len(answers[spec]))
         print(f"\nverdicts ({label}; ratios within each repeat, mean (range)):")
-        for line in verdicts(tps, hf_runs, a.exit, increase, disconnect.get(label)):
+        for line in verdicts(tps, hf_runs, a.exit, increase, disconnect.get(label),
+                             a.speculate if spec else "", identical, acceptance.get(label)):
             print("  " + line)
     return 0
 

@@ -75,6 +75,19 @@ def test_verdicts_on_hand_numbers(bench):
     assert over[1].endswith("not met (held-out loss +2.00% > +1%)") and len(over) == 3
 
 
+def test_speculation_and_single_stream_verdicts_on_hand_numbers(bench):
+    tps = {(None, 1): [10.0, 20.0], ("speculate 2:4", 1): [16.0, 34.0]}
+    hf = {1: [10.0, 10.0]}
+    lines = bench.verdicts(tps, hf, "kl:0.3", 0.0, None, "2:4", (8, 8), 0.625)
+    # 10/10 and 20/10; 16/10 and 34/20
+    assert lines[0].endswith("1.50 (1.00-2.00)x, goal >= 1x: met")
+    assert lines[1] == ("self-speculation (2:4) vs full depth at concurrency 1: 1.65 "
+                        "(1.60-1.70)x, greedy text identical in 8 of 8 answers, acceptance "
+                        "0.62, goal >= 1.5x with identical text: met")
+    differs = bench.verdicts(tps, hf, "kl:0.3", 0.0, None, "2:4", (7, 8), None)
+    assert differs[1].endswith("not met (the text differs from full depth's)")
+
+
 def test_summary_and_table(bench):
     cells = [bench.Cell.of(2.0, [(0.0, [0.1, 0.2], 4)]), bench.Cell.of(1.0, [(0.0, [0.3, 0.5], 4)])]
     s = bench.summarize(cells)
