@@ -2,9 +2,9 @@
 objectives read.
 
 One call of megaloop's Generator samples all ``groups x G`` completions in one batch (prompts of
-different lengths share it; megaloop/inference/generate.py), from a CPU generator seeded by
-``SamplingParams.seed``: the same seed gives the same rollouts, on every tensor-parallel rank
-alike. Completion b = group * G + i. The text a reward reads is what the completion adds after
+different lengths share it; megaloop/inference/generate.py), completion b from stream b of
+``SamplingParams.seed`` (megaloop/inference/sampling.py): the same seed gives the same rollouts,
+on every tensor-parallel rank alike. Completion b = group * G + i. The text a reward reads is what the completion adds after
 its prompt, decoded with the prompt (``continuation_text``), without the end-of-document token.
 
 Layout: ``tokens`` [B, L] holds prompt + completion, right-padded with the tokenizer's EOD;
