@@ -239,13 +239,19 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
     assert len(_ids(good["choices"][0]["text"])) <= 3
 
 
-def test_serve_refuses_a_tensor_parallel_size_other_than_the_launch(monkeypatch, capsys):
-    """Every rank of the server is tensor parallel: a size that is not the launch's is refused
-    (exit 2) before any process group starts."""
+def _serve_tool():
+    """tools/serve.py as a module (its main() callable in this process)."""
     spec = importlib.util.spec_from_file_location("serve_tool",
                                                   os.path.join(ROOT, "tools", "serve.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def test_serve_refuses_a_tensor_parallel_size_other_than_the_launch(monkeypatch, capsys):
+    """Every rank of the server is tensor parallel: a size that is not the launch's is refused
+    (exit 2) before any process group starts."""
+    tool = _serve_tool()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert tool.main(["--load", "nowhere", "--port", "1", "--tensor-model-parallel-size",
@@ -258,10 +264,7 @@ def test_serve_refuses_a_tensor_parallel_size_other_than_the_launch(monkeypatch,
 def test_serve_refuses_what_speculation_cannot_run_with(ckpt, monkeypatch, capsys):
     """--speculate with an exit rule or a one-slot KV policy, or not d:k: exit 2, the flag
     named, before any process group starts."""
-    spec = importlib.util.spec_from_file_location("serve_tool",
-                                                  os.path.join(ROOT, "tools", "serve.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _serve_tool()
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     for extra, words in ((["--exit", "q:0.5"], "--speculate 2:2 and --exit: choose one"),
