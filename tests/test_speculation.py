@@ -9,6 +9,7 @@
   by a chi-square test at the 0.1% level; the same test rejects the draft distribution q (the
   depth-d model's), so it can tell the two apart; and the drafts kept number
   sum over requests of sum_x min(p(x), q(x)) within 4 standard deviations (the rule's rate);
+- at TP=2 greedy speculation gives plain decoding's tokens and both ranks sample alike;
 - what speculation cannot do is refused by name.
 """
 
@@ -24,7 +25,7 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24], [30, 31
 ARRIVE = [0, 1, 1, 3]
 
 
-def _model():
+def _model(tp=1):
     from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
@@ -32,7 +33,7 @@ def _model():
                             max_position_embeddings=64, transformer_impl="local",
                             norm_scheme="pre")
     loop = LoopConfig(num_loops=4, num_prelude_layers=1, num_coda_layers=1)
-    model = build_model(model_cfg, loop, VOCAB, tp_size=1)
+    model = build_model(model_cfg, loop, VOCAB, tp_size=tp)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # (pre-norm: the shallow model's drafts are often, not always, right)
         for p in model.parameters():
@@ -77,6 +78,26 @@ def test_greedy_speculation_decodes_the_full_depth_tokens():
     for spec, (outs, drafted, accepted) in results.items():
         assert outs == plain, (spec, outs, plain)
         assert 0 < accepted < drafted, (spec, accepted, drafted)
+
+
+def _tensor_parallel(rank, world):
+    from megaloop.inference.generate import SamplingParams
+
+    setup_parallel(world)
+    model = _model(world)
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=5)
+    return (_staggered(_engine(model), 12, SamplingParams()),
+            _staggered(_engine(model, "2:3"), 12, SamplingParams()),
+            _staggered(_engine(model, "2:3"), 12, sampled))
+
+
+def test_speculation_under_tensor_parallelism():
+    """TP=2: greedy speculation gives the ranks' plain greedy tokens, and both ranks draw the
+    same sampled tokens (no broadcast: the same logits and streams on each)."""
+    ranks = run_distributed(_tensor_parallel, 2)
+    plain, greedy, sampled = ranks[0]
+    assert greedy == plain and ranks[1] == ranks[0]
+    assert all(len(out) == 12 for out in sampled)
 
 
 N, TOP_K, TEMP = 2400, 4, 0.4
