@@ -13,7 +13,6 @@
 - what speculation cannot do is refused by name.
 """
 
-import pytest
 import torch
 
 from distributed import run_distributed, setup_parallel
