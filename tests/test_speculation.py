@@ -11,12 +11,15 @@
   sum over requests of sum_x min(p(x), q(x)) within 4 standard deviations (the rule's rate);
 - at TP=2 greedy speculation gives plain decoding's tokens and both ranks sample alike;
 - what speculation cannot do is refused by name.
+
+The rank bodies run under the CPU shim's placement check.
 """
 
 import torch
 
 from distributed import run_distributed, setup_parallel
 from flags import llama_style
+from test_placement import check_placement
 
 VOCAB = 256
 V = VOCAB - 6
@@ -37,7 +40,9 @@ def _model(tp=1):
     with torch.no_grad():  # (pre-norm: the shallow model's drafts are often, not always, right)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
+    from megaloop.device import current_device
+
+    return model.cuda(current_device()).eval()  # as a GPU run (the placement check)
 
 
 def _engine(model, speculate="", **config):
@@ -59,6 +64,7 @@ def _staggered(engine, max_tokens, params):
 
 
 def _greedy(rank, world):
+    check_placement()  # the batch and the drafts go where the model is, as on a GPU
     from megaloop.inference.generate import SamplingParams
 
     setup_parallel(world)
@@ -80,6 +86,7 @@ def test_greedy_speculation_decodes_the_full_depth_tokens():
 
 
 def _tensor_parallel(rank, world):
+    check_placement()  # the batch and the drafts go where the model is, as on a GPU
     from megaloop.inference.generate import SamplingParams
 
     setup_parallel(world)
@@ -104,6 +111,8 @@ PROMPT = [40, 41, 42, 43]
 
 
 def _sampled(rank, world, spec):
+    check_placement()  # the batch and the drafts go where the model is, as on a GPU
+    from megaloop.device import current_device
     from megaloop.inference.generate import SamplingParams
     from megaloop.inference.sampling import probabilities
 
@@ -119,8 +128,8 @@ def _sampled(rank, world, spec):
     exact = {}
     with torch.no_grad():
         for x1 in sorted({a for a, _ in pairs}):
-            ids = torch.tensor([PROMPT + [x1]])
-            pos = torch.arange(ids.size(1)).unsqueeze(0)
+            ids = torch.tensor([PROMPT + [x1]], device=current_device())  # where the model is
+            pos = torch.arange(ids.size(1), device=current_device()).unsqueeze(0)
             for depth in (4, d):
                 logits = model(ids, pos, None, num_loops=depth)[0, -1, :V].float()
                 exact[(x1, depth)] = probabilities(logits[None], [TEMP], [TOP_K], [1.0])[0][0]
