@@ -1,6 +1,6 @@
 """The batching engine against each request decoded alone: requests of different prompt lengths,
 arriving at different steps, decoded together give the tokens (greedy and sampled) and the
-logits of ``Generator`` decoding each alone, for every KV policy, with and without an exit rule
+logits of each decoded alone outside the engine (a dense cache, no paging), for every KV policy, with and without an exit rule
 and with chunked prefill; prompts of one length prefill in one forward; a long prompt's chunks
 do not stall the running rows; early exit runs
 only the rows still in the loop at each step; cancelled and finished requests free their blocks;
@@ -54,21 +54,10 @@ def _params(i, temperature):
 
 
 def _alone(model, prompt, max_tokens, policy, rule, params):
-    """``Generator`` on the prompt alone: (tokens, log-softmax of each token's logits, depths)."""
-    from megaloop.inference.early_exit import parse_exit
-    from megaloop.inference.generate import Generator
-
-    gen = Generator(model, V, kv_policy=policy, exit_rule=rule and parse_exit(rule))
-    seen, logits = [], gen._logits
-
-    def record(*args):
-        out = logits(*args)
-        seen.append(torch.log_softmax(out[0, -1].cpu(), -1))
-        return out
-
-    gen._logits = record
-    out = gen.generate([prompt], max_tokens, params)[0]
-    return out, torch.stack(seen), gen.depths
+    """The prompt alone, prefilled in one forward into a dense LoopKVCache and decoded token by
+    token outside the engine (``_alone_chunked``): (tokens, log-softmax of each token's logits,
+    depths)."""
+    return _alone_chunked(model, prompt, max_tokens, policy, rule, params, len(prompt))
 
 
 def _alone_chunked(model, prompt, max_tokens, policy, rule, params, chunk):
@@ -327,41 +316,95 @@ def test_eod_ignore_eos_and_on_token_end_a_request():
     assert raised == (greedy[:2], "cancelled", "ConnectionError") and used == 0
 
 
-def _refusals(rank, world):
+def _recompute(model, prompt, max_tokens, params):
+    """The prompt decoded with no cache at all: the whole sequence through the model for every
+    token, sampled from stream 0 of the request's seed."""
+    from megaloop.inference.sampling import sample_rows
+
+    seq, out = list(prompt), []
+    while len(out) < max_tokens:
+        ids = torch.tensor([seq])
+        logits = model(ids, torch.arange(len(seq))[None], None, num_loops=model.loop.num_loops)
+        logits = logits[0, -1, :V].float()[None]
+        token = int(sample_rows(logits, [params.temperature], [params.top_k], [params.top_p],
+                                [params.seed], [0], [len(out)])[0][0])
+        out.append(token)
+        seq.append(token)
+    return out
+
+
+def _run_arrivals(engine, temperature):
+    requests, step = [], 0
+    while step <= max(ARRIVE) or engine.has_work():
+        for i, arrive in enumerate(ARRIVE):
+            if arrive == step:
+                requests.append(engine.add(PROMPTS[i], MAX_TOKENS[i], _params(i, temperature)))
+        engine.step()
+        step += 1
+    return requests
+
+
+def _other_layouts(rank, world):
     from megaloop.inference.engine import EngineConfig, InferenceEngine
     from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
     setup_parallel(world)
     model = _model()
-    reasons = []
+    spiral = build_model(llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                     max_position_embeddings=64, transformer_impl="local"),
+                         LoopConfig(num_loops=2, loop_resolutions="1/2,1"), VOCAB)
+    spiral.eval()
+    report = {}
+    for name, m, policy in (("none", model, "none"), ("spiral", spiral, "full"),
+                            ("grouped", model, "full")):
+        for temperature in (0.0, 1.0):
+            engine = _engine(m, policy)
+            if name == "grouped":  # what Transformer Engine's attention gets: rows of one length
+                engine.layout = "grouped"
+            masks = []
+            hook = m.register_forward_pre_hook(  # (a mask given, rows at different positions)
+                lambda mod, args: masks.append((args[2] is not None,
+                                                len(set(args[1][:, 0].tolist())) > 1)))
+            try:
+                requests = _run_arrivals(engine, temperature)
+            finally:
+                hook.remove()
+            expected = [_recompute(m, PROMPTS[i], MAX_TOKENS[i], _params(i, temperature))
+                        for i in range(len(PROMPTS))]
+            report[name, temperature] = ([r.out for r in requests] == expected, engine.layout,
+                                         any(m for m, _ in masks), any(u for _, u in masks))
+    refused = []
     learned = build_model(llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                                       max_position_embeddings=64, transformer_impl="local",
                                       position_embedding_type="learned_absolute"),
                           LoopConfig(num_loops=2), VOCAB)
-    for m, kwargs in ((model, {"kv_policy": "none"}),
-                      (learned, {"config": EngineConfig(max_sequence_length=100)})):
+    for make in (lambda: InferenceEngine(learned, V, config=EngineConfig(max_sequence_length=100)),
+                 lambda: _engine(spiral, "full", speculate="1:2"),
+                 lambda: _engine(model, "none", prefill_chunk=4).add(PROMPTS[1], 2)):
         try:
-            InferenceEngine(m, V, **kwargs)
+            make()
         except ValueError as error:
-            reasons.append(str(error))
-    spiral = build_model(llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                     max_position_embeddings=64, transformer_impl="local"),
-                         LoopConfig(num_loops=2, loop_resolutions="1/2,1"), VOCAB)
-    try:
-        InferenceEngine(spiral, V)
-    except ValueError as error:
-        reasons.append(str(error))
-    return reasons
+            refused.append(str(error))
+    return report, refused
 
 
-def test_what_the_engine_cannot_batch_is_refused():
-    reasons = run_distributed(_refusals, 1)[0]
-    assert len(reasons) == 3, reasons
-    no_cache, positions, spiral = reasons
-    assert no_cache.startswith("kv_policy none: the batching engine decodes from its paged KV")
+def test_other_layouts_decode_as_recomputation():
+    """kv_policy none and SpiralFormer decode each request over its own cache (or none), and the
+    grouped layout (Transformer Engine's) forwards rows of one cached length with no mask: each
+    gives the tokens of recomputing the whole sequence per token, greedy and sampled, for
+    requests of four prompt lengths arriving at different steps. What they cannot take is
+    refused by name."""
+    report, refused = run_distributed(_other_layouts, 1)[0]
+    for (name, temperature), (equal, layout, masked, uneven) in report.items():
+        assert equal and layout == {"none": "private", "spiral": "private"}.get(name, "grouped")
+        # no forward had a mask or rows at different positions (which would need one)
+        assert not masked and not uneven, (name, masked, uneven)
+    assert len(refused) == 3, refused
+    positions, speculate, chunk = refused
     assert positions.startswith("--max-sequence-length 100 exceeds the model's")
-    assert spiral.startswith("the batching engine cannot batch SpiralFormer models")
+    assert speculate.startswith("--speculate 1:2: its multi-token verify reads a masked, paged")
+    assert "prefills a prompt in one forward, and --prefill-chunk is 4" in chunk
 
 
 # --- admission, queueing and faults -------------------------------------------------------------

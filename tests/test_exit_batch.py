@@ -3,9 +3,9 @@
 - the first generated token follows the exit rule: its log-probabilities are those teacher-forced
   scoring under the same rule gives the last prompt position (``early_exit.exit_log_probs``, which
   runs the prompt without any cache), not the last step's;
-- a batch of prompts of different lengths decodes under ``--exit`` exactly as each prompt alone
-  (tokens, logits and executed depths), in ``Generator`` and in the batching engine: the tail of
-  a longer prompt runs all T steps as prefill, never the decode path's early exit.
+- a batch of prompts of different lengths decodes under ``--exit`` through ``Generator`` exactly
+  as each prompt alone (tokens, logits and executed depths): a prompt runs all T steps as
+  prefill, never the decode path's early exit.
 """
 
 import pytest
@@ -29,19 +29,6 @@ def _build():
     return model
 
 
-def _recording(gen):
-    """Wrap ``gen._logits`` to keep the [b, V] log-softmax of every forward's last position."""
-    seen, logits = [], gen._logits
-
-    def record(*args, **kwargs):
-        out = logits(*args, **kwargs)
-        seen.append(torch.log_softmax(out[:, -1].cpu(), -1))
-        return out
-
-    gen._logits = record
-    return seen
-
-
 def _generator_batch_vs_alone(rank, world, rule_text):
     check_placement()  # as on a GPU: model and cache on the device, prompts moved there
     from megaloop.inference.early_exit import parse_exit
@@ -51,20 +38,14 @@ def _generator_batch_vs_alone(rank, world, rule_text):
     model = _build()
     rule = parse_exit(rule_text)
     params = SamplingParams()  # greedy: Generator draws a whole batch's samples at once
-    gen = Generator(model, V, num_loops=4, exit_rule=rule)
-    seen = _recording(gen)
+    gen = Generator(model, V, num_loops=4, exit_rule=rule, record_logprobs=True)
     batched = gen.generate(PROMPTS, MAX_TOKENS, params)
-    lengths = [len(p) for p in PROMPTS]
-    # The forward at position pos - 1 gives row i's token pos - lengths[i] once pos >= lengths[i].
-    first = min(lengths)
-    batched_logp = [[seen[pos - first][i] for pos in range(lengths[i], lengths[i] + MAX_TOKENS)]
-                    for i in range(len(PROMPTS))]
+    batched_logp = [r.logprobs for r in gen.requests]
     alone, alone_logp, alone_depths = [], [], []
     for prompt in PROMPTS:
-        one = Generator(model, V, num_loops=4, exit_rule=rule)
-        one_seen = _recording(one)
+        one = Generator(model, V, num_loops=4, exit_rule=rule, record_logprobs=True)
         alone += one.generate([prompt], MAX_TOKENS, params)
-        alone_logp.append([row[0] for row in one_seen])
+        alone_logp.append(one.requests[0].logprobs)
         alone_depths.append(one.depths)
     gap = max((a - b).abs().max().item() for row_a, row_b in zip(batched_logp, alone_logp)
               for a, b in zip(row_a, row_b))
@@ -99,15 +80,14 @@ def _first_token(rank, world, rule_text):
         engine.step()
     rows = []
     for prompt, request in zip(PROMPTS, requests):
-        gen = Generator(model, V, num_loops=4, exit_rule=rule)
-        seen = _recording(gen)
+        gen = Generator(model, V, num_loops=4, exit_rule=rule, record_logprobs=True)
         gen.generate([prompt], 1)
         ids = torch.tensor([prompt], device=current_device())  # where the model is
         pos = torch.arange(len(prompt), device=current_device()).unsqueeze(0)
         with torch.no_grad():
             ruled, depth = exit_log_probs(model, ids, pos, 4, rule, V)
             full, _ = exit_log_probs(model, ids, pos, 4, None, V)
-        rows.append((seen[0][0], request.logprobs[0], ruled[0, -1], full[0, -1],
+        rows.append((gen.requests[0].logprobs[0], request.logprobs[0], ruled[0, -1], full[0, -1],
                      int(depth[0, -1])))
     return rows
 

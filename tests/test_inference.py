@@ -234,9 +234,8 @@ def _exit_decode(rank, world, rule_text, loop_kw, one_by_one, model_kw=None):
     for p in prompts:  # each row alone: nothing to compact
         gen = Generator(model, **gen_kw)
         outs += gen.generate([p], max_tokens=8)
-        depths.append(gen.depths)
-    # interleave the per-row depths in the batch's order (token by token)
-    return outs, [d for step in zip(*depths) for d in step]
+        depths += gen.depths
+    return outs, depths  # (Generator.depths lists row 0's tokens, then row 1's, ...)
 
 
 @pytest.mark.parametrize("rule", ["q:0.5", "kl:0.5"])

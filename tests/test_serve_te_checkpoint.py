@@ -1,7 +1,7 @@
 """A checkpoint whose run config says ``transformer_impl: transformer_engine`` (Megatron-LM's
 default, so every checkpoint trained without the flag, on CPU too) is generated from and served
 on a GPU node with Transformer Engine installed: tools/generate.py and tools/serve.py build the
-local layers (``--transformer-impl`` defaults to them; the batching engine runs nothing else),
+local layers (``--transformer-impl`` defaults to them; the server runs nothing else),
 say so in one line, and give the greedy tokens of the model as saved, decoded independently by
 full forwards of the in-memory model. Forcing what an entry point cannot run is refused by name.
 
@@ -159,15 +159,15 @@ def test_generate_from_an_export_on_a_gpu_node(saved, monkeypatch, tmp_path):
 
 
 def test_forced_backends_are_refused_by_name(saved, capsys):
-    """Before any model is loaded (no process group starts): the batching engine of
-    tools/serve.py cannot run Transformer Engine's attention; this machine has no GPU for
+    """Before any model is loaded (no process group starts): the server of
+    tools/serve.py does not run Transformer Engine's attention; this machine has no GPU for
     tools/generate.py's; an unknown value is named with the choices."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     path = saved[0]
     assert _tool("serve").main(["--load", path, "--transformer-impl", "transformer_engine"]) == 2
     err = capsys.readouterr().err
-    assert "--transformer-impl transformer_engine: the batching engine" in err
+    assert "--transformer-impl transformer_engine: the server batches rows" in err
     assert "leave the flag out" in err
     if not torch.cuda.is_available():
         code = _tool("generate").main(["--load", path, "--prompt-ids", "5,6",

@@ -20,11 +20,15 @@ The KV cache is paged (megaloop/inference/paged_kv.py, which says why not megatr
 dynamic context): a forward gathers its rows into one left-padded static cache with an
 attention mask for the padding (decode forwards over the same rows reuse it while it has spare
 columns), and writes the new tokens' K/V back into their blocks. Every KV
-policy works as in ``Generator`` (the gathered view is a ``LoopKVCache``).
+policy works (the gathered view is a ``LoopKVCache``). Models whose attention drops that mask in
+decode (Transformer Engine, flash decoding) and those the pool cannot hold (``kv_policy`` none,
+SpiralFormer's chunk latents) run under the ``grouped`` and ``private`` layouts (``layout``).
+``Generator`` (megaloop/inference/generate.py) is the engine's synchronous face: every caller
+decodes through this loop.
 
 All rows of a forward sample in one call (megaloop/inference/sampling.py), each from the
 counter-based stream of its ``SamplingParams.seed`` and its ``stream``, with one transfer of the
-chosen ids to the host; so a request's tokens are those of ``Generator`` decoding it alone
+chosen ids to the host; so a request's tokens are those it gets decoded alone
 (tests/test_engine.py), whatever else is in the batch, and every tensor-parallel rank draws the
 same ones.
 """
@@ -43,6 +47,7 @@ from megaloop.device import current_device
 from megaloop.inference import early_exit
 from megaloop.inference.flags import check_num_loops, check_sampling, check_seed
 from megaloop.inference.generate import SamplingParams
+from megaloop.inference.kv_cache import LoopKVCache
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
 from megaloop.inference.sampling import sample_rows
 from megaloop.inference.speculation import check_speculate, parse_speculate, speculate_round
@@ -67,6 +72,9 @@ class EngineConfig:
     """KV blocks in the pool (0: enough for ``max_batch`` rows of ``max_sequence_length``)."""
     prefill_chunk: int = 256
     """Prompt tokens prefilled per engine step at most (a longer prompt takes several steps)."""
+    prefill_budget: int = 0
+    """Prompt tokens of several requests prefilled per engine step at most (0: prefill_chunk);
+    a prompt is still cut at multiples of prefill_chunk."""
     speculate: str = ""
     """``d:k``: self-speculative decoding, k tokens drafted at loop depth d and verified at the
     full depth in one forward (lossless; megaloop/inference/speculation.py). Empty: off."""
@@ -75,6 +83,9 @@ class EngineConfig:
         for name in ("max_sequence_length", "max_batch", "block_size", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.prefill_budget < 0:
+            raise ValueError(f"prefill_budget {self.prefill_budget}: must be >= 0 (0: "
+                             f"--prefill-chunk)")
         parse_speculate(self.speculate)
         if self.num_blocks < 0:
             raise ValueError(f"--num-blocks {self.num_blocks}: must be >= 0 (0: sized from "
@@ -110,6 +121,36 @@ class Request:
     """Tokens in the KV cache (prompt prefilled so far, then generated tokens fed back)."""
     stream: int = 0
     """Its random stream under ``params.seed`` (``Generator`` row i draws from stream i)."""
+    cache: object = None
+    """Under the ``private`` layout: its own ``LoopKVCache`` (None: ``kv_policy`` none)."""
+
+
+# Why a model or KV policy needs a layout other than ``paged`` (the ``layout`` docstring).
+LAYOUT_REASONS = {
+    "grouped": "Transformer Engine's attention (or flash decoding), which drops the attention "
+               "mask in decode,",
+    "private": "kv_policy none or SpiralFormer's per-batch chunk latents",
+}
+
+
+def layout(model, kv_policy: str) -> str:
+    """How the engine holds a request's cache and batches its forwards:
+
+    - ``paged``: the paged pool; every forward's rows gathered left-padded, with a mask;
+    - ``grouped``: the paged pool, but a forward takes only rows of one cached length (no
+      padding, so no mask: Transformer Engine's attention and flash decoding drop it in
+      decode); a prompt is prefilled in one forward (a later chunk would need the mask too);
+    - ``private``: each request its own ``LoopKVCache`` (SpiralFormer keeps chunk latents in it,
+      which cannot be paged or regrouped) or none (``kv_policy`` none recomputes the whole
+      sequence), one forward per request, a prompt prefilled in one forward."""
+    from megaloop.model.config import use_transformer_engine
+    from megaloop.model.spiral import is_active
+
+    if kv_policy == "none" or is_active(model.loop):
+        return "private"
+    if use_transformer_engine(model.model_cfg) or model.config.flash_decode:
+        return "grouped"
+    return "paged"
 
 
 class InferenceEngine:
@@ -118,33 +159,20 @@ class InferenceEngine:
     def __init__(self, model, vocab_size: int, num_loops: Optional[int] = None,
                  kv_policy: str = "full", eod: Optional[int] = None, exit_rule=None,
                  config: EngineConfig = EngineConfig()):
-        from megaloop.model.config import use_transformer_engine
-        from megaloop.model.spiral import is_active
-
         check_num_loops(num_loops, spell=str)
         config.validate()
         self.model, self.vocab_size, self.eod = model, vocab_size, eod
         self.num_loops = num_loops or model.loop.num_loops
-        self.exit_rule, self.config = exit_rule, config
-        if kv_policy == "none":
-            raise ValueError("kv_policy none: the batching engine decodes from its paged KV "
-                             "cache; use full, last-step, first-step or shared-mod-<k>")
+        self.exit_rule, self.config, self.kv_policy = exit_rule, config, kv_policy
         reason = model.loop.supports(depth=self.num_loops, exit=exit_rule, kv_policy=kv_policy)
         if reason:
             raise ValueError(reason)
+        self.layout = layout(model, kv_policy)
         self.speculate = check_speculate(config.speculate, exit_rule, kv_policy, self.num_loops)
-        if is_active(model.loop):
-            # Its coarse steps keep chunk latents per batch as cache entries, which the engine
-            # can neither page nor regroup between steps.
-            raise ValueError("the batching engine cannot batch SpiralFormer models "
-                             "(--loop-resolutions / --loop-topology keep per-batch chunk "
-                             "latents); decode them with Generator")
-        if use_transformer_engine(model.model_cfg) or model.config.flash_decode:
-            # Its left padding needs the mask, which TE's attention and flash decoding drop in
-            # decode (megatron-core switches the mask type to no_mask there).
-            raise ValueError("the batching engine needs an attention mask in decode, which "
-                             "Transformer Engine's attention ignores; use --transformer-impl "
-                             "local")
+        if self.speculate and self.layout != "paged":
+            raise ValueError(f"--speculate {config.speculate}: its multi-token verify reads a "
+                             f"masked, paged cache, which {LAYOUT_REASONS[self.layout]} rules "
+                             f"out; leave --speculate out")
         if model.position_embedding_type == "learned_absolute" and \
                 config.max_sequence_length > model.model_cfg.max_position_embeddings:
             raise ValueError(f"--max-sequence-length {config.max_sequence_length} exceeds the "
@@ -162,9 +190,12 @@ class InferenceEngine:
                             "prefill_tokens": 0, "gathers": 0, "decode_rows_max": 0, "decode_rows_mean": 0.0,
                             "forward_s": 0.0, "gather_s": 0.0, "free_blocks": num_blocks,
                             "used_blocks": 0, "queued": 0, "running": 0, "drafted": 0,
-                            "accepted": 0}
+                            "accepted": 0, "prefill_s": 0.0, "kv_bytes": 0}
         self._decode_rows = 0
-        self._decode_view = None  # (request ids, the last decode forward's gathered cache)
+        # The last decode forward's gathered cache of each set of rows (request ids), and the
+        # sets this step used (``grouped`` decodes several sets per step; the others are freed).
+        self._decode_views: dict = {}
+        self._views_used: set = set()
 
     # --- the caller's side ----------------------------------------------------------------
     def add(self, prompt: list, max_tokens: int, params: SamplingParams = SamplingParams(),
@@ -188,6 +219,11 @@ class InferenceEngine:
                              f"{total} tokens, over the engine's --max-sequence-length "
                              f"{self.config.max_sequence_length}; shorten the prompt or "
                              f"max_tokens")
+        if self.layout != "paged" and len(prompt) > self.config.prefill_chunk:
+            raise ValueError(f"a prompt of {len(prompt)} tokens: with "
+                             f"{LAYOUT_REASONS[self.layout]} the engine prefills a prompt in "
+                             f"one forward, and --prefill-chunk is "
+                             f"{self.config.prefill_chunk}; raise it or shorten the prompt")
         if self.allocator.blocks_for(total) > self.allocator.num_blocks:
             raise ValueError(f"a request of {total} tokens needs "
                              f"{self.allocator.blocks_for(total)} KV blocks, more than the "
@@ -228,7 +264,7 @@ class InferenceEngine:
         # one-slot and mod-k KV policies a chunk reads the earlier chunks' cached (last-step /
         # first-step) K/V, so where a prompt is cut is part of its result, and must not depend
         # on what else is in the batch.
-        budget, chunks = self.config.prefill_chunk, {}
+        budget, chunks = self.config.prefill_budget or self.config.prefill_chunk, {}
         for request in list(self._running):
             n = min(self.config.prefill_chunk, len(request.prompt) - request.cached)
             if n <= 0:
@@ -242,8 +278,16 @@ class InferenceEngine:
         decoding = [r for r in self._running if r.cached >= len(r.prompt) and r.finish is None]
         if decoding:
             self._decode(decoding, finished)
+        # A set of rows that did not decode in this step will not again as it was: free its
+        # copy of the cache.
+        self._decode_views = {k: v for k, v in self._decode_views.items()
+                              if k in self._views_used}
+        self._views_used = set()
+        if self.layout == "private":
+            self.stats["kv_bytes"] = max(self.stats["kv_bytes"], sum(
+                r.cache.nbytes() for r in self._running if r.cache is not None))
         else:
-            self._decode_view = None  # nothing to reuse it for: free its copy of the cache
+            self.stats["kv_bytes"] = self.kv.nbytes()
         self.stats["steps"] += 1
         self.stats.update(free_blocks=self.allocator.free, used_blocks=self.allocator.used,
                           queued=len(self._queue), running=len(self._running))
@@ -258,30 +302,51 @@ class InferenceEngine:
                 return  # in arrival order: the head waits for blocks, the rest behind it
             self._queue.pop(0)
             request.blocks = blocks
+            if self.layout == "private" and self.kv_policy != "none":
+                request.cache = LoopKVCache(1, len(request.prompt) + request.max_tokens,
+                                            self.kv_policy)
             self._running.append(request)
 
     def _retire(self, request: Request) -> None:
         self.allocator.release(request.blocks)
-        request.blocks = []
+        request.blocks, request.cache = [], None
         self._running.remove(request)
 
     def _forward(self, requests: list, ids: torch.Tensor, positions: torch.Tensor, decode: bool):
         """Full-vocabulary fp32 logits [b, s, V] of ``ids`` after each request's cache, and the
-        exit step of each row (decode with an exit rule) or None."""
+        exit step of each row (decode with an exit rule) or None. The ``grouped`` and
+        ``private`` layouts split the rows into forwards of one cached length or one request."""
+        if self.layout == "paged":
+            return self._forward_rows(requests, ids, positions, decode)
+        if self.layout == "grouped":
+            key = lambda i: requests[i].cached  # noqa: E731
+        else:
+            key = lambda i: requests[i].id  # noqa: E731
+        groups: dict = {}
+        for i in range(len(requests)):
+            groups.setdefault(key(i), []).append(i)
+        logits = depth = None
+        for rows in groups.values():
+            index = torch.tensor(rows, device=ids.device)
+            part = [requests[i] for i in rows]
+            if self.layout == "grouped":
+                out, d = self._forward_rows(part, ids[index], positions[index], decode,
+                                            masked=False)
+            else:
+                out, d = self._forward_private(part[0], ids[index], positions[index], decode)
+            if logits is None:
+                logits = out.new_zeros((len(requests),) + tuple(out.shape[1:]))
+                depth = None if d is None else d.new_zeros(len(requests))
+            logits[index] = out
+            if d is not None:
+                depth[index.to(d.device)] = d
+        return logits, depth
+
+    def _run(self, ids, positions, mask, kv, decode: bool):
+        """The model's logits (gathered over tensor-parallel ranks, fp32, the real vocabulary)
+        and exit steps, as the exit rule decodes (None: all T steps)."""
         from megatron.core import tensor_parallel
 
-        rows = [(r.blocks, r.cached) for r in requests]
-        new = ids.size(1)
-        clock = time.perf_counter()
-        key = tuple(r.id for r in requests)
-        kv = None
-        if decode and self._decode_view is not None and self._decode_view[0] == key:
-            kv, mask = self.kv.next_decode(self._decode_view[1], rows) or (None, None)
-        if kv is None:
-            kv, mask = self.kv.view(rows, new, spare=SPARE_COLUMNS if decode else 0)
-            self.stats["gathers"] += 1
-        self._decode_view = (key, kv) if decode else self._decode_view
-        gathered = time.perf_counter()
         depth = None
         if self.exit_rule is not None and decode:
             logits, depth = early_exit.decode_step(self.model, ids, positions, kv,
@@ -292,17 +357,59 @@ class InferenceEngine:
                                            rule=self.exit_rule)
         else:
             logits = self.model(ids, positions, mask, num_loops=self.num_loops, kv_cache=kv)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits[..., :self.vocab_size].float(), depth
+
+    def _forward_rows(self, requests: list, ids, positions, decode: bool, masked: bool = True):
+        """``_forward`` over the paged cache, the rows gathered into one view (``masked``
+        False: the rows have one cached length, so the view has no padding)."""
+        rows = [(r.blocks, r.cached) for r in requests]
+        new = ids.size(1)
+        clock = time.perf_counter()
+        key = tuple(r.id for r in requests)
+        kv = None
+        if decode and key in self._decode_views:
+            kv, mask = self.kv.next_decode(self._decode_views[key], rows) or (None, None)
+        if kv is None:
+            kv, mask = self.kv.view(rows, new, spare=SPARE_COLUMNS if decode else 0)
+            self.stats["gathers"] += 1
+        if decode:
+            self._decode_views[key] = kv
+            self._views_used.add(key)
+        gathered = time.perf_counter()
+        logits, depth = self._run(ids, positions, mask if masked else None, kv, decode)
         if kv.entries:
             raise ValueError(f"the batching engine cannot page loop-variant cache entries "
-                             f"({', '.join(map(str, kv.entries))}); decode with Generator")
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-        logits = logits[..., :self.vocab_size].float()
+                             f"({', '.join(map(str, kv.entries))})")
         computed = time.perf_counter()
         self.kv.write_back(kv, rows, new)
         for r in requests:
             r.cached += new
         self.stats["gather_s"] += gathered - clock + time.perf_counter() - computed
         self.stats["forward_s"] += computed - gathered
+        if not decode:
+            self.stats["prefill_s"] += computed - gathered
+        return logits, depth
+
+    def _forward_private(self, request: Request, ids, positions, decode: bool):
+        """``_forward`` of one request over its own cache; without one (``kv_policy`` none)
+        over its whole sequence, of which the new positions' logits are kept."""
+        new = ids.size(1)
+        clock = time.perf_counter()
+        if request.cache is None:
+            whole = (request.prompt + request.out)[:request.cached] + ids[0].tolist()
+            ids = torch.tensor([whole], device=ids.device)
+            positions = torch.arange(len(whole), device=ids.device).view(1, -1)
+            logits, depth = self._run(ids, positions, None, None, False)
+            logits = logits[:, -new:]
+        else:
+            logits, depth = self._run(ids, positions, None, request.cache, decode)
+            request.cache.advance(new)
+        request.cached += new
+        spent = time.perf_counter() - clock
+        self.stats["forward_s"] += spent
+        if not decode:
+            self.stats["prefill_s"] += spent
         return logits, depth
 
     def _prefill(self, requests: list, n: int, finished: list) -> None:
@@ -348,7 +455,7 @@ class InferenceEngine:
         each emits the tokens it kept and the verified one after them."""
         clock = time.perf_counter()
         logits, emitted, ok, drafted, accepted = speculate_round(self, requests, k)
-        self._decode_view = None  # the rows grew unevenly: the next decode gathers afresh
+        self._decode_views = {}  # the rows grew unevenly: the next decode gathers afresh
         self.stats["forward_s"] += time.perf_counter() - clock
         self.stats["decode_forwards"] += k + 1
         self.stats["drafted"] += drafted

@@ -39,9 +39,11 @@ def is_hf_folder(path: str) -> bool:
             and not os.path.isfile(os.path.join(path, CHECKPOINT_TRACKER)))
 
 
-# The layer backend tools/generate.py and tools/serve.py build unless told otherwise: every decode
-# path runs it, the batching engine (serve) only it (Transformer Engine's attention drops the mask
-# that its left-padded decode needs).
+# The layer backend tools/generate.py and tools/serve.py build unless told otherwise. The server
+# runs only it: it batches rows of different lengths, left-padded under a mask that Transformer
+# Engine's attention drops in decode (Generator's engine then forwards rows of one length apart,
+# the ``grouped`` layout of megaloop/inference/engine.py, which a server's mix would make
+# nearly one forward per request).
 GENERATION_IMPL = "local"
 GENERATION_IMPLS = ("local", "transformer_engine")
 
@@ -62,10 +64,11 @@ def check_transformer_impl(value: Optional[str], engine: bool, spell=cli_name) -
         import torch
 
         if engine:
-            raise ValueError(f"{spell('transformer_impl')} transformer_engine: the batching "
-                             f"engine needs an attention mask in decode, which Transformer "
-                             f"Engine's attention ignores; leave the flag out (local: a "
-                             f"checkpoint saved with transformer_engine loads into it by name)")
+            raise ValueError(f"{spell('transformer_impl')} transformer_engine: the server "
+                             f"batches rows of different lengths under an attention mask, "
+                             f"which Transformer Engine's attention ignores in decode; leave "
+                             f"the flag out (local: a checkpoint saved with transformer_engine "
+                             f"loads into it by name)")
         if not torch.cuda.is_available():
             raise ValueError(f"{spell('transformer_impl')} transformer_engine: its kernels "
                              f"need a GPU, and this machine has none; leave the flag out "

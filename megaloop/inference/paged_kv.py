@@ -4,7 +4,7 @@ Why not megatron-core's ``DynamicInferenceContext`` (its paged cache): in megatr
 its attention path asserts flash-attn >= 2.7.3 (GPU only), and it keys its cache by layer number
 with no room for the looped model's one cache per (block, loop step slot) (the KV policies,
 megaloop/inference/kv_cache.py). So the engine keeps its own allocator and pool, and hands
-megatron-core the static cache it already uses for ``Generator``:
+megatron-core the static cache (``LoopKVCache``) of its own decoding:
 
 - ``BlockAllocator``: ``num_blocks`` blocks of ``block_size`` token slots; a request holds a list
   of them and gives them all back when it finishes (no reservation of the longest sequence);
@@ -21,7 +21,8 @@ whole cached key by column at every call (and the query by its column), and a ro
 depends only on the difference of the two columns, which padding does not change; learned
 absolute positions come from each row's ``position_ids``. The padding columns are hidden by an
 attention mask (``mask``); megatron-core's local core attention applies a given mask also in
-decode, Transformer Engine's does not (the engine refuses TE).
+decode, Transformer Engine's does not (the engine's ``grouped`` layout then forwards rows of one
+cached length, which need no mask).
 """
 
 from __future__ import annotations
