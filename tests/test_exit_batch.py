@@ -88,16 +88,17 @@ def _first_token(rank, world, rule_text):
             ruled, depth = exit_log_probs(model, ids, pos, 4, rule, V)
             full, _ = exit_log_probs(model, ids, pos, 4, None, V)
         rows.append((gen.requests[0].logprobs[0], request.logprobs[0], ruled[0, -1], full[0, -1],
-                     int(depth[0, -1])))
+                     int(depth[0, -1]), request.depths[0]))
     return rows
 
 
 @pytest.mark.parametrize("rule", ["q:0.5", "kl:0.5"])
 def test_first_generated_token_follows_the_exit_rule(rule):
     rows = run_distributed(_first_token, 1, rule)[0]
-    for generator, engine, ruled, full, depth in rows:
+    for generator, engine, ruled, full, depth, recorded in rows:
+        assert recorded == depth  # the engine records the step the first token was read at
         assert (generator - ruled).abs().max() < 1e-5
         assert (engine - ruled).abs().max() < 1e-5
         if depth < 4:  # read before step T: not the full-depth distribution
             assert (generator - full).abs().max() > 1e-3
-    assert any(row[-1] < 4 for row in rows), [row[-1] for row in rows]
+    assert any(row[-2] < 4 for row in rows), [row[-2] for row in rows]

@@ -9,7 +9,8 @@ FILE.py:Class):
 - a batch whose groups all have equal rewards changes no parameter (KL beta 0);
 - the logged loss and gradient norm of two steps equal a single-process computation through
   megaloop/rl/objectives.py from the logged rollouts (DP=2, several micro-batches,
-  sequence-mean, RLTT progressive weights, a KL term).
+  sequence-mean, RLTT progressive weights, a KL term); the log's per-token sampling log-probs
+  are the sampling weights' full-depth log-probs, and its weight version the step before.
 """
 
 import json
@@ -226,6 +227,10 @@ def _hand(rank, world, argv, snapshots, rollouts, records, G, alpha, beta, clip)
         rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64).view(-1, G)
         w = loop_weights("progressive", 3, alpha)
         policy_steps, _ = step_log_probs(models[0], tokens, 64, 3, 0.9)
+        # each token's logged sampling log-prob: the sampling policy's at step T, temperature 0.9
+        gap = max((policy_steps[-1, b, r["prompt_length"] - 1:len(r["tokens"]) - 1].double()
+                   - torch.tensor(r["sampling_logprobs"], dtype=torch.float64)).abs().max().item()
+                  for b, r in enumerate(rows))
         with torch.no_grad():
             ref_steps, _ = step_log_probs(models[1], tokens, 64, 3, 0.9)
         logp = rltt_log_probs(policy_steps, w)
@@ -235,7 +240,7 @@ def _hand(rank, world, argv, snapshots, rollouts, records, G, alpha, beta, clip)
         loss.backward()
         norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in models[0].parameters()
                               if p.grad is not None))
-        out.append((float(loss), float(norm)))
+        out.append((float(loss), float(norm), gap))
     return out
 
 
@@ -251,9 +256,60 @@ def test_loss_and_grad_norm_equal_a_hand_computation(env_file, tmp_path):
     rollouts = [json.loads(x) for x in open(tmp_path / "rollouts.jsonl")]
     assert len(rollouts) == 2 * 16 and len({r["prompt"] for r in rollouts if r["step"] == 1}) == 4
     hand = run_distributed(_hand, 1, argv, snapshots, rollouts, records, 4, 2.0, 0.3, 0.1)[0]
-    for (loss, norm), r in zip(hand, records):
+    for (loss, norm, gap), r in zip(hand, records):
         assert r["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
         assert r["grad_norm"] == pytest.approx(norm, rel=1e-4)
+        assert gap < 1e-4, gap
+    for r in rollouts:  # sampled by the weights before the step, every token at all 3 steps
+        n = len(r["tokens"]) - r["prompt_length"]
+        assert r["weight_version"] == r["step"] - 1 and r["exit_depths"] == [3] * n
+        assert len(r["sampling_logprobs"]) == n
     assert records[1]["kl"] > 0  # step 2's policy is not the reference: the KL term counts
     # One update per rollout batch: the policy scores as the one that sampled (ratio 1).
     assert [r["clip_fraction"] for r in records] == [0.0, 0.0]
+
+
+def _sampling_gap(rank, world, argv, weights, rows, step):
+    """The largest gap between the logged sampling log-probs and the log-probs read out at loop
+    step ``step`` (temperature 0.9) of a model holding ``weights``."""
+    from distributed import setup_parallel
+    from megaloop.model.looped_gpt import build_model
+    from megaloop.rl.config import parse_args
+    from megaloop.rl.logprobs import step_log_probs
+
+    setup_parallel(1)
+    cfg = parse_args(argv)
+    model = build_model(cfg.model, cfg.loop, 64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+        gaps = []
+        for r in rows:
+            steps, _ = step_log_probs(model, torch.tensor([r["tokens"]]), 64, 3, 0.9)
+            read = steps[step - 1, 0, r["prompt_length"] - 1:len(r["tokens"]) - 1].double()
+            gaps.append((read - torch.tensor(r["sampling_logprobs"],
+                                             dtype=torch.float64)).abs().max().item())
+    return max(gaps)
+
+
+def test_rollouts_with_early_exit_log_their_depth(env_file, tmp_path):
+    """--rollout-exit fixed:2: every rollout token is drawn from loop step 2's readout (its
+    logged log-prob is step 2's, not step 3's, of the weights that sampled) and logs depth 2."""
+    argv = [*MODEL, *RL, "--env", env_file, "--train-iters", "1", "--rollout-exit", "fixed:2",
+            "--rollout-log", str(tmp_path / "rollouts.jsonl")]
+    code, before = run_distributed(_rl, 1, argv)[0][:2]
+    assert code == 0
+    rows = [json.loads(x) for x in open(tmp_path / "rollouts.jsonl")]
+    assert len(rows) == 16
+    for r in rows:
+        assert r["exit_depths"] == [2] * (len(r["tokens"]) - r["prompt_length"])
+    at_two, at_three = (run_distributed(_sampling_gap, 1, argv, before, rows, t)[0]
+                        for t in (2, 3))
+    assert at_two < 1e-4 < at_three, (at_two, at_three)
+
+
+def test_rollout_exit_is_checked_before_any_process_group():
+    from megaloop.rl.config import parse_args
+
+    with pytest.raises(ValueError, match="--rollout-exit 'q:2': write q:<q in"):
+        parse_args([*MODEL, *RL, "--env", "demo-tasks", "--rollout-exit", "q:2"]).validate(1)

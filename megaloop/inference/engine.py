@@ -49,7 +49,7 @@ from megaloop.inference.flags import check_num_loops, check_sampling, check_seed
 from megaloop.inference.generate import SamplingParams
 from megaloop.inference.kv_cache import LoopKVCache
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
-from megaloop.inference.sampling import sample_rows
+from megaloop.inference.sampling import probabilities, sample_rows
 from megaloop.inference.speculation import check_speculate, parse_speculate, speculate_round
 
 
@@ -110,9 +110,13 @@ class Request:
     logprobs: list = field(default_factory=list)
     """With record_logprobs: per generated token the [V] fp32 log-softmax (CPU) of the logits
     it was drawn from, before temperature / top-k / top-p."""
+    token_logprobs: list = field(default_factory=list)
+    """Per generated token, its log-probability under the distribution it was drawn from
+    (temperature, top-k, top-p applied; 0 when greedy): the behaviour policy's, for RL."""
     depths: list = field(default_factory=list)
-    """With an exit rule: the loop steps each generated token ran (the first was read at the
-    rule's step of the prefill, which ran all T for the prompt's K/V: T is recorded)."""
+    """With an exit rule: the loop step each generated token was read out at, its exit step (the
+    first at the rule's step of the prompt's last position, though the prefill ran all T steps
+    for the prompt's K/V)."""
     error: Optional[BaseException] = None
     """What ``on_token`` or sampling its token raised (the request was then cancelled)."""
     cancelled: bool = False
@@ -353,8 +357,8 @@ class InferenceEngine:
                                                    self.num_loops, self.exit_rule, mask)
         elif self.exit_rule is not None:
             # (the last position's logits at the rule's step: the first token follows the rule)
-            logits, _ = early_exit.prefill(self.model, ids, positions, kv, self.num_loops, mask,
-                                           rule=self.exit_rule)
+            logits, depth = early_exit.prefill(self.model, ids, positions, kv, self.num_loops,
+                                               mask, rule=self.exit_rule)
         else:
             logits = self.model(ids, positions, mask, num_loops=self.num_loops, kv_cache=kv)
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
@@ -419,13 +423,14 @@ class InferenceEngine:
         ids = torch.tensor([r.prompt[r.cached:r.cached + n] for r in requests], device=device)
         positions = torch.tensor([list(range(r.cached, r.cached + n)) for r in requests],
                                  device=device)
-        logits, _ = self._forward(requests, ids, positions, decode=False)
+        logits, depth = self._forward(requests, ids, positions, decode=False)
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_tokens"] += n * len(requests)
         read = [i for i, r in enumerate(requests) if r.cached == len(r.prompt)]
         if read:
+            depths = depth.tolist() if depth is not None else [self.num_loops] * len(requests)
             self._emit([requests[i] for i in read], logits[read, -1],
-                       [self.num_loops] * len(read), finished)
+                       [depths[i] for i in read], finished)
 
     def _decode(self, requests: list, finished: list) -> None:
         if self.speculate:
@@ -473,18 +478,21 @@ class InferenceEngine:
         """Sample every request's next token from its row of the [n, V] logits in one call,
         and retire the requests that are done."""
         params = [r.params for r in requests]
-        tokens, ok = sample_rows(logits, [p.temperature for p in params],
-                                 [p.top_k for p in params], [p.top_p for p in params],
-                                 [p.seed for p in params], [r.stream for r in requests],
-                                 [len(r.out) for r in requests])
-        tokens, ok = torch.stack([tokens, ok.long()]).tolist()  # the one transfer to the host
+        tokens, ok, logp = sample_rows(logits, [p.temperature for p in params],
+                                       [p.top_k for p in params], [p.top_p for p in params],
+                                       [p.seed for p in params], [r.stream for r in requests],
+                                       [len(r.out) for r in requests], logprobs=True)
+        # the one transfer to the host (ids are exact in float64)
+        tokens, ok, logp = torch.stack([tokens.double(), ok.double(), logp]).tolist()
         for i, request in enumerate(requests):
-            self._take(request, logits[i], tokens[i], bool(ok[i]), depths[i], finished)
+            self._take(request, logits[i], int(tokens[i]), bool(ok[i]), depths[i], finished,
+                       logp[i])
 
     def _take(self, request: Request, logits: torch.Tensor, token: int, ok: bool, depth: int,
-              finished: list) -> None:
+              finished: list, logprob: Optional[float] = None) -> None:
         """Append the request's sampled token (or end it alone if its row could not be
-        sampled) and retire it if it is done."""
+        sampled) and retire it if it is done. ``logprob``: the token's under its sampling
+        distribution (None: computed here from ``logits``)."""
         if not ok:  # this row's fault: it alone ends, the other rows go on
             request.finish, request.error = "cancelled", ValueError(
                 f"cannot sample this row's next token: its logits hold NaN or +inf, or none "
@@ -494,6 +502,11 @@ class InferenceEngine:
             finished.append(request)
             return
         request.out.append(token)
+        if logprob is None:
+            p = request.params
+            logprob = 0.0 if p.temperature <= 0 else float(probabilities(
+                logits[None], [p.temperature], [p.top_k], [p.top_p])[0][0, token].log())
+        request.token_logprobs.append(logprob)
         if request.record_logprobs:
             request.logprobs.append(F.log_softmax(logits, dim=-1).cpu())
         if self.exit_rule is not None:

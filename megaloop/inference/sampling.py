@@ -95,16 +95,24 @@ def stream_uniforms(seeds: list, streams: list, counters: list, device) -> torch
 
 
 def sample_rows(logits: torch.Tensor, temperature: list, top_k: list, top_p: list,
-                seeds: list, streams: list, counters: list):
+                seeds: list, streams: list, counters: list, logprobs: bool = False):
     """[b, V] fp32 logits and per-row settings -> ([b] token ids, [b] bool ok), on the logits'
-    device. A row not ok (its logits cannot be sampled from: module docstring) has token 0."""
+    device. A row not ok (its logits cannot be sampled from: module docstring) has token 0.
+    ``logprobs``: also [b] float64, the log-probability of each row's token under the
+    distribution it was drawn from (temperature, top-k and top-p applied; 0 for a greedy row,
+    whose token is certain)."""
     greedy = torch.tensor([t <= 0 for t in temperature], device=logits.device)
     tokens = logits.argmax(-1)
     ok = torch.isfinite(logits).any(-1)
     if bool(greedy.all()):
-        return tokens, ok
+        zero = torch.zeros(tokens.shape, dtype=torch.float64, device=logits.device)
+        return (tokens, ok, zero) if logprobs else (tokens, ok)
     probs, broken = probabilities(logits, temperature, top_k, top_p)
     u = stream_uniforms(seeds, streams, counters, logits.device)
     tokens = torch.where(greedy, tokens, draw(probs, u))
     ok = ok & (greedy | ~broken)
-    return torch.where(ok, tokens, torch.zeros_like(tokens)), ok
+    tokens = torch.where(ok, tokens, torch.zeros_like(tokens))
+    if not logprobs:
+        return tokens, ok
+    chosen = probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+    return tokens, ok, torch.where(greedy, torch.zeros_like(chosen), chosen)

@@ -19,6 +19,7 @@ from typing import Literal, Optional
 from megaloop.arguments import (ArgumentParser, add_dataclass_args, add_refused_flags,
                                 dataclass_from_args)
 from megaloop.data.config import DataConfig
+from megaloop.model.exit_rules import parse_exit
 from megaloop.training.run_config import REFUSED_MEGATRON_FLAGS, SECTIONS, RunConfig
 
 # Fields of the pretraining sections that train_rl.py does not take (see the module docstring).
@@ -101,10 +102,19 @@ class RLConfig:
     solve_threshold: float = 1.0
     """A completion counts as solved (the log's solve rate) when its reward is at least this."""
 
+    rollout_exit: Optional[str] = None
+    """Early exit in the rollouts (q:<q>, kl:<eps>, fixed:<steps>, as --exit of
+    tools/generate.py): each sampled token leaves the loop at the rule's step. The objective
+    still scores the tokens at --rl-num-loops (its old policy is full depth), so the rollouts
+    are off-policy by the gap between the two; --rollout-log records each token's exit depth
+    and sampling log-prob to measure it. Default: every token runs all steps."""
+
     rollout_log: Optional[str] = None
     """Write every completion here, one JSON line each (step, prompt, answer, completion,
-    reward, token ids, prompt length), rank 0 only: the batch a step trained on, for reading
-    and for recomputing its loss."""
+    reward, token ids, prompt length, and per completion token the loop steps it ran and its
+    log-prob under the sampling distribution, and the weight version: the iteration whose
+    weights sampled it), rank 0 only: the batch a step trained on, for reading and for
+    recomputing its loss."""
 
     def env_kwargs(self) -> dict:
         """The keyword arguments the environment class is built with."""
@@ -179,6 +189,11 @@ class RLConfig:
             raise ValueError(f"{local} completions per data-parallel rank (--prompts-per-step x "
                              f"--group-size / data-parallel size) are not a multiple of "
                              f"--micro-batch-size {micro_batch_size}; choose a divisor")
+        if self.rollout_exit is not None:
+            try:
+                parse_exit(self.rollout_exit)
+            except ValueError as error:
+                raise ValueError(str(error).replace("--exit", "--rollout-exit", 1)) from None
         if self.solve_threshold != self.solve_threshold:  # NaN
             raise ValueError("--solve-threshold must be a number")
 
@@ -223,6 +238,11 @@ class RLRunConfig(RunConfig):
                              "objective; use the checkpoint's --exit-loss")
         dp = self.parallel.data_parallel_size(world_size)
         self.rl.validate(loop.num_loops, loop.gated, dp, self.training.micro_batch_size)
+        if self.rl.rollout_exit is not None:
+            reason = loop.supports(depth=self.rl.rl_num_loops or loop.num_loops,
+                                   exit=parse_exit(self.rl.rollout_exit), kv_policy="full")
+            if reason:
+                raise ValueError(f"--rollout-exit {self.rl.rollout_exit}: {reason}")
         tr = self.training
         tr.global_batch_size = self.rl.prompts_per_step * self.rl.group_size
         tr.seq_length = self.model.max_position_embeddings  # an upper bound; see the docstring

@@ -1,8 +1,9 @@
 """Group rollouts: G sampled completions of every prompt, their rewards, and the token layout the
 objectives read.
 
-One call of megaloop's Generator samples all ``groups x G`` completions in one batch (prompts of
-different lengths share it; megaloop/inference/generate.py), completion b from stream b of
+One call of megaloop's Generator samples all ``groups x G`` completions through the batching
+engine (prompts of one length prefill in one forward, every row decodes in one forward per
+token; megaloop/inference/engine.py), completion b from stream b of
 ``SamplingParams.seed`` (megaloop/inference/sampling.py): the same seed gives the same rollouts,
 on every tensor-parallel rank alike. Completion b = group * G + i. The text a reward reads is what the completion adds after
 its prompt, decoded with the prompt (``continuation_text``), without the end-of-document token.
@@ -77,14 +78,23 @@ class Rollouts:
     """[groups, G] the environment's reward of each completion."""
     completions: list[str]
     """[B] the text each completion adds after its prompt (EOD dropped)."""
+    exit_depths: list
+    """[B] per completion token, the loop steps it ran (all T without an exit rule)."""
+    sampling_logprobs: list
+    """[B] per completion token, its log-probability under the distribution it was drawn from
+    (the rollout policy at its exit step, temperature and top-p applied)."""
+    weight_version: int = 0
+    """The training iteration whose weights sampled these rollouts."""
 
 
 def rollout(generator: Generator, tokenizer, env: Environment, prompts: list[Prompt],
             group_size: int, max_tokens: int, params: SamplingParams, env_name: str = "",
-            indices: Optional[list[int]] = None) -> Rollouts:
-    """``group_size`` completions of each of ``prompts`` (at most ``max_tokens`` each). A
-    reward that is not a finite number raises RewardError naming ``env_name`` and the prompt's
-    index in the environment's prompt set (``indices``, else its place in ``prompts``)."""
+            indices: Optional[list[int]] = None, weight_version: int = 0) -> Rollouts:
+    """``group_size`` completions of each of ``prompts`` (at most ``max_tokens`` each), sampled
+    by ``generator`` (its engine batches all of them; its exit rule, if any, decides each
+    token's depth). A reward that is not a finite number raises RewardError naming
+    ``env_name`` and the prompt's index in the environment's prompt set (``indices``, else its
+    place in ``prompts``). ``weight_version``: recorded in the result."""
     if group_size < 1 or max_tokens < 1:
         raise ValueError(f"group size {group_size} and max tokens {max_tokens} must be >= 1")
     prompt_ids = [tokenizer.tokenize(p.text) for p in prompts]
@@ -103,9 +113,12 @@ def rollout(generator: Generator, tokenizer, env: Environment, prompts: list[Pro
         index = indices[group] if indices is not None else group
         rewards.append(checked_reward(env, env_name or type(env).__name__, prompts[group],
                                       index, completions[-1]))
+    depths = [r.depths if generator.exit_rule is not None else [generator.num_loops] * len(r.out)
+              for r in generator.requests]
     return Rollouts(list(prompts), tokens, mask,
                     torch.tensor(rewards, dtype=torch.float64).view(len(prompts), group_size),
-                    completions)
+                    completions, depths, [r.token_logprobs for r in generator.requests],
+                    weight_version)
 
 
 def prompt_indices(seed: int, step: int, count: int, size: int) -> list[int]:

@@ -16,6 +16,7 @@ from megaloop.checkpoint.errors import CheckpointError, CheckpointMismatch
 from megaloop.checkpoint.format import unwrap
 from megaloop.device import current_device
 from megaloop.inference.generate import Generator, SamplingParams
+from megaloop.model.exit_rules import parse_exit
 from megaloop.model.looped_gpt import build_model
 from megaloop.rl.environments import load_environment
 from megaloop.rl.logprobs import step_log_probs
@@ -124,14 +125,15 @@ class RLTrainer(Trainer):
         chosen = prompt_indices(seed, step, rl.prompts_per_step, len(self.prompt_set))
         mine = chosen[self.dp_rank * self.local_groups:(self.dp_rank + 1) * self.local_groups]
         generator = Generator(unwrap(self.model), self.tokenizer.vocab_size,
-                              num_loops=self.num_loops, eod=self.tokenizer.eod)
+                              num_loops=self.num_loops, eod=self.tokenizer.eod,
+                              exit_rule=parse_exit(rl.rollout_exit))
         params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p,
                                 seed=sampling_seed(seed, step, self.dp_rank))
         error = None
         try:
             r = rollout(generator, self.tokenizer, self.env, [self.prompt_set[i] for i in mine],
                         rl.group_size, rl.max_new_tokens, params, env_name=rl.env,
-                        indices=mine)
+                        indices=mine, weight_version=self.iteration)
         except RewardError as exc:
             r, error = None, str(exc)
         # A bad reward shows on the data-parallel rank that drew its prompt: every rank learns
@@ -270,7 +272,10 @@ class RLTrainer(Trainer):
             last = int(mask.nonzero().max()) + 1
             rows.append({"prompt": prompt.text, "answer": prompt.answer,
                          "completion": completion, "reward": float(r.rewards[b // G, b % G]),
-                         "tokens": r.tokens[b, :last + 1].tolist(), "prompt_length": first})
+                         "tokens": r.tokens[b, :last + 1].tolist(), "prompt_length": first,
+                         "exit_depths": r.exit_depths[b],
+                         "sampling_logprobs": r.sampling_logprobs[b],
+                         "weight_version": r.weight_version})
         return rows
 
     # --- the loop ------------------------------------------------------------------------------
