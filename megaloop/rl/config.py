@@ -19,7 +19,6 @@ from typing import Literal, Optional
 from megaloop.arguments import (ArgumentParser, add_dataclass_args, add_refused_flags,
                                 dataclass_from_args)
 from megaloop.data.config import DataConfig
-from megaloop.model.exit_rules import parse_exit
 from megaloop.training.run_config import REFUSED_MEGATRON_FLAGS, SECTIONS, RunConfig
 
 # Fields of the pretraining sections that train_rl.py does not take (see the module docstring).
@@ -190,6 +189,8 @@ class RLConfig:
                              f"--group-size / data-parallel size) are not a multiple of "
                              f"--micro-batch-size {micro_batch_size}; choose a divisor")
         if self.rollout_exit is not None:
+            from megaloop.model.exit_rules import parse_exit  # (torch: not at --help)
+
             try:
                 parse_exit(self.rollout_exit)
             except ValueError as error:
@@ -239,6 +240,8 @@ class RLRunConfig(RunConfig):
         dp = self.parallel.data_parallel_size(world_size)
         self.rl.validate(loop.num_loops, loop.gated, dp, self.training.micro_batch_size)
         if self.rl.rollout_exit is not None:
+            from megaloop.model.exit_rules import parse_exit
+
             reason = loop.supports(depth=self.rl.rl_num_loops or loop.num_loops,
                                    exit=parse_exit(self.rl.rollout_exit), kv_policy="full")
             if reason:
