@@ -105,6 +105,8 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--balance", nargs="+", default=["even", "auto"], choices=["even", "auto"],
+                   help="--pipeline-balance values to run at each P > 1, side by side")
     a = p.parse_args()
     base = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
@@ -121,11 +123,27 @@ def main() -> None:
     print(f"looped model 0 + {a.num_layers} x {a.num_loops} + 0, hidden {a.hidden_size}, "
           f"seq {a.seq_length}, vocab {a.vocab_size}; global batch {a.global_batch_size} = "
           f"{M} micro-batches of {a.micro_batch_size}; {os.cpu_count()} CPU cores, 1 thread/rank")
-    print(f"{'P':>3} {'V':>3} {'ms/iter':>9} {'speedup':>8} {'bubble measured':>16} "
-          f"{'bubble theory':>14}  busy ms per stage (forward + backward)")
+    print(f"{'P':>3} {'V':>3} {'split':>12} {'ms/iter':>9} {'speedup':>8} "
+          f"{'bubble measured':>16} {'predicted':>10} {'theory':>7}  busy ms per stage "
+          f"(forward + backward)")
     base_ms = None
-    for P in a.sizes:
+    runs = [(P, b) for P in a.sizes for b in (a.balance if P > 1 else ["even"])]
+    for P, how in runs:
         flags = base + ["--pipeline-model-parallel-size", str(P)]
+        split, predicted = "-", 0.0
+        if P > 1:
+            from megaloop.parallel.balance import plan
+            from megaloop.training.run_config import parse_args
+
+            flags += ["--pipeline-balance", how]
+            cfg = parse_args(flags)
+            try:
+                cfg.validate(world_size=P)
+            except ValueError as error:
+                print(f"{P:>3} --pipeline-balance {how}: {error}")
+                continue
+            chosen = plan(cfg, a.vocab_size, M)
+            split, predicted = f"{how} {'/'.join(map(str, chosen.layers))}", chosen.bubble
         results = run_distributed(_rank, P, flags, a.steps, timeout=900)
         per_step = [max(r[0][i] for r in results) for i in range(a.steps)]
         ms = statistics.median(per_step) * 1000
@@ -135,8 +153,8 @@ def main() -> None:
         speedup = f"{base_ms / ms:8.2f}" if base_ms else f"{'-':>8}"
         note = " (more ranks than cores)" if P > (os.cpu_count() or 1) else ""
         busy = " ".join(f"{statistics.median(r[2]):.0f}" for r in results)
-        print(f"{P:>3} {V if P > 1 else 1:>3} {ms:9.1f} {speedup} {idle:16.1%} "
-              f"{theory:14.1%}  [{busy}]{note}", flush=True)
+        print(f"{P:>3} {V if P > 1 else 1:>3} {split:>12} {ms:9.1f} {speedup} {idle:16.1%} "
+              f"{predicted:10.1%} {theory:7.1%}  [{busy}]{note}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,12 @@ fp32) run on a laptop or a CI machine:
 1. ``torch.cuda`` device queries answer "cpu", synchronize/empty_cache are no-ops, and the CUDA
    RNG state used by megatron-core's ``CudaRNGStatesTracker`` is the CPU generator (so the
    tracker's per-tensor-parallel-rank streams still differ, and dropout inside a fork uses them);
-2. a process-wide ``TorchFunctionMode`` rewrites ``device="cuda"`` to cpu, makes ``.cuda()`` a
-   no-op and drops ``pin_memory=True`` (no pinned allocator without CUDA);
+2. the tensor factories (``torch.zeros``, ``torch.empty``, ``Tensor.new_zeros``, ...) take
+   ``device="cuda"`` as cpu and drop ``pin_memory=True`` (no pinned allocator without CUDA);
+   ``Tensor.cuda()`` returns the tensor, ``Tensor.to(cuda)`` stays on cpu, ``pin_memory()`` is a
+   no-op. These are patched one by one rather than intercepted by a ``TorchFunctionMode``, which
+   would cost a Python call on every torch op of every step (a fifth of a small model's CPU
+   time); the mode is pushed only for the placement check below, which must see every op;
 3. ``Tensor.type()`` reports CPU tensors with CUDA type strings, for megatron-core's asserts.
 
 It is enabled only when ``torch.cuda.is_available()`` is false and never on a GPU machine.
@@ -91,7 +95,9 @@ def _is_cuda(device) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Level 2: every ``device=cuda`` argument becomes cpu, ``.cuda()`` returns the tensor."""
+    """Under the placement check: every op goes through ``_checked_call`` (which also maps
+    ``cuda`` to cpu); with the check turned off again, it maps ``cuda`` to cpu as the level-2
+    patches do."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,6 +117,77 @@ class _CudaToCpuMode(TorchFunctionMode):
             _record("Tensor.to(cuda)")
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+# Level 2: the torch functions and Tensor methods that take a device (megatron-core passes
+# "cuda" literals and torch.cuda.current_device() to some of them).
+FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "range", "rand", "randn",
+             "randint", "randperm", "linspace", "logspace", "eye", "empty_like", "zeros_like",
+             "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "as_tensor",
+             "asarray", "empty_strided", "scalar_tensor", "tril_indices", "triu_indices",
+             "normal", "frombuffer")
+TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor",
+                    "new_empty_strided")
+_ORIGINAL_CUDA, _ORIGINAL_TO, _ORIGINAL_PIN = torch.Tensor.cuda, torch.Tensor.to, \
+    torch.Tensor.pin_memory
+
+
+def _cpu_factory(fn, name: str):
+    """``fn`` with ``device=cuda`` taken as cpu and ``pin_memory`` dropped. Under the placement
+    check the call goes through unchanged: the check's mode sees the CUDA device and marks the
+    result as placed."""
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        if not _CHECK:
+            device = kwargs.get("device")
+            if device is not None and _is_cuda(device):
+                _record(f"{name}(device=cuda)")
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                _record(f"{name}(pin_memory=True)")
+                kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+    factory._megaloop_cpu = True
+    return factory
+
+
+def _cpu_cuda(self, *args, **kwargs):
+    if _CHECK:
+        return _ORIGINAL_CUDA(self, *args, **kwargs)
+    _record("Tensor.cuda")
+    return self
+
+
+def _cpu_to(self, *args, **kwargs):
+    if not _CHECK:
+        if "device" in kwargs and kwargs["device"] is not None and _is_cuda(kwargs["device"]):
+            _record("Tensor.to(cuda)")
+            kwargs["device"] = "cpu"
+        elif args and not isinstance(args[0], (torch.Tensor, torch.dtype)) \
+                and args[0] is not None and _is_cuda(args[0]):
+            _record("Tensor.to(cuda)")
+            args = ("cpu", *args[1:])
+    return _ORIGINAL_TO(self, *args, **kwargs)
+
+
+def _cpu_pin_memory(self, *args, **kwargs):
+    if _CHECK:
+        return _ORIGINAL_PIN(self, *args, **kwargs)
+    _record("Tensor.pin_memory")
+    return self
+
+
+def _patch_level2() -> None:
+    for name in FACTORIES:
+        fn = getattr(torch, name, None)
+        if fn is not None and not getattr(fn, "_megaloop_cpu", False):
+            setattr(torch, name, _cpu_factory(fn, name))
+    for name in TENSOR_FACTORIES:
+        fn = getattr(torch.Tensor, name, None)
+        if fn is not None and not getattr(fn, "_megaloop_cpu", False):
+            setattr(torch.Tensor, name, _cpu_factory(fn, name))
+    torch.Tensor.cuda, torch.Tensor.to = _cpu_cuda, _cpu_to
+    torch.Tensor.pin_memory = _cpu_pin_memory
 
 
 def _cpu_type(self, dtype=None, non_blocking=False, **kwargs):
@@ -227,10 +304,8 @@ def enable(trace: bool | None = None) -> bool:
     if _ENABLED or torch.cuda.is_available():
         return _ENABLED
     _patch_level1()
+    _patch_level2()
     torch.Tensor.type = _cpu_type
-    mode = _CudaToCpuMode()
-    mode.__enter__()  # process-wide: never exited
-    _keep_mode_in_backward(mode)
     _ENABLED = True
     if os.environ.get("MEGALOOP_SHIM_CHECK_PLACEMENT", "0") not in ("", "0"):
         enable_placement_check()
@@ -569,7 +644,21 @@ def enable_placement_check(on: bool = True) -> None:
                            "machine without CUDA)")
     if on:
         _install_placement_patches()
+        _push_check_mode()
     _CHECK = on
+
+
+_MODE = None
+
+
+def _push_check_mode() -> None:
+    """The check's mode, pushed once and never popped (process-wide, as the check is meant for
+    a whole forked test rank)."""
+    global _MODE
+    if _MODE is None:
+        _MODE = _CudaToCpuMode()
+        _MODE.__enter__()
+        _keep_mode_in_backward(_MODE)
 
 
 def placement_check_enabled() -> bool:

@@ -74,6 +74,13 @@ def test_pp2_uneven_split():
     _check(extra, extra + PP2 + ["--decoder-first-pipeline-num-layers", "1"], 2)
 
 
+def test_pp2_balanced_split():
+    """--pipeline-balance auto on 3 core layers (no even split): the cost model's uneven split
+    trains as one stage does."""
+    extra = MB2 + ["--num-layers", "3", "--num-loops", "2"]
+    _check(extra, extra + PP2 + ["--pipeline-balance", "auto"], 2)
+
+
 def test_pp4_equals_pp1():
     extra = ["--micro-batch-size", "1", "--num-layers", "4", "--num-loops", "2"]
     _check(extra, extra + ["--pipeline-model-parallel-size", "4"], 4)

@@ -34,6 +34,13 @@ class ParallelConfig:
     """Uneven pipeline split: core layers on the last stage, which also holds the coda, step norm,
     exit gate and LM head. Default: an even split."""
 
+    pipeline_balance: Literal["even", "auto"] = "even"
+    """How the core's layers split over the pipeline stages when --decoder-first/last-pipeline-
+    num-layers are not given: `even` (Megatron-LM's default) or `auto`, the split a FLOP cost
+    model of each stage's loop-step chunk balances (the last stage also reads out at every loop
+    step; megaloop/parallel/balance.py). Either way the start-up prints the split and its
+    predicted bubble."""
+
     sequence_parallel: bool = False
     """Split norms and dropout over the sequence within the TP group (GPU, Transformer Engine)."""
 
@@ -111,10 +118,13 @@ class ParallelConfig:
         pp = self.pipeline_model_parallel_size
         first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
         if pp == 1:
-            if first is not None or last is not None:
-                raise ValueError("--decoder-first/last-pipeline-num-layers need "
-                                 "--pipeline-model-parallel-size > 1")
+            if first is not None or last is not None or self.pipeline_balance != "even":
+                raise ValueError("--decoder-first/last-pipeline-num-layers and "
+                                 "--pipeline-balance auto need --pipeline-model-parallel-size > 1")
             return
+        if self.pipeline_balance == "auto" and (first is not None or last is not None):
+            raise ValueError("--pipeline-balance auto chooses --decoder-first/last-pipeline-num-"
+                             "layers itself: drop those flags, or --pipeline-balance auto")
         if pp > num_core_layers:
             raise ValueError(
                 f"--pipeline-model-parallel-size {pp} exceeds the {num_core_layers} core layers "
@@ -125,6 +135,8 @@ class ParallelConfig:
                 raise ValueError(f"--decoder-{flag}-pipeline-num-layers {n} must be >= 1")
         middle_stages = pp - (first is not None) - (last is not None)
         middle_layers = num_core_layers - (first or 0) - (last or 0)
+        if first is None and last is None and self.pipeline_balance == "auto":
+            return  # megaloop/parallel/balance.py picks a split the rule allows
         if first is None and last is None:
             if num_core_layers % pp:
                 raise ValueError(

@@ -189,6 +189,11 @@ class Trainer:
         self.gbs = tr.resolved_global_batch(self.dp_size)
         self.num_microbatches = tr.num_microbatches(self.dp_size)
         self.tokenizer = build_tokenizer(cfg.tokenizer)
+        if cfg.parallel.pipeline_model_parallel_size > 1:
+            from megaloop.parallel.balance import plan
+
+            split = plan(cfg, self.tokenizer.vocab_size, self.num_microbatches)
+            print_rank_0(f"> pipeline: {split.describe()}")
         self.model, self.config = build_training_model(cfg, self.tokenizer.vocab_size)
         self.startup.mark("model")
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)

@@ -1,0 +1,120 @@
+"""CPU trainer step time against a plain PyTorch loop on the same model (prints, never asserts).
+
+    python benchmarks/cpu_trainer.py [--iters 100 --rounds 3 --hidden-size 64]
+
+The two trainers of the training parity test (tests/test_training_parity.py) side by side:
+megaloop's ``Trainer.train_step`` (megatron-core's schedule, DDP, optimizer and clipping, on
+the CPU shim, one forked gloo rank) and the independent loop built from ``transformers``' Llama
+modules (the same weights, the same samples, AdamW, clipping), one thread each. For each of
+dense 4, dense 8 and looped 2 x 4 it times ``--iters`` iterations of each trainer, alternating
+which goes first over ``--rounds`` rounds, and prints the median seconds per iteration of each
+and megaloop's over the reference's. The first iterations (start-up, first-touch allocation)
+are left out of the timing (``--warmup``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the parity test's reference and launcher
+from megaloop import runtime  # noqa: E402
+
+runtime.quiet_megatron()
+import torch  # noqa: E402
+
+from megaloop import cpu_shim  # noqa: E402
+
+cpu_shim.enable()
+import megatron.core  # noqa: E402,F401  (import once, before forking ranks)
+import test_training_parity as parity  # noqa: E402
+from distributed import run_distributed  # noqa: E402
+
+CASES = {"dense 4": (4, 1), "dense 8": (8, 1), "looped 2 x 4": (2, 4)}
+
+
+def _megaloop(rank, world, argv, warmup):
+    """Initial weights, the samples in consumption order, and seconds per timed iteration."""
+    torch.set_num_threads(1)
+    from megaloop.parallel.initialize import initialize
+    from megaloop.training.run_config import parse_args
+    from megaloop.training.trainer import Trainer
+
+    cfg = parse_args(argv)
+    cfg.validate(world_size=world)
+    initialize(cfg.parallel, cfg.training.seed)
+    trainer = Trainer(cfg)
+    weights = parity.full_params(trainer.model)
+    samples = [{k: torch.as_tensor(v).clone() for k, v in trainer.train_dataset[i].items()}
+               for i in range(parity.ITERS * parity.GBS)]
+    for _ in range(warmup):
+        trainer.train_step()
+    start = time.perf_counter()
+    for _ in range(parity.ITERS - warmup):
+        trainer.train_step()
+    return weights, samples, (time.perf_counter() - start) / (parity.ITERS - warmup)
+
+
+def _reference(weights, samples, layers, loops, warmup):
+    """Seconds per iteration of the plain loop (the parity test's, timed after ``warmup``)."""
+    torch.set_num_threads(1)
+    marks = []
+    step = torch.optim.AdamW.step
+
+    def timed(self, *args, **kwargs):  # the end of each iteration
+        out = step(self, *args, **kwargs)
+        marks.append(time.perf_counter())
+        return out
+
+    torch.optim.AdamW.step = timed
+    try:
+        parity.reference(weights, samples, layers, loops, "pre")
+    finally:
+        torch.optim.AdamW.step = step
+    return (marks[-1] - marks[warmup - 1]) / (len(marks) - warmup)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=64)
+    a = p.parse_args(argv)
+    parity.ITERS, parity.HIDDEN, parity.SEQ = a.iters, a.hidden_size, a.seq_length
+    parity.FFN = 4 * a.hidden_size
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "corpus_text_document")
+        run_distributed(lambda rank, world: parity._write_corpus(prefix), 1)
+        print(f"hidden {a.hidden_size}, seq {a.seq_length}, global batch {parity.GBS} "
+              f"(micro-batch {parity.MBS}), {a.iters} iterations ({a.warmup} untimed), one thread "
+              f"each; seconds per iteration, median of {a.rounds} rounds:", flush=True)
+        for name, (layers, loops) in CASES.items():
+            argv = parity._argv(prefix, layers, loops, "pre")
+            ours, theirs = [], []
+            for r in range(a.rounds):
+                order = ("megaloop", "reference") if r % 2 == 0 else ("reference", "megaloop")
+                for which in order:
+                    if which == "megaloop":
+                        weights, samples, s = run_distributed(_megaloop, 1, argv, a.warmup)[0]
+                        ours.append(s)
+                    else:
+                        if not ours:  # the reference needs megaloop's weights and samples
+                            weights, samples, s = run_distributed(_megaloop, 1, argv,
+                                                                  a.warmup)[0]
+                        theirs.append(_reference(weights, samples, layers, loops, a.warmup))
+            m, t = statistics.median(ours), statistics.median(theirs)
+            print(f"  {name:>13}: megaloop {m * 1e3:7.1f} ms ({min(ours) * 1e3:.1f}-"
+                  f"{max(ours) * 1e3:.1f}), reference {t * 1e3:7.1f} ms ({min(theirs) * 1e3:.1f}-"
+                  f"{max(theirs) * 1e3:.1f}), megaloop / reference {m / t:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
