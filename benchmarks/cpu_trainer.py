@@ -8,8 +8,9 @@ the CPU shim, one forked gloo rank) and the independent loop built from ``transf
 modules (the same weights, the same samples, AdamW, clipping), one thread each. For each of
 dense 4, dense 8 and looped 2 x 4 it times ``--iters`` iterations of each trainer, alternating
 which goes first over ``--rounds`` rounds, and prints the median seconds per iteration of each
-and megaloop's over the reference's. The first iterations (start-up, first-touch allocation)
-are left out of the timing (``--warmup``).
+and megaloop's over the reference's (``--shim-mode``: also megaloop with the CPU shim's
+TorchFunctionMode on every op, as the shim worked before). The first iterations (start-up,
+first-touch allocation) are left out of the timing (``--warmup``).
 """
 
 from __future__ import annotations
@@ -39,9 +40,13 @@ from distributed import run_distributed  # noqa: E402
 CASES = {"dense 4": (4, 1), "dense 8": (8, 1), "looped 2 x 4": (2, 4)}
 
 
-def _megaloop(rank, world, argv, warmup):
-    """Initial weights, the samples in consumption order, and seconds per timed iteration."""
+def _megaloop(rank, world, argv, warmup, mode=False):
+    """Initial weights, the samples in consumption order, and seconds per timed iteration.
+    ``mode``: with the shim's TorchFunctionMode on every op (how the shim worked before its
+    level 2 became patches; the mode then only maps devices, the placement check stays off)."""
     torch.set_num_threads(1)
+    if mode:
+        cpu_shim._push_check_mode()
     from megaloop.parallel.initialize import initialize
     from megaloop.training.run_config import parse_args
     from megaloop.training.trainer import Trainer
@@ -87,6 +92,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--shim-mode", action="store_true",
+                   help="also time megaloop with the shim's TorchFunctionMode on every op")
     a = p.parse_args(argv)
     parity.ITERS, parity.HIDDEN, parity.SEQ = a.iters, a.hidden_size, a.seq_length
     parity.FFN = 4 * a.hidden_size
@@ -98,11 +105,13 @@ def main(argv=None) -> None:
               f"each; seconds per iteration, median of {a.rounds} rounds:", flush=True)
         for name, (layers, loops) in CASES.items():
             argv = parity._argv(prefix, layers, loops, "pre")
-            ours, theirs = [], []
+            ours, theirs, moded = [], [], []
             for r in range(a.rounds):
-                order = ("megaloop", "reference") if r % 2 == 0 else ("reference", "megaloop")
-                for which in order:
-                    if which == "megaloop":
+                order = ["megaloop", "reference"] + (["mode"] if a.shim_mode else [])
+                for which in order[r % len(order):] + order[:r % len(order)]:
+                    if which == "mode":
+                        moded.append(run_distributed(_megaloop, 1, argv, a.warmup, True)[0][2])
+                    elif which == "megaloop":
                         weights, samples, s = run_distributed(_megaloop, 1, argv, a.warmup)[0]
                         ours.append(s)
                     else:
@@ -114,6 +123,11 @@ def main(argv=None) -> None:
             print(f"  {name:>13}: megaloop {m * 1e3:7.1f} ms ({min(ours) * 1e3:.1f}-"
                   f"{max(ours) * 1e3:.1f}), reference {t * 1e3:7.1f} ms ({min(theirs) * 1e3:.1f}-"
                   f"{max(theirs) * 1e3:.1f}), megaloop / reference {m / t:.2f}x", flush=True)
+            if moded:
+                mm = statistics.median(moded)
+                print(f"  {'':>13}  with the shim's mode on every op {mm * 1e3:7.1f} ms "
+                      f"({min(moded) * 1e3:.1f}-{max(moded) * 1e3:.1f}), / reference "
+                      f"{mm / t:.2f}x", flush=True)
 
 
 if __name__ == "__main__":
