@@ -49,9 +49,10 @@ def _assert_quiet(proc, train_lines):
     for line in out:
         assert line.startswith(("> CPU development mode", "> LoopedGPT layout", "> start-up",
                                 " iteration ",
-                                " validation at iteration ", "> loop geometry")), (
-            "unexpected line", line, out)
+                                " validation at iteration ", "> loop geometry",
+                                "> pipeline: ")), ("unexpected line", line, out)
     assert sum(line.startswith("> LoopedGPT layout") for line in out) == 1, out
+    assert sum(line.startswith("> pipeline: ") for line in out) <= 1, out  # rank 0, PP > 1
     assert sum(line.startswith("> CPU development mode") for line in out) <= 1, out
     assert sum(line.startswith("> start-up (s): ") for line in out) == 1, out  # rank 0 only
     assert sum(line.startswith(" iteration ") for line in out) == train_lines, out
