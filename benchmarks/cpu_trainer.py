@@ -3,7 +3,7 @@
     python benchmarks/cpu_trainer.py [--iters 100 --rounds 3 --hidden-size 64]
 
 The two trainers of the training parity test (tests/test_training_parity.py) side by side:
-megaloop's ``Trainer.train_step`` (megatron-core's schedule, DDP, optimizer and clipping, on
+megaloop's ``Trainer.train_step`` with the loop's step hooks (megatron-core's schedule, DDP, optimizer and clipping, on
 the CPU shim, one forked gloo rank) and the independent loop built from ``transformers``' Llama
 modules (the same weights, the same samples, AdamW, clipping), one thread each. For each of
 dense 4, dense 8 and looped 2 x 4 it times ``--iters`` iterations of each trainer, alternating
@@ -58,11 +58,16 @@ def _megaloop(rank, world, argv, warmup, mode=False):
     weights = parity.full_params(trainer.model)
     samples = [{k: torch.as_tensor(v).clone() for k, v in trainer.train_dataset[i].items()}
                for i in range(parity.ITERS * parity.GBS)]
-    for _ in range(warmup):
+    def step(i):  # as the training loop runs it, with its step hooks
+        trainer.hooks.before_step(i)
         trainer.train_step()
+        trainer.hooks.after_step(i + 1)
+
+    for i in range(warmup):
+        step(i)
     start = time.perf_counter()
-    for _ in range(parity.ITERS - warmup):
-        trainer.train_step()
+    for i in range(warmup, parity.ITERS):
+        step(i)
     return weights, samples, (time.perf_counter() - start) / (parity.ITERS - warmup)
 
 

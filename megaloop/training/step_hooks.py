@@ -1,6 +1,7 @@
 """What runs around a training step besides the step itself (Megatron-LM's flags of the same
 names): manual garbage collection, releasing cached GPU memory, a torch profiler window, and
-the parameter norm for the log line. The training loop calls ``before_step`` / ``after_step`` /
+the parameter norm for the log line; and, always, freezing what exists after the first step out
+of the garbage collector's sight. The training loop calls ``before_step`` / ``after_step`` /
 ``around_eval``; each hook is off unless its flag is given."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class StepHooks:
     def __init__(self, training, logging, rank: int, save_dir=None):
         self.training, self.logging, self.save_dir = training, logging, save_dir
         self.profiler = None
+        self.frozen = False
         self.profiling = logging.profile and rank in logging.profile_ranks
         if training.manual_gc:
             # A collection that starts on one rank mid-step stalls every other rank at the next
@@ -39,6 +41,14 @@ class StepHooks:
             self.profiler.export_chrome_trace(self.trace_path())
             self.profiler = None
         tr = self.training
+        if not self.frozen:
+            # After the first step the model, the optimizer state and megatron-core's buffers
+            # exist and live for the whole run: gc.freeze() moves them out of the collector's
+            # generations, so the collections the step's garbage triggers no longer traverse
+            # them (on CPU they cost 10-15% of a small model's step; benchmarks/cpu_trainer.py).
+            gc.collect()
+            gc.freeze()
+            self.frozen = True
         if tr.manual_gc and tr.manual_gc_interval and iteration % tr.manual_gc_interval == 0:
             gc.collect()
         if tr.empty_unused_memory_level >= 1 and torch.cuda.is_available():
