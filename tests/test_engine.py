@@ -26,8 +26,8 @@ def _model(num_loops=4):
     from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
 
-    # Local layers also on a GPU: the engine refuses Transformer Engine's attention, which
-    # ignores the padding mask in decode.
+    # Local layers also on a GPU: the paged layout these tests check needs the padding mask,
+    # which Transformer Engine's attention ignores in decode (it gets the grouped layout).
     model_cfg = llama_style(num_layers=4, hidden_size=32, num_attention_heads=4,
                             max_position_embeddings=64, transformer_impl="local")
     loop = LoopConfig(num_loops=num_loops, num_prelude_layers=1, num_coda_layers=1)
@@ -319,12 +319,14 @@ def test_eod_ignore_eos_and_on_token_end_a_request():
 def _recompute(model, prompt, max_tokens, params):
     """The prompt decoded with no cache at all: the whole sequence through the model for every
     token, sampled from stream 0 of the request's seed."""
+    from megaloop.device import current_device
     from megaloop.inference.sampling import sample_rows
 
     seq, out = list(prompt), []
     while len(out) < max_tokens:
-        ids = torch.tensor([seq])
-        logits = model(ids, torch.arange(len(seq))[None], None, num_loops=model.loop.num_loops)
+        ids = torch.tensor([seq], device=current_device())  # where the model is
+        positions = torch.arange(len(seq), device=current_device())[None]
+        logits = model(ids, positions, None, num_loops=model.loop.num_loops)
         logits = logits[0, -1, :V].float()[None]
         token = int(sample_rows(logits, [params.temperature], [params.top_k], [params.top_p],
                                 [params.seed], [0], [len(out)])[0][0])
@@ -348,13 +350,16 @@ def _other_layouts(rank, world):
     from megaloop.inference.engine import EngineConfig, InferenceEngine
     from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
+    from megaloop.device import current_device
+    from test_placement import check_placement
 
+    check_placement()  # as on a GPU: the model and caches on the device, the batches moved there
     setup_parallel(world)
-    model = _model()
+    model = _model().cuda(current_device())
     spiral = build_model(llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
                                      max_position_embeddings=64, transformer_impl="local"),
                          LoopConfig(num_loops=2, loop_resolutions="1/2,1"), VOCAB)
-    spiral.eval()
+    spiral = spiral.cuda(current_device()).eval()
     report = {}
     for name, m, policy in (("none", model, "none"), ("spiral", spiral, "full"),
                             ("grouped", model, "full")):
