@@ -179,7 +179,18 @@ class LoopedGPTModel(LanguageModule):
         """What the carry holds when ``num_loops`` loops run: the variants' slots and the exit
         objective's accumulators (megaloop/model/carry.py); the same on every pipeline stage."""
         declared = [slot for variant in self.variants for slot in variant.carry_slots(num_loops)]
-        return merge_slots(declared + ExitObjective.carry_slots(num_loops, self.loop.exit_loss))
+        return merge_slots(declared + ExitObjective.carry_slots(
+            num_loops, self.loop.exit_loss, self.first_stage_readouts_at(num_loops)))
+
+    first_stage_readouts = 0
+    """Pipeline stages (megaloop/parallel/pipeline.py): loop steps whose LM loss the first stage
+    computes, one step later (--pipeline-first-stage-readouts); 0 on a single stage."""
+
+    def first_stage_readouts_at(self, num_loops: int) -> int:
+        """Of ``num_loops`` steps, how many have their LM loss read out on the first stage:
+        steps 1..n, n = min(--pipeline-first-stage-readouts, T - 1) (the last step's loss ends
+        the forward on the last stage; random depth draws T per step)."""
+        return max(0, min(self.first_stage_readouts, num_loops - 1))
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook (megatron schedules call it); with one stage there is nothing to take."""
@@ -196,17 +207,22 @@ class LoopedGPTModel(LanguageModule):
         if self.coda is not None:
             r = self.coda(hidden_states=y, attention_mask=attention_mask,
                           rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
+        gate_logit = self.exit_gate(r) if gate else None
+        return self.lm_head(r, labels), gate_logit
+
+    def lm_head(self, r, labels=None):
+        """The LM head on the readout's input r [s, b, h]: vocab-parallel logits, or with
+        ``labels`` the [b, s] LM loss (--loop-readout: how; megaloop/model/readout.py)."""
         weight = self.shared_embedding_or_output_weight() if \
             self.share_embeddings_and_output_weights else None
-        gate_logit = self.exit_gate(r) if gate else None
         if labels is not None and self.loop.loop_readout == "chunked":
             return chunked_language_model_loss(self.output_layer, r, weight, labels,
-                                               self.loop.loop_readout_chunk_tokens), gate_logit
+                                               self.loop.loop_readout_chunk_tokens)
         logits, _ = self.output_layer(r, weight=weight)
         if labels is not None:
             # megatron-core's vocab-parallel cross-entropy overwrites the logits in place.
-            return self.compute_language_model_loss(labels, logits), gate_logit
-        return logits, gate_logit
+            return self.compute_language_model_loss(labels, logits)
+        return logits
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
                 num_loops: Optional[int] = None, no_grad_steps: int = 0, kv_cache=None):

@@ -67,11 +67,39 @@ class ExitObjective:
         if self.mode == "adaptive-gate":
             self._adaptive_gate_step(t, loss, gate_logit)
             return
+        p = self._gate_terms(gate_logit, loss)
+        self.weighted = self.weighted + p * loss
+        self.uniform = self.uniform + loss
+
+    def add_gate(self, gate_logit: torch.Tensor) -> torch.Tensor:
+        """Fold in step t = self.step + 1 < T without its LM loss, which is read out elsewhere
+        (a pipeline's first stage, one step later): the gate's terms only. Returns the step's
+        loss weight w_t (``loss_weight``, with gradient): the objective owes ``w_t * L_t`` more,
+        added where L_t is computed."""
+        if self.mode not in ("expected", "smoothed"):
+            raise ValueError(f"exit loss {self.mode!r} cannot read a step's loss elsewhere")
+        self.step += 1
+        if self.step >= self.num_loops:
+            raise RuntimeError(f"step {self.step} of {self.num_loops}: only a step before the "
+                               f"last can leave its loss to be read out elsewhere")
+        self.step_losses.append(None)
+        return self.loss_weight(self._gate_terms(gate_logit, gate_logit))
+
+    def loss_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """The weight of step t's per-token loss L_t in the objective, from its exit
+        probability p_t: p_t (expected) or (1 - eps) p_t + eps / T (smoothed)."""
+        if self.mode == "smoothed":
+            return (1 - self.smoothing) * p + self.smoothing / self.num_loops
+        return p
+
+    def _gate_terms(self, gate_logit, like: torch.Tensor) -> torch.Tensor:
+        """Step t's exit probability p_t (returned) and its survival and KL terms."""
+        t, T = self.step, self.num_loops
         if self.log_survival is None:
-            self.log_survival = torch.zeros_like(loss)
-            self.weighted = torch.zeros_like(loss)
-            self.uniform = torch.zeros_like(loss)
-            self.p_log_p = torch.zeros_like(loss)
+            self.log_survival = torch.zeros_like(like)
+            self.weighted = torch.zeros_like(like)
+            self.uniform = torch.zeros_like(like)
+            self.p_log_p = torch.zeros_like(like)
         if t < T:
             log_p = self.log_survival + F.logsigmoid(gate_logit)
             self.log_survival = self.log_survival + F.logsigmoid(-gate_logit)
@@ -79,9 +107,8 @@ class ExitObjective:
             log_p = self.log_survival
         p = log_p.exp()
         self.exit_probs.append(p.detach())
-        self.weighted = self.weighted + p * loss
-        self.uniform = self.uniform + loss
         self.p_log_p = self.p_log_p + p * log_p
+        return p
 
     def _adaptive_gate_step(self, t: int, loss: torch.Tensor, gate_logit: torch.Tensor) -> None:
         """Ouro stage II: I_t = max(0, L_{t-1} - L_t) (detached), continue target
@@ -105,12 +132,16 @@ class ExitObjective:
         self.exit_probs.append(log_p.exp().detach())
 
     @staticmethod
-    def carry_slots(num_loops: int, mode: str) -> list:
+    def carry_slots(num_loops: int, mode: str, deferred: int = 0) -> list:
         """The accumulators a later step reads, as carry slots (megaloop/model/carry.py) named
-        as the fields ``resume`` takes: the log-survival, and adaptive-gate's previous loss."""
+        as the fields ``resume`` takes: the log-survival, and adaptive-gate's previous loss.
+        ``deferred`` > 0: steps whose LM loss is read out one step later (``add_gate``) also
+        carry their loss weight w_t to it (``readout_weight``)."""
         if num_loops == 1 or mode == "last":
             return []
         slots = [Slot("log_survival", SIDE)]
+        if deferred:
+            slots.append(Slot("readout_weight", SIDE))
         return slots + [Slot("previous_loss", SIDE)] if mode == "adaptive-gate" else slots
 
     @classmethod

@@ -12,6 +12,9 @@ A step is, on a model split over pipeline stages, cut where the core is cut:
     last stage:   h = after_core hooks (up-scaling + Anchor/MeSH, loop gating); y = step_norm(h);
                   readout (coda, head, gate) and this step's share of the exit objective
 
+(With --pipeline-first-stage-readouts n, steps 1..n read out only their gate on the last stage;
+their LM loss is computed on the first stage as the next step enters it, from the carried state.)
+
 ``fold`` is the only loop over steps: the single-stage forward (``LoopedGPTModel.forward``),
 evaluation at any depth, prefill, decoding and teacher-forced scoring under an early-exit rule
 (megaloop/inference/early_exit.py) all call it; a pipeline virtual chunk
@@ -60,6 +63,13 @@ class StepContext:
     """Read out (coda, head, gate) at every step also without labels: an early-exit rule needs
     every step's gate and logits (decoding: the coda's cache at every step too), a caller of
     ``fold`` every step's logits (``on_step``)."""
+    first_stage_readouts: int = 0
+    """Pipeline stages: steps 1..n whose LM loss the first stage computes at the next step, from
+    the state entering it (the last stage reads out only their gate and carries the loss weight
+    along; ``LoopedGPTModel.first_stage_readouts_at``). 0: every step reads out where it ends."""
+    no_grad_steps: int = 0
+    """Pipeline stages: truncated backpropagation's count, so that a step's loss read out one
+    step later keeps the gradient mode of its own step."""
     kv: Optional[object] = None
     """Cached decoding: a megaloop.inference.kv_cache.LoopKVCache, whose dict for each (block,
     step) is swapped into megatron-core's inference context around the block's call (a variant
@@ -99,6 +109,9 @@ class StepOutput:
     [rows] per row, in the order of ``rows``)."""
     rows: Optional[torch.Tensor] = None
     """A per-row ``Stop``: the batch rows this step ran on (indices into the fold's batch)."""
+    earlier: Optional["StepOutput"] = None
+    """On the first stage, with ``ctx.first_stage_readouts``: step t - 1's LM loss read out here
+    (``share`` = w_{t-1} L_{t-1}, ``loss`` = L_{t-1})."""
 
 
 class LoopVariant:
@@ -175,6 +188,27 @@ def _core(core, ctx, t, z, attention_mask, rotary_pos_emb):
 
 def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutput]:
     """Loop step t (1-based) of ``ctx.num_loops`` on this stage's part of the model."""
+    earlier = None
+    if model.pre_process and 2 <= t <= ctx.first_stage_readouts + 1:
+        earlier = _first_stage_readout(model, carry, t - 1, ctx)
+    carry, out = _step(model, carry, t, ctx)
+    out.earlier = earlier
+    return carry, out
+
+
+def _first_stage_readout(model, carry: Carry, t: int, ctx: StepContext) -> StepOutput:
+    """Step t's LM loss, read out on the first stage as step t + 1 enters it: the carry's state
+    is y_t (the step norm's output, the readout's input: no coda, recurrent step norm) and its
+    ``readout_weight`` the objective's weight of L_t, which the last stage computed from the
+    gate; the share w_t L_t joins the objective here and its gradient reaches the gate through
+    the carry."""
+    with torch.set_grad_enabled(torch.is_grad_enabled() and t > ctx.no_grad_steps):
+        loss = model.lm_head(carry.h, ctx.labels)
+        return StepOutput(share=carry.readout_weight * loss, loss=loss.detach())
+
+
+def _step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutput]:
+    """``step`` without the first stage's readout of the step before."""
     z = carry.h
     if model.pre_process:
         for variant in model.variants:
@@ -193,6 +227,14 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
     if not ctx.reads_out(t):
         return carry, StepOutput()
     T = ctx.num_loops
+    kept = [slot.name for slot in ExitObjective.carry_slots(T, ctx.mode, ctx.first_stage_readouts)]
+    if t <= ctx.first_stage_readouts:  # the LM loss is read out on the first stage, next step
+        objective = _resume(model, carry, t, ctx, kept)
+        carry.readout_weight = objective.add_gate(model.exit_gate(y))
+        for name in kept:
+            if name != "readout_weight":
+                setattr(carry, name, getattr(objective, name))
+        return carry, StepOutput(objective.share(), None, objective.exit_probs[-1])
     gate = model.exit_gate is not None and (t < T or ctx.mode == "adaptive-gate")
     with ctx.cache("coda", t) as cache:
         # With labels the readout returns the step's LM loss, not its logits.
@@ -208,20 +250,25 @@ def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutp
             carry.log_survival + survival
         return carry, StepOutput(logits=out, gate_logit=gate_logit)
     loss = out
-    loop = model.loop
-    # The objective's accumulators are its own carry slots (named as its fields).
-    kept = [slot.name for slot in ExitObjective.carry_slots(T, ctx.mode)]
-    objective = ExitObjective.resume(
-        T, ctx.mode, loop.exit_kl_beta, loop.exit_loss_smoothing, steps_done=t - 1,
-        gate_k=loop.gate_bce_k, gate_gamma=loop.gate_bce_gamma,
-        **{name: getattr(carry, name) for name in kept})
+    objective = _resume(model, carry, t, ctx, kept)
     objective.add_step(loss, gate_logit)
     for name in kept:
-        setattr(carry, name, getattr(objective, name))
+        if name != "readout_weight":
+            setattr(carry, name, getattr(objective, name))
     prob = objective.exit_probs[-1] if objective.exit_probs else None
     # No logits: the chunked readout never keeps them, and megatron-core's vocab-parallel
     # cross-entropy overwrites them in place.
     return carry, StepOutput(objective.share(), loss.detach(), prob)
+
+
+def _resume(model, carry: Carry, t: int, ctx: StepContext, kept: list) -> ExitObjective:
+    """The exit objective going on at step t from the accumulators the carry holds (its own
+    carry slots, named as its fields)."""
+    loop = model.loop
+    return ExitObjective.resume(
+        ctx.num_loops, ctx.mode, loop.exit_kl_beta, loop.exit_loss_smoothing, steps_done=t - 1,
+        gate_k=loop.gate_bce_k, gate_gamma=loop.gate_bce_gamma,
+        **{name: getattr(carry, name) for name in kept if name != "readout_weight"})
 
 
 @dataclass

@@ -20,9 +20,13 @@ bubble, the share of stage time spent idle, is
 
 which is interleaved 1F1B's (P - 1) / (V*M + P - 1) when the stages are equal. The balanced split
 (``--pipeline-balance auto``) is the valid (first, last) split of Megatron-LM's uneven rule (the
-middle stages equal) with the smallest slowest stage; on a tie the even split, then the most even
-one. Layers are whole: where one layer is finer than the imbalance (a large vocabulary read out
-T times), the best split still leaves a bubble above theory, and the start-up line says how much.
+middle stages equal), with the first stage's readout count, that makes the slowest stage
+fastest; on a tie the fewest readouts moved, the even split, then the most even one. Layers
+are whole: where one layer is finer than the imbalance (a large vocabulary read out
+T times), layers cannot even the stages out; there the first stage can take over the LM loss of
+steps 1..n (``--pipeline-first-stage-readouts``, megaloop/parallel/pipeline.py), which moves n of
+the T head + cross-entropy readouts off the last stage, and ``auto`` chooses n with the split.
+Whatever remains above theory, the start-up line says.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Balance:
     """Predicted share of stage time spent idle."""
     theory: float
     """Interleaved 1F1B's bubble with equal stages, (P - 1) / (V*M + P - 1)."""
+    first_readouts: int = 0
+    """Loop steps whose LM loss the first stage computes (--pipeline-first-stage-readouts)."""
 
     @property
     def flags(self) -> tuple:
@@ -59,14 +65,17 @@ class Balance:
         how = "even split" if first is None else \
             f"--decoder-first-pipeline-num-layers {first} --decoder-last-pipeline-num-layers {last}"
         costs = ", ".join(f"{c / self.chunk_cost[0]:.2f}" for c in self.chunk_cost)
+        if self.first_readouts:
+            how += f"; LM loss of steps 1-{self.first_readouts} on the first stage"
         return (f"core layers per stage {', '.join(map(str, self.layers))} ({how}); chunk cost "
                 f"per stage {costs} (first = 1); predicted bubble {100 * self.bubble:.1f}% "
                 f"(equal stages: {100 * self.theory:.1f}%)")
 
 
 def stage_costs(model: ModelConfig, loop: LoopConfig, vocab_size: int, seq_length: int,
-                layers: tuple) -> tuple:
-    """Forward FLOPs per token of one chunk (loop step) of each stage holding ``layers``."""
+                layers: tuple, first_readouts: int = 0) -> tuple:
+    """Forward FLOPs per token of one chunk (loop step) of each stage holding ``layers``, with
+    the LM loss of ``first_readouts`` steps computed on the first stage."""
     from megaloop.training.metrics import (core_flops_per_token, layer_flops_per_token,
                                            readouts_per_forward)
 
@@ -74,12 +83,34 @@ def stage_costs(model: ModelConfig, loop: LoopConfig, vocab_size: int, seq_lengt
     per_layer = layer_flops_per_token(model, seq_length)
     core_layer = core_flops_per_token(model, loop, seq_length) / (T * K)  # mean over steps
     h = model.hidden_size
+    head = 2 * h * vocab_size
     readout = readouts_per_forward(loop) * (
-        loop.num_coda_layers * per_layer + 2 * h * vocab_size + (2 * h if loop.gated else 0))
+        loop.num_coda_layers * per_layer + head + (2 * h if loop.gated else 0))
     costs = [n * core_layer for n in layers]
-    costs[0] += loop.num_prelude_layers * per_layer / T
-    costs[-1] += readout / T
+    costs[0] += (loop.num_prelude_layers * per_layer + first_readouts * head) / T
+    costs[-1] += (readout - first_readouts * head) / T
     return tuple(costs)
+
+
+def first_readout_blocker(model: ModelConfig, loop: LoopConfig) -> Optional[str]:
+    """Why this model's first pipeline stage cannot compute LM losses
+    (--pipeline-first-stage-readouts), or None. The first stage reads step t's loss from the
+    state the carry brings into step t + 1, with the embedding as head and the loss weight the
+    last stage's gate gives."""
+    if loop.num_loops < 2 or loop.exit_loss not in ("expected", "smoothed"):
+        return ("it needs --num-loops >= 2 and --exit-loss expected or smoothed (the loss of a "
+                "step before the last enters the objective only there)")
+    if model.untie_embeddings_and_output_weights:
+        return ("it needs the LM head tied to the embedding, which the first stage holds (drop "
+                "--untie-embeddings-and-output-weights)")
+    if loop.num_coda_layers:
+        return "it needs a model without coda layers (the coda lives on the last stage)"
+    if loop.step_norm_placement != "recurrent" and loop.step_norm != "identity":
+        return ("it needs --step-norm-placement recurrent (or --step-norm identity): the state "
+                "the carry brings must be the readout's input")
+    if loop.loop_resolutions or loop.loop_topology != "plain":
+        return "SpiralFormer resolutions and the Anchor/MeSH topologies are not supported with it"
+    return None
 
 
 def predicted_bubble(costs: tuple, chunks: int) -> float:
@@ -103,26 +134,35 @@ def valid_splits(num_core_layers: int, pp: int) -> list:
 
 
 def balance(model: ModelConfig, loop: LoopConfig, vocab_size: int, seq_length: int, pp: int,
-            num_microbatches: int, layers: Optional[tuple] = None) -> Balance:
-    """The cost model's view of ``layers`` (None: the balanced split, module docstring)."""
+            num_microbatches: int, layers: Optional[tuple] = None,
+            first_readouts: Optional[int] = None) -> Balance:
+    """The cost model's view of ``layers`` and ``first_readouts`` (None: the balanced choice
+    of each; the readout count only where the model allows any, ``first_readout_blocker``)."""
     K = loop.num_core_layers(model.num_layers)
     chunks = (loop.num_loops if loop.num_loops > 1 else 1) * num_microbatches
     theory = (pp - 1) / (chunks + pp - 1)
 
-    def view(split):
-        costs = stage_costs(model, loop, vocab_size, seq_length, split)
-        return Balance(tuple(split), costs, predicted_bubble(costs, chunks), theory)
+    def view(split, n):
+        costs = stage_costs(model, loop, vocab_size, seq_length, split, n)
+        return Balance(tuple(split), costs, predicted_bubble(costs, chunks), theory, n)
 
-    if layers is not None:
-        return view(layers)
+    splits = [layers] if layers is not None else valid_splits(K, pp)
+    if first_readouts is not None:
+        counts = [first_readouts]
+    elif first_readout_blocker(model, loop) is None:
+        counts = range(loop.num_loops)
+    else:
+        counts = [0]
     even = (K // pp,) * pp if K % pp == 0 else None
 
-    def key(split):
-        costs = stage_costs(model, loop, vocab_size, seq_length, split)
-        # (slowest stage, to the FLOP: float noise aside; not the even split; spread of layers)
-        return round(max(costs)), split != even, max(split) - min(split)
+    def key(choice):
+        split, n = choice
+        costs = stage_costs(model, loop, vocab_size, seq_length, split, n)
+        # (slowest stage, to the FLOP: float noise aside; fewest readouts moved; not the even
+        # split; spread of layers)
+        return round(max(costs)), n, split != even, max(split) - min(split)
 
-    return view(min(valid_splits(K, pp), key=key))
+    return view(*min(((split, n) for split in splits for n in counts), key=key))
 
 
 def layers_per_stage(num_core_layers: int, pp: int, first: Optional[int],
@@ -149,9 +189,11 @@ def plan(run, vocab_size: int, num_microbatches: int) -> Balance:
     pp, K = par.pipeline_model_parallel_size, run.loop.num_core_layers(run.model.num_layers)
     args = (run.model, run.loop, vocab_size, run.training.seq_length, pp, num_microbatches)
     if par.pipeline_balance == "auto":
-        chosen = balance(*args)
+        chosen = balance(*args, first_readouts=par.pipeline_first_stage_readouts)
         par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers = \
             chosen.flags
+        par.pipeline_first_stage_readouts = chosen.first_readouts
         return chosen
     return balance(*args, layers=layers_per_stage(K, pp, par.decoder_first_pipeline_num_layers,
-                                                  par.decoder_last_pipeline_num_layers))
+                                                  par.decoder_last_pipeline_num_layers),
+                   first_readouts=par.pipeline_first_stage_readouts or 0)

@@ -41,6 +41,14 @@ class ParallelConfig:
     step; megaloop/parallel/balance.py). Either way the start-up prints the split and its
     predicted bubble."""
 
+    pipeline_first_stage_readouts: Optional[int] = None
+    """Loop steps whose LM loss (head and cross-entropy) the first pipeline stage computes
+    instead of the last: steps 1..n (at most --num-loops - 1), each read out as the next step
+    enters the first stage, from the state it carries; the last stage reads out only their exit
+    gate and sends the loss weight along. The objective is unchanged; the last stage sheds n of
+    its T readouts. Needs a tied LM head, no coda and the recurrent step norm. Default: 0, or
+    under --pipeline-balance auto the count the cost model balances best."""
+
     sequence_parallel: bool = False
     """Split norms and dropout over the sequence within the TP group (GPU, Transformer Engine)."""
 
@@ -117,10 +125,15 @@ class ParallelConfig:
         between pipeline parallelism and other features are in ``RunConfig.validate``)."""
         pp = self.pipeline_model_parallel_size
         first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        readouts = self.pipeline_first_stage_readouts
+        if readouts is not None and readouts < 0:
+            raise ValueError(f"--pipeline-first-stage-readouts {readouts} must be >= 0")
         if pp == 1:
-            if first is not None or last is not None or self.pipeline_balance != "even":
-                raise ValueError("--decoder-first/last-pipeline-num-layers and "
-                                 "--pipeline-balance auto need --pipeline-model-parallel-size > 1")
+            if first is not None or last is not None or self.pipeline_balance != "even" \
+                    or readouts:
+                raise ValueError("--decoder-first/last-pipeline-num-layers, --pipeline-balance "
+                                 "auto and --pipeline-first-stage-readouts need "
+                                 "--pipeline-model-parallel-size > 1")
             return
         if self.pipeline_balance == "auto" and (first is not None or last is not None):
             raise ValueError("--pipeline-balance auto chooses --decoder-first/last-pipeline-num-"

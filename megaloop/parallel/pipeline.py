@@ -38,7 +38,7 @@ from functools import partial
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import MegatronModule
@@ -79,7 +79,27 @@ class StepResult:
 
 
 class PipelineStage(LoopedGPTModel):
-    """This rank's part of the looped model; as a module it is chunk 0 (loop step 1)."""
+    """This rank's part of the looped model; as a module it is chunk 0 (loop step 1).
+
+    ``first_stage_readouts`` n > 0 (--pipeline-first-stage-readouts): the first stage computes
+    the LM loss of steps 1..n (recurrence.StepContext.first_stage_readouts) with the tied
+    embedding as its head, through a head module of its own that holds no weight."""
+
+    def __init__(self, *args, first_stage_readouts: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.first_stage_readouts = first_stage_readouts
+        if first_stage_readouts and self.pre_process and not self.post_process:
+            if not self.share_embeddings_and_output_weights:
+                raise ValueError("--pipeline-first-stage-readouts needs the LM head tied to the "
+                                 "embedding (drop --untie-embeddings-and-output-weights)")
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                self.config.hidden_size, self.vocab_size, config=self.config,
+                init_method=self.config.init_method, bias=False, skip_bias_add=False,
+                gather_output=False, skip_weight_param_allocation=True)
+            # The embedding and the head now both add to the tied weight's gradient on this
+            # stage: megatron-core's rule for two users on one stage (with fused gradient
+            # accumulation the head must hand autograd a zero, not an empty, weight gradient).
+            self.shared_embedding_or_output_weight().zero_out_wgrad = True
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
                 num_loops: Optional[int] = None, no_grad_steps: int = 0) -> StepResult:
@@ -103,6 +123,8 @@ class PipelineStage(LoopedGPTModel):
             raise ValueError("a pipeline-parallel forward needs labels (training/evaluation)")
         ctx = recurrence.context(self, input_ids, attention_mask, labels, num_loops)
         T = ctx.num_loops
+        ctx.first_stage_readouts = self.first_stage_readouts_at(T)
+        ctx.no_grad_steps = no_grad_steps
         layout = self.carry_layout(input_ids.size(0), input_ids.size(1), T)
         grad = torch.is_grad_enabled() and t > no_grad_steps
         if self.pre_process and t == 1:
@@ -119,20 +141,30 @@ class PipelineStage(LoopedGPTModel):
             # A step run without gradient (truncation), or a stage with nothing to train
             # (adaptive-gate training freezes the LM).
             payload = _keep_backward_path(payload, input_tensor)
-        if out.share is None and out.loss is None:
+        if out.share is None and out.earlier is None:
             return StepResult(payload, None)
-        # Statistics of this step only, laid out like the single-stage LoopOutput (zeros for the
-        # other steps, so the reports of all steps sum to it; NaN where `last` reads nothing).
+        # Statistics of what this chunk read out only (its step, or on the first stage the step
+        # before), laid out like the single-stage LoopOutput (zeros for the other steps, so the
+        # reports of all chunks sum to it; NaN where `last` reads nothing).
         step_losses = torch.zeros((T,) + tuple(labels.shape), dtype=torch.float32,
-                                  device=out.loss.device)
+                                  device=labels.device)
         if ctx.mode == "last":
             step_losses[:t - 1] = float("nan")
-        step_losses[t - 1] = out.loss
-        probs = None
-        if out.exit_prob is not None:
-            probs = torch.zeros_like(step_losses)
-            probs[t - 1] = out.exit_prob
-        return StepResult(payload, LoopOutput(out.share, step_losses, probs))
+        probs, shares = None, []
+        if out.share is not None:
+            shares.append(out.share)
+            if out.loss is not None:  # (None: its LM loss is read out on the first stage)
+                step_losses[t - 1] = out.loss
+            if out.exit_prob is not None:
+                probs = torch.zeros_like(step_losses)
+                probs[t - 1] = out.exit_prob
+        if out.earlier is not None:
+            shares.append(out.earlier.share)
+            step_losses[t - 2] = out.earlier.loss
+            if probs is None:  # (a model that defers has a gate; the last stage reports it)
+                probs = torch.zeros_like(step_losses)
+        share = shares[0] if len(shares) == 1 else shares[0] + shares[1]
+        return StepResult(payload, LoopOutput(share, step_losses, probs))
 
 
 class _KeepBackwardPath(torch.autograd.Function):
@@ -206,7 +238,8 @@ def build_pipeline_stage(cfg, vocab_size: int) -> PipelineStage:
     def stage():
         return PipelineStage(config, m, loop, padded, use_te=use_transformer_engine(m),
                              pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True))
+                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+                             first_stage_readouts=par.pipeline_first_stage_readouts or 0)
 
     if not config.use_cpu_initialization:
         return stage()  # on GPU each rank draws its own weights, as Megatron-LM does

@@ -146,6 +146,17 @@ class RunConfig:
 
     def _check_pipeline(self, world_size: int | None) -> None:
         pp, T = self.parallel.pipeline_model_parallel_size, self.loop.num_loops
+        readouts = self.parallel.pipeline_first_stage_readouts
+        if readouts:
+            from megaloop.parallel.balance import first_readout_blocker
+
+            blocker = first_readout_blocker(self.model, self.loop)
+            if blocker:
+                raise ValueError(f"--pipeline-first-stage-readouts {readouts}: {blocker}")
+            if readouts > T - 1:
+                raise ValueError(f"--pipeline-first-stage-readouts {readouts} exceeds --num-loops "
+                                 f"{T} - 1 (the last step's loss is read out on the last stage); "
+                                 f"use at most {T - 1}")
         if pp == 1 or T == 1:
             return
         microbatches = self.training.num_microbatches(self.parallel.data_parallel_size(world_size))
