@@ -16,10 +16,18 @@ chunks (interleaved 1F1B; T = 1 would use plain 1F1B). Printed per P:
 - theoretical bubble of interleaved 1F1B with V chunks and M micro-batches (Narayanan et al.
   2021): idle / total = (P - 1) / (V * M + P - 1), for equal chunk times.
 
+- predicted: the bubble of megaloop/parallel/balance.py's cost model (the schedule replayed on
+  FLOP costs of every chunk), for the layout the row runs.
+
+Each P > 1 runs side by side (``--balance``): the even split; ``layers``, the split
+``--pipeline-balance auto`` chooses when no LM loss may move; and ``auto``, the split and the
+steps whose LM loss the first stage computes (``r1,3``: steps 1 and 3).
+
 Caveats, on purpose in the output: the chunks are not equal (the last stage reads out at every
 loop step: step norm, coda, gate, LM head and cross-entropy; the first stage embeds once), so the
-measured bubble exceeds the theory by the imbalance; and ranks beyond the machine's cores share
-cores, so their "bubble" also holds time spent waiting for a CPU.
+measured bubble exceeds the theory by the imbalance; gloo's p2p on CPU adds waiting the cost
+model does not count; and ranks beyond the machine's cores share cores, so their "bubble" also
+holds time spent waiting for a CPU.
 """
 
 from __future__ import annotations
@@ -105,8 +113,11 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--balance", nargs="+", default=["even", "auto"], choices=["even", "auto"],
-                   help="--pipeline-balance values to run at each P > 1, side by side")
+    p.add_argument("--balance", nargs="+", default=["even", "layers", "auto"],
+                   choices=["even", "layers", "auto"],
+                   help="what to run at each P > 1, side by side: --pipeline-balance even; "
+                        "`layers`: --pipeline-balance auto choosing the split only (no LM loss "
+                        "moves to the first stage); auto: split and moved LM losses")
     a = p.parse_args()
     base = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
@@ -123,7 +134,7 @@ def main() -> None:
     print(f"looped model 0 + {a.num_layers} x {a.num_loops} + 0, hidden {a.hidden_size}, "
           f"seq {a.seq_length}, vocab {a.vocab_size}; global batch {a.global_batch_size} = "
           f"{M} micro-batches of {a.micro_batch_size}; {os.cpu_count()} CPU cores, 1 thread/rank")
-    print(f"{'P':>3} {'V':>3} {'split':>12} {'ms/iter':>9} {'speedup':>8} "
+    print(f"{'P':>3} {'V':>3} {'split':>16} {'ms/iter':>9} {'speedup':>8} "
           f"{'bubble measured':>16} {'predicted':>10} {'theory':>7}  busy ms per stage "
           f"(forward + backward)")
     base_ms = None
@@ -135,7 +146,9 @@ def main() -> None:
             from megaloop.parallel.balance import plan
             from megaloop.training.run_config import parse_args
 
-            flags += ["--pipeline-balance", how]
+            flags += ["--pipeline-balance", "even" if how == "even" else "auto"]
+            if how == "layers":
+                flags += ["--pipeline-first-stage-readouts", ""]
             cfg = parse_args(flags)
             try:
                 cfg.validate(world_size=P)
@@ -144,6 +157,8 @@ def main() -> None:
                 continue
             chosen = plan(cfg, a.vocab_size, M)
             split, predicted = f"{how} {'/'.join(map(str, chosen.layers))}", chosen.bubble
+            if chosen.first_readouts:  # steps whose LM loss the first stage computes
+                split += f" r{','.join(map(str, chosen.first_readouts))}"
         results = run_distributed(_rank, P, flags, a.steps, timeout=900)
         per_step = [max(r[0][i] for r in results) for i in range(a.steps)]
         ms = statistics.median(per_step) * 1000
@@ -153,7 +168,7 @@ def main() -> None:
         speedup = f"{base_ms / ms:8.2f}" if base_ms else f"{'-':>8}"
         note = " (more ranks than cores)" if P > (os.cpu_count() or 1) else ""
         busy = " ".join(f"{statistics.median(r[2]):.0f}" for r in results)
-        print(f"{P:>3} {V if P > 1 else 1:>3} {split:>12} {ms:9.1f} {speedup} {idle:16.1%} "
+        print(f"{P:>3} {V if P > 1 else 1:>3} {split:>16} {ms:9.1f} {speedup} {idle:16.1%} "
               f"{predicted:10.1%} {theory:7.1%}  [{busy}]{note}", flush=True)
 
 

@@ -182,15 +182,15 @@ class LoopedGPTModel(LanguageModule):
         return merge_slots(declared + ExitObjective.carry_slots(
             num_loops, self.loop.exit_loss, self.first_stage_readouts_at(num_loops)))
 
-    first_stage_readouts = 0
+    first_stage_readouts: tuple = ()
     """Pipeline stages (megaloop/parallel/pipeline.py): loop steps whose LM loss the first stage
-    computes, one step later (--pipeline-first-stage-readouts); 0 on a single stage."""
+    computes, one step later (--pipeline-first-stage-readouts); none on a single stage."""
 
-    def first_stage_readouts_at(self, num_loops: int) -> int:
-        """Of ``num_loops`` steps, how many have their LM loss read out on the first stage:
-        steps 1..n, n = min(--pipeline-first-stage-readouts, T - 1) (the last step's loss ends
-        the forward on the last stage; random depth draws T per step)."""
-        return max(0, min(self.first_stage_readouts, num_loops - 1))
+    def first_stage_readouts_at(self, num_loops: int) -> tuple:
+        """Of ``num_loops`` steps, those whose LM loss is read out on the first stage: the
+        flag's steps before the last (the last step's loss ends the forward on the last stage;
+        random depth draws T per step)."""
+        return tuple(t for t in self.first_stage_readouts if t < num_loops)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline hook (megatron schedules call it); with one stage there is nothing to take."""

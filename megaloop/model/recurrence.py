@@ -12,8 +12,9 @@ A step is, on a model split over pipeline stages, cut where the core is cut:
     last stage:   h = after_core hooks (up-scaling + Anchor/MeSH, loop gating); y = step_norm(h);
                   readout (coda, head, gate) and this step's share of the exit objective
 
-(With --pipeline-first-stage-readouts n, steps 1..n read out only their gate on the last stage;
-their LM loss is computed on the first stage as the next step enters it, from the carried state.)
+(With --pipeline-first-stage-readouts, the steps it names read out only their gate on the last
+stage; their LM loss is computed on the first stage as the next step enters it, from the carried
+state.)
 
 ``fold`` is the only loop over steps: the single-stage forward (``LoopedGPTModel.forward``),
 evaluation at any depth, prefill, decoding and teacher-forced scoring under an early-exit rule
@@ -63,10 +64,11 @@ class StepContext:
     """Read out (coda, head, gate) at every step also without labels: an early-exit rule needs
     every step's gate and logits (decoding: the coda's cache at every step too), a caller of
     ``fold`` every step's logits (``on_step``)."""
-    first_stage_readouts: int = 0
-    """Pipeline stages: steps 1..n whose LM loss the first stage computes at the next step, from
+    first_stage_readouts: tuple = ()
+    """Pipeline stages: the steps whose LM loss the first stage computes at the next step, from
     the state entering it (the last stage reads out only their gate and carries the loss weight
-    along; ``LoopedGPTModel.first_stage_readouts_at``). 0: every step reads out where it ends."""
+    along; ``LoopedGPTModel.first_stage_readouts_at``). Empty: every step reads out where it
+    ends."""
     no_grad_steps: int = 0
     """Pipeline stages: truncated backpropagation's count, so that a step's loss read out one
     step later keeps the gradient mode of its own step."""
@@ -189,7 +191,7 @@ def _core(core, ctx, t, z, attention_mask, rotary_pos_emb):
 def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutput]:
     """Loop step t (1-based) of ``ctx.num_loops`` on this stage's part of the model."""
     earlier = None
-    if model.pre_process and 2 <= t <= ctx.first_stage_readouts + 1:
+    if model.pre_process and t - 1 in ctx.first_stage_readouts:
         earlier = _first_stage_readout(model, carry, t - 1, ctx)
     carry, out = _step(model, carry, t, ctx)
     out.earlier = earlier
@@ -228,7 +230,7 @@ def _step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOut
         return carry, StepOutput()
     T = ctx.num_loops
     kept = [slot.name for slot in ExitObjective.carry_slots(T, ctx.mode, ctx.first_stage_readouts)]
-    if t <= ctx.first_stage_readouts:  # the LM loss is read out on the first stage, next step
+    if t in ctx.first_stage_readouts:  # the LM loss is read out on the first stage, next step
         objective = _resume(model, carry, t, ctx, kept)
         carry.readout_weight = objective.add_gate(model.exit_gate(y))
         for name in kept:

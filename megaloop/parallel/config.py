@@ -41,13 +41,14 @@ class ParallelConfig:
     step; megaloop/parallel/balance.py). Either way the start-up prints the split and its
     predicted bubble."""
 
-    pipeline_first_stage_readouts: Optional[int] = None
+    pipeline_first_stage_readouts: Optional[str] = None
     """Loop steps whose LM loss (head and cross-entropy) the first pipeline stage computes
-    instead of the last: steps 1..n (at most --num-loops - 1), each read out as the next step
-    enters the first stage, from the state it carries; the last stage reads out only their exit
-    gate and sends the loss weight along. The objective is unchanged; the last stage sheds n of
-    its T readouts. Needs a tied LM head, no coda and the recurrent step norm. Default: 0, or
-    under --pipeline-balance auto the count the cost model balances best."""
+    instead of the last, comma-separated (e.g. `1,3`; each below --num-loops): step t's is read
+    out as step t + 1 enters the first stage, from the state it carries, and the last stage
+    reads out only the step's exit gate and sends the loss weight along. The objective is
+    unchanged; the last stage sheds those readouts. Needs a tied LM head, no coda and the
+    recurrent step norm. Default: none, or under --pipeline-balance auto the steps the cost
+    model's schedule replay finds fastest (megaloop/parallel/balance.py)."""
 
     sequence_parallel: bool = False
     """Split norms and dropout over the sequence within the TP group (GPU, Transformer Engine)."""
@@ -120,14 +121,26 @@ class ParallelConfig:
                              "parameters are gathered from its shards): add it or drop "
                              "--overlap-param-gather")
 
+    def first_stage_readout_steps(self) -> Optional[tuple]:
+        """--pipeline-first-stage-readouts as sorted steps (None: not given)."""
+        value = self.pipeline_first_stage_readouts
+        if value is None:
+            return None
+        try:
+            steps = tuple(sorted({int(x) for x in value.split(",") if x.strip()}))
+        except ValueError:
+            steps = (0,)
+        if any(t < 1 for t in steps):
+            raise ValueError(f"--pipeline-first-stage-readouts {value!r}: give loop steps >= 1, "
+                             f"comma-separated (e.g. 1,3)")
+        return steps
+
     def validate_pipeline(self, num_core_layers: int) -> None:
         """How the core's layers split over the stages (before any process group; the rules
         between pipeline parallelism and other features are in ``RunConfig.validate``)."""
         pp = self.pipeline_model_parallel_size
         first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
-        readouts = self.pipeline_first_stage_readouts
-        if readouts is not None and readouts < 0:
-            raise ValueError(f"--pipeline-first-stage-readouts {readouts} must be >= 0")
+        readouts = self.first_stage_readout_steps()
         if pp == 1:
             if first is not None or last is not None or self.pipeline_balance != "even" \
                     or readouts:

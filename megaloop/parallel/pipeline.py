@@ -81,11 +81,11 @@ class StepResult:
 class PipelineStage(LoopedGPTModel):
     """This rank's part of the looped model; as a module it is chunk 0 (loop step 1).
 
-    ``first_stage_readouts`` n > 0 (--pipeline-first-stage-readouts): the first stage computes
-    the LM loss of steps 1..n (recurrence.StepContext.first_stage_readouts) with the tied
+    ``first_stage_readouts`` (--pipeline-first-stage-readouts): the first stage computes the LM
+    loss of these steps (recurrence.StepContext.first_stage_readouts) with the tied
     embedding as its head, through a head module of its own that holds no weight."""
 
-    def __init__(self, *args, first_stage_readouts: int = 0, **kwargs):
+    def __init__(self, *args, first_stage_readouts: tuple = (), **kwargs):
         super().__init__(*args, **kwargs)
         self.first_stage_readouts = first_stage_readouts
         if first_stage_readouts and self.pre_process and not self.post_process:
@@ -239,7 +239,7 @@ def build_pipeline_stage(cfg, vocab_size: int) -> PipelineStage:
         return PipelineStage(config, m, loop, padded, use_te=use_transformer_engine(m),
                              pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
                              post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-                             first_stage_readouts=par.pipeline_first_stage_readouts or 0)
+                             first_stage_readouts=par.first_stage_readout_steps() or ())
 
     if not config.use_cpu_initialization:
         return stage()  # on GPU each rank draws its own weights, as Megatron-LM does

@@ -146,17 +146,18 @@ class RunConfig:
 
     def _check_pipeline(self, world_size: int | None) -> None:
         pp, T = self.parallel.pipeline_model_parallel_size, self.loop.num_loops
-        readouts = self.parallel.pipeline_first_stage_readouts
+        readouts = self.parallel.first_stage_readout_steps()
         if readouts:
             from megaloop.parallel.balance import first_readout_blocker
 
+            flag = f"--pipeline-first-stage-readouts {self.parallel.pipeline_first_stage_readouts}"
             blocker = first_readout_blocker(self.model, self.loop)
             if blocker:
-                raise ValueError(f"--pipeline-first-stage-readouts {readouts}: {blocker}")
-            if readouts > T - 1:
-                raise ValueError(f"--pipeline-first-stage-readouts {readouts} exceeds --num-loops "
-                                 f"{T} - 1 (the last step's loss is read out on the last stage); "
-                                 f"use at most {T - 1}")
+                raise ValueError(f"{flag}: {blocker}")
+            if readouts[-1] > T - 1:
+                raise ValueError(f"{flag}: step {readouts[-1]} is not before the last of "
+                                 f"--num-loops {T} (the last step's loss is read out on the last "
+                                 f"stage); give steps 1..{T - 1}")
         if pp == 1 or T == 1:
             return
         microbatches = self.training.num_microbatches(self.parallel.data_parallel_size(world_size))
