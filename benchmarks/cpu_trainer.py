@@ -3,14 +3,16 @@
     python benchmarks/cpu_trainer.py [--iters 100 --rounds 3 --hidden-size 64]
 
 The two trainers of the training parity test (tests/test_training_parity.py) side by side:
-megaloop's ``Trainer.train_step`` with the loop's step hooks (megatron-core's schedule, DDP, optimizer and clipping, on
-the CPU shim, one forked gloo rank) and the independent loop built from ``transformers``' Llama
+megaloop's ``Trainer.train_step`` with the loop's step hooks (megatron-core's schedule, DDP,
+optimizer and clipping, on the CPU shim, one forked gloo rank) and the independent loop built from ``transformers``' Llama
 modules (the same weights, the same samples, AdamW, clipping), one thread each. For each of
 dense 4, dense 8 and looped 2 x 4 it times ``--iters`` iterations of each trainer, alternating
 which goes first over ``--rounds`` rounds, and prints the median seconds per iteration of each
 and megaloop's over the reference's (``--shim-mode``: also megaloop with the CPU shim's
 TorchFunctionMode on every op, as the shim worked before). The first iterations (start-up,
-first-touch allocation) are left out of the timing (``--warmup``).
+first-touch allocation) are left out of the timing (``--warmup``). Both run the global batch
+in one forward and backward (``--micro-batch-size 2``: megaloop in two micro-batches, as the
+parity test runs it, which is gradient accumulation the reference does not do).
 """
 
 from __future__ import annotations
@@ -97,6 +99,12 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="megaloop's micro-batch (default: the whole global batch of "
+                        f"{parity.GBS}, one forward and backward per step as the reference "
+                        "runs; the parity test's 2 runs two micro-batches, gradient "
+                        "accumulation the reference does not do)")
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--shim-mode", action="store_true",
                    help="also time megaloop with the shim's TorchFunctionMode on every op")
     a = p.parse_args(argv)
@@ -105,11 +113,16 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "corpus_text_document")
         run_distributed(lambda rank, world: parity._write_corpus(prefix), 1)
-        print(f"hidden {a.hidden_size}, seq {a.seq_length}, global batch {parity.GBS} "
-              f"(micro-batch {parity.MBS}), {a.iters} iterations ({a.warmup} untimed), one thread "
+        print(f"hidden {a.hidden_size}, seq {a.seq_length}, global batch {parity.GBS}, "
+              f"{a.iters} iterations ({a.warmup} untimed), one thread "
               f"each; seconds per iteration, median of {a.rounds} rounds:", flush=True)
-        for name, (layers, loops) in CASES.items():
-            argv = parity._argv(prefix, layers, loops, "pre")
+        mbs = a.micro_batch_size or parity.GBS
+        print(f"megaloop micro-batch {mbs} ({parity.GBS // mbs} per step); the reference runs "
+              f"the global batch at once", flush=True)
+        for name in a.cases:
+            layers, loops = CASES[name]
+            # (argparse keeps the last --micro-batch-size)
+            argv = parity._argv(prefix, layers, loops, "pre") + ["--micro-batch-size", str(mbs)]
             ours, theirs, moded = [], [], []
             for r in range(a.rounds):
                 order = ["megaloop", "reference"] + (["mode"] if a.shim_mode else [])

@@ -90,6 +90,33 @@ def test_nonfinite_step_is_skipped_on_every_rank_and_counted():
         assert torch.equal(ranks[0][2][4][k], ranks[1][2][4][k])
 
 
+def _guard_cases(rank, world):
+    from megaloop.training.diagnostics import NonFiniteGuard
+
+    guard = NonFiniteGuard(True, 3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 3))
+    out = {}
+    for name, value in [("finite", None), ("large finite", 1e30), ("nan", float("nan")),
+                        ("inf", float("inf")), ("-inf", -float("inf"))]:
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        if value is not None:
+            model[1].weight.grad[2, 7] = value  # one entry of one gradient
+        out[name] = guard.step_is_finite(model, 1.0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    out["nan loss"] = guard.step_is_finite(model, float("nan"))
+    return out
+
+
+def test_the_guard_finds_one_non_finite_gradient_entry():
+    """The guard's test (the sum of each gradient buffer) against what it stands for: any
+    NaN or infinity in any gradient, or in the loss, and nothing else (a finite 1e30 passes)."""
+    assert run_distributed(_guard_cases, 1)[0] == {
+        "finite": True, "large finite": True, "nan": False, "inf": False, "-inf": False,
+        "nan loss": False}
+
+
 def _main(rank, world, flags, poison):
     """pretrain_looplm.main in this rank (the harness's process group is reused)."""
     sys.path.insert(0, ROOT)

@@ -73,8 +73,9 @@ def reduce_stats(reports: list, num_loops: int, device=None) -> dict:
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(packed,
                                      group=parallel_state.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(
-        packed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        torch.distributed.all_reduce(
+            packed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     sums = dict(zip(STAT_FIELDS, packed.split([sizes[k] for k in STAT_FIELDS])))
     tokens = max(sums["tokens"].item(), 1.0)
     step_losses = (sums["step_losses"] / tokens).tolist()
