@@ -40,7 +40,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from megaloop.compat import with_submodules
+from megaloop.compat import submodules_of, with_submodules
+from megaloop.model.attention import SDPADotProductAttention
 from megaloop.model.lora import LoRASetup, with_lora
 
 NORM_SCHEMES = ("ouro", "pre", "post", "sandwich", "magic")
@@ -148,6 +149,10 @@ def layer_spec(config, norm_scheme: str, use_te: bool, unfuse_input_norms: bool 
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
             qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+        # megatron-core's core attention with a fused fast path (megaloop/model/attention.py).
+        attention = submodules_of(spec).self_attention
+        spec = with_submodules(spec, self_attention=with_submodules(
+            attention, core_attention=SDPADotProductAttention))
     norm = norm_spec(use_te)
     if norm_scheme == "post":
         spec = _with_input_norms(spec, IdentityOp, use_te)
