@@ -247,9 +247,10 @@ def _train_then_eval(rank, world, extra):
     return trainer.evaluate(), trainer.evaluate()
 
 
-def test_pp2_evaluation_equals_pp1():
+@pytest.mark.parametrize("pp_only", [[], ["--pipeline-first-stage-readouts", "1,2"]])
+def test_pp2_evaluation_equals_pp1(pp_only):
     ref = run_distributed(_train_then_eval, 1, MB2)[0]
-    for result in run_distributed(_train_then_eval, 2, MB2 + PP2):
+    for result in run_distributed(_train_then_eval, 2, MB2 + PP2 + pp_only):
         for a, b in zip(ref, result, strict=True):
             assert abs(a["loss"] - b["loss"]) < 2e-5
             for key in ("step_losses", "exit_probs"):
@@ -364,13 +365,16 @@ def _checkpoint_roundtrip(rank, world, extra, save_dir, save):
     return params, stats, float(grad_norm), full_params(trainer.model)
 
 
-@pytest.mark.parametrize("variant", [
-    [],
+@pytest.mark.parametrize("variant,pp_only", [
+    ([], []),
     # SpiralFormer + MeSH: operators and routers live on different stages at P=2.
-    ["--loop-resolutions", "coarse-to-fine", "--loop-topology", "mesh"],
+    (["--loop-resolutions", "coarse-to-fine", "--loop-topology", "mesh"], []),
+    # The first stage's weightless head adds nothing to the checkpoint.
+    ([], ["--pipeline-first-stage-readouts", "1,2"]),
 ])
-def test_pp2_checkpoint_loads_at_pp1(tmp_path, variant):
-    saved = run_distributed(_checkpoint_roundtrip, 2, MB2 + PP2 + variant, str(tmp_path), True)
+def test_pp2_checkpoint_loads_at_pp1(tmp_path, variant, pp_only):
+    saved = run_distributed(_checkpoint_roundtrip, 2, MB2 + PP2 + variant + pp_only,
+                            str(tmp_path), True)
     loaded = run_distributed(_checkpoint_roundtrip, 1, MB2 + variant, str(tmp_path), False)[0]
     params_pp, stats_pp, gn_pp, after_pp = saved[0]
     params_1, stats_1, gn_1, after_1 = loaded

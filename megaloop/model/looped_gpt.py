@@ -210,15 +210,20 @@ class LoopedGPTModel(LanguageModule):
         gate_logit = self.exit_gate(r) if gate else None
         return self.lm_head(r, labels), gate_logit
 
+    def head_module(self):
+        """The vocab-parallel head module (a pipeline's first stage may have its own)."""
+        return self.output_layer
+
     def lm_head(self, r, labels=None):
         """The LM head on the readout's input r [s, b, h]: vocab-parallel logits, or with
         ``labels`` the [b, s] LM loss (--loop-readout: how; megaloop/model/readout.py)."""
         weight = self.shared_embedding_or_output_weight() if \
             self.share_embeddings_and_output_weights else None
+        head = self.head_module()
         if labels is not None and self.loop.loop_readout == "chunked":
-            return chunked_language_model_loss(self.output_layer, r, weight, labels,
+            return chunked_language_model_loss(head, r, weight, labels,
                                                self.loop.loop_readout_chunk_tokens)
-        logits, _ = self.output_layer(r, weight=weight)
+        logits, _ = head(r, weight=weight)
         if labels is not None:
             # megatron-core's vocab-parallel cross-entropy overwrites the logits in place.
             return self.compute_language_model_loss(labels, logits)

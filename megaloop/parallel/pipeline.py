@@ -92,14 +92,20 @@ class PipelineStage(LoopedGPTModel):
             if not self.share_embeddings_and_output_weights:
                 raise ValueError("--pipeline-first-stage-readouts needs the LM head tied to the "
                                  "embedding (drop --untie-embeddings-and-output-weights)")
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
+            head = tensor_parallel.ColumnParallelLinear(
                 self.config.hidden_size, self.vocab_size, config=self.config,
                 init_method=self.config.init_method, bias=False, skip_bias_add=False,
                 gather_output=False, skip_weight_param_allocation=True)
+            # Not registered as a sub-module: it owns no weight, and as `output_layer` it would
+            # add a second `output_layer._extra_state` to the checkpoint (the last stage's).
+            self._first_stage_head = (head,)
             # The embedding and the head now both add to the tied weight's gradient on this
             # stage: megatron-core's rule for two users on one stage (with fused gradient
             # accumulation the head must hand autograd a zero, not an empty, weight gradient).
             self.shared_embedding_or_output_weight().zero_out_wgrad = True
+
+    def head_module(self):
+        return self.output_layer if self.post_process else self._first_stage_head[0]
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
                 num_loops: Optional[int] = None, no_grad_steps: int = 0) -> StepResult:
