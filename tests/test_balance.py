@@ -170,3 +170,35 @@ def test_first_stage_readouts_refused_where_they_cannot_run(flags, message):
     cfg = parse_args(argv + flags)
     with pytest.raises(ValueError, match=message):
         cfg.validate(world_size=2)
+
+
+def test_plan_writes_the_choice_into_the_flags_and_keeps_given_steps():
+    """Under auto, ``plan`` (what the trainer runs before building the stages) writes the chosen
+    split and steps into the run's flags; steps given on the command line (here none, "") are
+    kept and only the split is chosen; under even the flags' own layout is viewed."""
+    from megaloop.parallel.balance import balance, plan
+    from megaloop.training.run_config import parse_args
+
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+            "--global-batch-size", "8", "--train-iters", "1", "--mock-data", "--num-loops", "4",
+            "--swiglu", "--pipeline-model-parallel-size", "2", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "16384"]
+    vocab = 16384
+    auto = parse_args(argv + ["--pipeline-balance", "auto"])
+    auto.validate(world_size=2)
+    chosen = plan(auto, vocab, 8)
+    best = balance(auto.model, auto.loop, vocab, 128, 2, 8)
+    assert (chosen.layers, chosen.first_readouts) == (best.layers, best.first_readouts)
+    assert chosen.first_readouts and auto.parallel.first_stage_readout_steps() == \
+        chosen.first_readouts
+    split_only = parse_args(argv + ["--pipeline-balance", "auto",
+                                    "--pipeline-first-stage-readouts", ""])
+    split_only.validate(world_size=2)
+    assert plan(split_only, vocab, 8).first_readouts == ()
+    assert split_only.parallel.first_stage_readout_steps() == ()
+    assert split_only.parallel.decoder_first_pipeline_num_layers == 3  # layers alone: 3/1
+    given = parse_args(argv + ["--pipeline-first-stage-readouts", "2"])
+    given.validate(world_size=2)
+    view = plan(given, vocab, 8)
+    assert (view.layers, view.first_readouts) == ((2, 2), (2,))
