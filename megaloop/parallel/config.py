@@ -36,10 +36,11 @@ class ParallelConfig:
 
     pipeline_balance: Literal["even", "auto"] = "even"
     """How the core's layers split over the pipeline stages when --decoder-first/last-pipeline-
-    num-layers are not given: `even` (Megatron-LM's default) or `auto`, the split a FLOP cost
-    model of each stage's loop-step chunk balances (the last stage also reads out at every loop
-    step; megaloop/parallel/balance.py). Either way the start-up prints the split and its
-    predicted bubble."""
+    num-layers are not given: `even` (Megatron-LM's default) or `auto`, the split (and, unless
+    --pipeline-first-stage-readouts is given, the steps whose LM loss moves to the first stage)
+    that a replay of the schedule on a FLOP cost model of every chunk finds fastest (the last
+    stage also reads out at every loop step; megaloop/parallel/balance.py). Either way the
+    start-up prints the layout and its predicted bubble."""
 
     pipeline_first_stage_readouts: Optional[str] = None
     """Loop steps whose LM loss (head and cross-entropy) the first pipeline stage computes
