@@ -32,7 +32,7 @@ from megaloop.model.conditioning import build_timestep_conditioning, conditioned
 from megaloop.model.loop_step import StepHolder
 from megaloop.model.injection import build_history_injection, build_injection
 from megaloop.model import recurrence
-from megaloop.model.carry import merge_slots
+from megaloop.model.carry import SIDE, Slot, merge_slots
 from megaloop.model.lora import StepwiseLoRA
 from megaloop.model.readout import chunked_language_model_loss
 from megaloop.model.sharded_init import shard_only_initialization
@@ -179,8 +179,11 @@ class LoopedGPTModel(LanguageModule):
         """What the carry holds when ``num_loops`` loops run: the variants' slots and the exit
         objective's accumulators (megaloop/model/carry.py); the same on every pipeline stage."""
         declared = [slot for variant in self.variants for slot in variant.carry_slots(num_loops)]
-        return merge_slots(declared + ExitObjective.carry_slots(
-            num_loops, self.loop.exit_loss, self.first_stage_readouts_at(num_loops)))
+        # A step whose LM loss the first stage reads carries its loss weight w_t there
+        # (ExitObjective.add_gate; megaloop/model/recurrence.py).
+        moved = [Slot("readout_weight", SIDE)] if self.first_stage_readouts_at(num_loops) else []
+        return merge_slots(declared + ExitObjective.carry_slots(num_loops, self.loop.exit_loss)
+                           + moved)
 
     first_stage_readouts: tuple = ()
     """Pipeline stages (megaloop/parallel/pipeline.py): loop steps whose LM loss the first stage

@@ -132,16 +132,12 @@ class ExitObjective:
         self.exit_probs.append(log_p.exp().detach())
 
     @staticmethod
-    def carry_slots(num_loops: int, mode: str, deferred: int = 0) -> list:
+    def carry_slots(num_loops: int, mode: str) -> list:
         """The accumulators a later step reads, as carry slots (megaloop/model/carry.py) named
-        as the fields ``resume`` takes: the log-survival, and adaptive-gate's previous loss.
-        ``deferred`` > 0: steps whose LM loss is read out one step later (``add_gate``) also
-        carry their loss weight w_t to it (``readout_weight``)."""
+        as the fields ``resume`` takes: the log-survival, and adaptive-gate's previous loss."""
         if num_loops == 1 or mode == "last":
             return []
         slots = [Slot("log_survival", SIDE)]
-        if deferred:
-            slots.append(Slot("readout_weight", SIDE))
         return slots + [Slot("previous_loss", SIDE)] if mode == "adaptive-gate" else slots
 
     @classmethod

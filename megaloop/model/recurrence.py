@@ -229,13 +229,12 @@ def _step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOut
     if not ctx.reads_out(t):
         return carry, StepOutput()
     T = ctx.num_loops
-    kept = [slot.name for slot in ExitObjective.carry_slots(T, ctx.mode, ctx.first_stage_readouts)]
+    kept = [slot.name for slot in ExitObjective.carry_slots(T, ctx.mode)]
     if t in ctx.first_stage_readouts:  # the LM loss is read out on the first stage, next step
         objective = _resume(model, carry, t, ctx, kept)
         carry.readout_weight = objective.add_gate(model.exit_gate(y))
         for name in kept:
-            if name != "readout_weight":
-                setattr(carry, name, getattr(objective, name))
+            setattr(carry, name, getattr(objective, name))
         return carry, StepOutput(objective.share(), None, objective.exit_probs[-1])
     gate = model.exit_gate is not None and (t < T or ctx.mode == "adaptive-gate")
     with ctx.cache("coda", t) as cache:
@@ -255,8 +254,7 @@ def _step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOut
     objective = _resume(model, carry, t, ctx, kept)
     objective.add_step(loss, gate_logit)
     for name in kept:
-        if name != "readout_weight":
-            setattr(carry, name, getattr(objective, name))
+        setattr(carry, name, getattr(objective, name))
     prob = objective.exit_probs[-1] if objective.exit_probs else None
     # No logits: the chunked readout never keeps them, and megatron-core's vocab-parallel
     # cross-entropy overwrites them in place.
@@ -270,7 +268,7 @@ def _resume(model, carry: Carry, t: int, ctx: StepContext, kept: list) -> ExitOb
     return ExitObjective.resume(
         ctx.num_loops, ctx.mode, loop.exit_kl_beta, loop.exit_loss_smoothing, steps_done=t - 1,
         gate_k=loop.gate_bce_k, gate_gamma=loop.gate_bce_gamma,
-        **{name: getattr(carry, name) for name in kept if name != "readout_weight"})
+        **{name: getattr(carry, name) for name in kept})
 
 
 @dataclass
