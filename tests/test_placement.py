@@ -75,7 +75,10 @@ DIAGNOSTICS = ["--log-grad-norm-per-step", "--log-loop-geometry"]
     (["--tensor-model-parallel-size", "2", "--micro-batch-size", "2"] + DIAGNOSTICS, 2),
     (["--micro-batch-size", "1", "--use-distributed-optimizer"] + DIAGNOSTICS, 2),
     (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"] + DIAGNOSTICS, 2),
-], ids=["tp2", "dp2", "pp2"])
+    # LM losses moved to the first stage: its head reads the tied embedding there.
+    (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+      "--pipeline-first-stage-readouts", "1,2"], 2),
+], ids=["tp2", "dp2", "pp2", "pp2-moved-losses"])
 def test_trainer_places_every_tensor(tmp_path, layout, world):
     """The whole trainer under the check; its losses equal the unchecked run's (the check
     observes, it changes nothing)."""
