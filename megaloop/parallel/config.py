@@ -48,8 +48,9 @@ class ParallelConfig:
     out as step t + 1 enters the first stage, from the state it carries, and the last stage
     reads out only the step's exit gate and sends the loss weight along. The objective is
     unchanged; the last stage sheds those readouts. Needs a tied LM head, no coda and the
-    recurrent step norm. Default: none, or under --pipeline-balance auto the steps the cost
-    model's schedule replay finds fastest (megaloop/parallel/balance.py)."""
+    recurrent step norm. Under --random-depth-mean a drawn T moves the given steps below it.
+    Default: none, or under --pipeline-balance auto the steps the cost model's schedule replay
+    finds fastest (megaloop/parallel/balance.py)."""
 
     sequence_parallel: bool = False
     """Split norms and dropout over the sequence within the TP group (GPU, Transformer Engine)."""
