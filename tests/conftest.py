@@ -52,7 +52,15 @@ def _te_import_error():
 
 def pytest_collection_modifyitems(config, items):
     """te_structure tests build TE's modules: skipped (with the reason) where TE does not
-    import, i.e. in the main venv, which never installs it."""
+    import, i.e. in the main venv, which never installs it. slurm tests submit jobs to a real
+    cluster: skipped unless MEGALOOP_SLURM_CLUSTER=1 says one is up (.ci/run's stage starts it
+    with tools/slurm_test_cluster.sh)."""
+    if os.environ.get("MEGALOOP_SLURM_CLUSTER") != "1":
+        no_cluster = pytest.mark.skip(reason="slurm: no test cluster (MEGALOOP_SLURM_CLUSTER=1 "
+                                             "after sudo bash tools/slurm_test_cluster.sh up)")
+        for item in items:
+            if item.get_closest_marker("slurm"):
+                item.add_marker(no_cluster)
     if not any(item.get_closest_marker("te_structure") for item in items):
         return
     reason = _te_import_error()

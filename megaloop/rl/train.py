@@ -57,6 +57,9 @@ def configure(argv: Optional[list] = None):
     from megaloop.rl.config import parse_args
 
     cfg = parse_args(argv)  # --help and a flag argparse refuses answer before any heavy import
+    from megaloop.device import refuse_cpu_fallback
+
+    refuse_cpu_fallback(sys.argv[1:] if argv is None else argv)  # no CPU run on a GPU node
     runtime.set_attention_backend_env(cfg.model.attention_backend)
     runtime.quiet_megatron()
     from megaloop.parallel.initialize import single_process_env

@@ -282,6 +282,9 @@ class RLTrainer(Trainer):
     def _train_loop(self, exits):
         tr, log = self.cfg.training, self.cfg.logging
         self.describe()
+        reason = exits.before_training(self.iteration)
+        if reason is not None:
+            return reason
         while self.iteration < tr.train_iters:
             start = time.time()
             self.hooks.before_step(self.iteration)

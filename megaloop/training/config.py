@@ -501,7 +501,9 @@ class CheckpointConfig(LoadConfig):
     """Save and exit when the iteration is a multiple of this."""
 
     exit_duration_in_mins: Optional[float] = None
-    """Save and exit once the run has trained for this many minutes."""
+    """Save and exit once this many minutes have passed since the process started (Megatron-LM's
+    meaning: start-up included). examples/slurm/pretrain_looplm.sbatch sets it from the job's end
+    time."""
 
     ckpt_checksums: bool = True
     """Write a checksum of every file of a checkpoint at save (megaloop_manifest.json) and verify

@@ -2,7 +2,11 @@
 
 SLURM sends SIGTERM to every task of a job before preemption or at the time limit (with
 ``--signal``). The handler only records the signal; the trainer finishes the step in flight,
-asks here whether to stop, saves and exits 0. The decision is one all-reduce (MAX) over the
+asks here whether to stop, saves and exits 0. The handler is installed as soon as the flags are
+parsed (megaloop.training.sigterm, from megaloop.training.run), not when training starts: a signal
+that lands during the start-up (imports, model, checkpoint load: SLURM may send ``--signal`` up to
+a minute early, so a short job can get it there) is kept, and the trainer stops before its first
+step (``before_training``) instead of the rank dying of it. The decision is one all-reduce (MAX) over the
 world, so every rank takes the same branch even when only some ranks got the signal or one rank's
 clock crossed the budget first: nothing can hang in a half-taken save.
 
@@ -11,8 +15,9 @@ one JSON line that says the same where a launcher hides the code: torchrun exits
 signalled itself, whatever its ranks did):
 
 - 0, ``completed``: trained to --train-iters (and saved, with --save);
-- 0, ``saved-and-stopped``: stopped early by SIGTERM (--exit-signal-handler), --exit-interval or
-  --exit-duration-in-mins, after saving: resubmit the same command to continue;
+- 0, ``saved-and-stopped``: stopped early by SIGTERM (--exit-signal-handler, also one received
+  during the start-up), --exit-interval or --exit-duration-in-mins, after saving: resubmit the
+  same command to continue;
 - 1, ``failed``: a ``RunError`` (too many non-finite steps in a row, a save or load that
   failed): nothing after the last good checkpoint was kept;
 - 2: a bad flag or a checkpoint that does not fit the flags, found before training started.
@@ -22,13 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from typing import Optional
 
 import torch
 
 from megaloop.device import current_device
+from megaloop.training import sigterm
 from megaloop.training.config import CheckpointConfig
 
 
@@ -54,24 +59,36 @@ def write_exit_status(path: str, status: str, reason: str, iteration: int,
 
 
 class ExitConditions:
+    """``start_time``: when --exit-duration-in-mins starts counting (Megatron-LM's: the
+    program's start; the trainer passes its process's start time)."""
+
     def __init__(self, cfg: CheckpointConfig, start_time: Optional[float] = None):
         self.cfg = cfg
         self.start_time = time.time() if start_time is None else start_time
-        self.received_signal: Optional[int] = None
-        self._previous = None
+
+    @property
+    def received_signal(self) -> Optional[int]:
+        return sigterm.received()
 
     def install(self) -> None:
-        """Take over SIGTERM (only with --exit-signal-handler)."""
+        """Take over SIGTERM (only with --exit-signal-handler; kept if already caught)."""
         if self.cfg.exit_signal_handler:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            sigterm.catch()
 
     def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        sigterm.release()
 
-    def _handle(self, signum, frame):  # noqa: ARG002 - signal handler signature
-        self.received_signal = signum
+    def before_training(self, iteration: int) -> Optional[str]:
+        """Why the run must stop before its first step: a SIGTERM received on any rank during
+        the start-up. Collective with --exit-signal-handler (every rank takes the same branch)."""
+        if not self.cfg.exit_signal_handler:
+            return None
+        flag = torch.tensor([float(self.received_signal is not None)], device=current_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag[0] > 0:
+            return (f"SIGTERM received during the start-up (--exit-signal-handler), stopping "
+                    f"before training from iteration {iteration}")
+        return None
 
     @property
     def collective(self) -> bool:

@@ -28,9 +28,16 @@ def configure(argv: Optional[list] = None):
     (readable, of this architecture). Raises ValueError for a refusal; argparse's own exit
     (--help, an unknown flag) is a SystemExit."""
     from megaloop import runtime
+    from megaloop.training import sigterm
     from megaloop.training.run_config import parse_args
 
     cfg = parse_args(argv)
+    if cfg.checkpoint.exit_signal_handler:
+        sigterm.catch()  # now, not at the first step: the start-up takes a while (see there)
+    # A GPU node whose CUDA does not start must not train in the CPU development mode.
+    from megaloop.device import refuse_cpu_fallback
+
+    refuse_cpu_fallback(sys.argv[1:] if argv is None else argv)
     # TE's attention switches for --attention-backend, before anything imports megatron-core
     # (whose import imports Transformer Engine); validate() sets them again.
     runtime.set_attention_backend_env(cfg.model.attention_backend)

@@ -443,15 +443,26 @@ class Trainer:
             self.save_lock.release()
 
     def _train(self) -> Optional[str]:
-        exits = ExitConditions(self.cfg.checkpoint)
+        # --exit-duration-in-mins counts from the process's start, as Megatron-LM's does (the
+        # SLURM script derives it from the job's end time, start-up included).
+        exits = ExitConditions(self.cfg.checkpoint, start_time=self.startup.start)
         exits.install()
+        start_iteration = self.iteration
         try:
             reason = self._train_loop(exits)
         finally:
             exits.uninstall()
         ck = self.cfg.checkpoint
         saved = bool(ck.save) and self.last_saved == self.iteration
-        if ck.save and not saved:
+        # Stopped before the first step (a SIGTERM during the start-up): the run's state is the
+        # checkpoint it started from, or none yet; nothing to save (and megatron-core's optimizer
+        # has no state to save before its first step).
+        untrained = reason is not None and self.iteration == start_iteration
+        if untrained:
+            kept = (f"checkpoint iteration {self.iteration} in {ck.load}" if self.load_info
+                    else "no checkpoint yet: a resubmission starts from scratch")
+            reason += f"; nothing trained, nothing to save (the run's state: {kept})"
+        elif ck.save and not saved:
             if self.guard.in_a_row:  # the run ends on skipped steps: nothing saved (see above)
                 self.logger.print(
                     f"> not saving iteration {self.iteration}: its last {self.guard.in_a_row} "
@@ -470,7 +481,7 @@ class Trainer:
             # --kill-on-bad-exit) may kill the others, rank 0 included.
             if torch.distributed.get_rank() == 0:
                 status = "completed" if reason is None else (
-                    "saved-and-stopped" if saved else "stopped")
+                    "saved-and-stopped" if saved or untrained else "stopped")
                 write_exit_status(ck.exit_status_file, status, reason or "trained to "
                                   "--train-iters", self.iteration, self.last_saved)
             torch.distributed.barrier()
@@ -509,6 +520,9 @@ class Trainer:
         self.describe()
         window_start, window_iters, window_flops, window_samples = time.time(), 0, 0.0, 0
         startup = None
+        reason = exits.before_training(self.iteration)
+        if reason is not None:
+            return reason
         while self.iteration < tr.train_iters:
             self.diagnostics.before_step(
                 will_log=(self.iteration + 1) % log.log_interval == 0
