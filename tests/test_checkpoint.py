@@ -264,6 +264,28 @@ def test_exit_duration_stops_saves_and_says_why(tmp_path):
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "1"
 
 
+def _train_started_earlier(rank, world, flags, seconds):
+    """A trainer whose process started ``seconds`` before it was built (its StartupTimer's
+    origin), trained; returns why it stopped and its iteration."""
+    from megaloop.training.startup import StartupTimer
+
+    startup = StartupTimer(from_process_start=False)
+    startup.start -= seconds
+    trainer = build_trainer(flags, startup)
+    return trainer.train(), trainer.iteration
+
+
+def test_exit_duration_counts_from_the_process_start(tmp_path):
+    """Megatron-LM's meaning, which the SLURM script's value (the job's end time less a margin)
+    relies on: the start-up counts. A process started 2 minutes ago with a 1-minute budget stops
+    after its first step, though training itself has taken well under a minute."""
+    flags = RESUME + ["--save", str(tmp_path / "ckpt"), "--exit-duration-in-mins", "1"]
+    reason, it = run_distributed(_train_started_earlier, 1, flags, 120.0)[0]
+    assert it == 1 and "--exit-duration-in-mins 1.0 exceeded at iteration 1" in reason, reason
+    reason, it = run_distributed(_train_started_earlier, 1, flags, 0.0)[0]
+    assert reason is None and it > 1
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--save-interval", "5"], "--save-interval needs --save"),
     (["--finetune"], "--finetune needs --load"),

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -395,3 +396,70 @@ def test_checkpoint_args_take_the_position_limit_and_qkv_bias(tmp_path, saved):
     for name in ("rotary_base", "use_rope_scaling", "rope_scaling_factor", "norm_epsilon"):
         assert getattr(cfg.model, name) == getattr(saved_model, name), name
         assert f"--{name.replace('_', '-')} {getattr(saved_model, name)}" in changed
+
+
+def _signal_during_startup(rank, world, flags):
+    """pretrain_looplm.main where the last rank gets SIGTERM while it starts up (after its flags
+    are parsed, before the trainer is built): the handler is the one run() installs then."""
+    from megaloop.training import trainer as trainer_mod
+    from run_helpers import main_in_rank
+
+    real = trainer_mod.Trainer.__init__
+
+    def init_then_signal(self, *args, **kwargs):
+        if rank == world - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # fatal unless already caught
+        real(self, *args, **kwargs)
+
+    trainer_mod.Trainer.__init__ = init_then_signal
+    return main_in_rank(flags)
+
+
+def test_sigterm_during_startup_stops_every_rank_before_training(tmp_path):
+    """One rank's SIGTERM during the start-up (a short SLURM job's --signal can land there):
+    every rank stops before its first step (one all-reduce decides), with nothing to save; from
+    a checkpoint, the run's state stays that checkpoint, which the next start resumes."""
+    ckpt, status = tmp_path / "ckpt", tmp_path / "status.json"
+    log = tmp_path / "run.jsonl"
+    flags = TINY + ["--train-iters", "4", "--save", str(ckpt), "--load", str(ckpt),
+                    "--exit-signal-handler", "--exit-status-file", str(status),
+                    "--log-jsonl", str(log)]
+    assert [c for c in run_distributed(_signal_during_startup, 2, flags)] == [0, 0]
+    result = json.loads(status.read_text())
+    assert result["status"] == "saved-and-stopped" and result["iteration"] == 0, result
+    assert "during the start-up" in result["reason"] and "no checkpoint yet" in result["reason"]
+    assert "before the first step after iteration 0" in result["reason"], result
+    assert not log.exists() or not [r for r in _records_of(log) if r["split"] == "train"]
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
+
+    # From a checkpoint: trained to 2, then a start-up signal; the checkpoint stays iteration 2.
+    run_distributed(_train, 2, flags + ["--exit-interval", "2"])
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    mtime = os.path.getmtime(ckpt / "iter_0000002")
+    assert [c for c in run_distributed(_signal_during_startup, 2, flags)] == [0, 0]
+    result = json.loads(status.read_text())
+    assert result["status"] == "saved-and-stopped" and result["checkpoint_iteration"] == 2
+    assert f"the run's state is checkpoint iteration 2 in {ckpt}" in result["reason"], result
+    assert os.path.getmtime(ckpt / "iter_0000002") == mtime
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def _records_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_sigterm_without_the_handler_still_ends_the_process():
+    """Without --exit-signal-handler nothing is caught: SIGTERM ends the run as before (the
+    save lock's own handler releases and re-raises it)."""
+    from megaloop.training import sigterm
+
+    code = ("import os, signal, sys; sys.path.insert(0, %r)\n"
+            "from megaloop.training import sigterm\n"
+            "sigterm.catch(); os.kill(os.getpid(), signal.SIGTERM)\n"
+            "assert sigterm.received() == signal.SIGTERM\n"
+            "sigterm.release(); os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('not reached')\n") % ROOT
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -signal.SIGTERM and "not reached" not in proc.stdout, proc.stderr
+    assert sigterm.received() is None  # this process never caught anything

@@ -201,6 +201,7 @@ up() {
 
 down() {
     local jobs n left
+    if [[ $(id -u) -ne 0 ]]; then say "not root: nothing of this script's to stop"; return 0; fi
     if running /run/slurmctld.pid slurmctld; then
         jobs=$(squeue -h -o %i 2> /dev/null | paste -sd ' ')
         if [[ -n "$jobs" ]]; then
@@ -215,7 +216,7 @@ down() {
     stop_pidfile /run/munge/munged.pid munged
     left=$(pgrep -x slurmstepd 2> /dev/null | paste -sd ' ' || true)
     [[ -z "$left" ]] || say "warning: job steps outlived their slurmd: slurmstepd pids $left"
-    sed -i "/$MARK\$/d" /etc/hosts
+    if grep -q "$MARK\$" /etc/hosts; then sed -i "/$MARK\$/d" /etc/hosts; fi
     rm -rf /var/spool/slurmctld/* /var/spool/slurmd/*
     say "down"
 }

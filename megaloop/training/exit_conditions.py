@@ -86,8 +86,8 @@ class ExitConditions:
         flag = torch.tensor([float(self.received_signal is not None)], device=current_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if flag[0] > 0:
-            return (f"SIGTERM received during the start-up (--exit-signal-handler), stopping "
-                    f"before training from iteration {iteration}")
+            return (f"SIGTERM received during the start-up (--exit-signal-handler): stopping "
+                    f"before the first step after iteration {iteration}")
         return None
 
     @property

@@ -459,9 +459,9 @@ class Trainer:
         # has no state to save before its first step).
         untrained = reason is not None and self.iteration == start_iteration
         if untrained:
-            kept = (f"checkpoint iteration {self.iteration} in {ck.load}" if self.load_info
-                    else "no checkpoint yet: a resubmission starts from scratch")
-            reason += f"; nothing trained, nothing to save (the run's state: {kept})"
+            kept = (f"the run's state is checkpoint iteration {self.iteration} in {ck.load}"
+                    if self.load_info else "no checkpoint yet, a resubmission starts from scratch")
+            reason += f"; nothing trained, so nothing to save: {kept}"
         elif ck.save and not saved:
             if self.guard.in_a_row:  # the run ends on skipped steps: nothing saved (see above)
                 self.logger.print(
