@@ -16,7 +16,8 @@ import os
 import sys
 import warnings
 
-# megatron-core messages that say nothing about a megaloop run, as (message regex, category).
+# megatron-core messages that say nothing about a megaloop run, as (message regex, category) or
+# (message regex, category, the warning module's name regex).
 KNOWN_WARNINGS = (
     # Printed by four modules at import where TE/apex are absent (every CPU run): megatron-core
     # then uses its torch implementations, which megaloop's CPU mode relies on.
@@ -45,6 +46,11 @@ KNOWN_WARNINGS = (
     (r"torch\.distributed is disabled, unavailable or uninitialized", UserWarning),
     # ... passing torch DCP's load its storage reader positionally, which torch 2.13 warns of.
     (r"The argument order of (load|save) has been changed", UserWarning),
+    # The distributed optimizer's fp32 parameter shards are views of the parameters (non-leaf
+    # tensors), and megatron-core's zero_grad reads their .grad: torch warns once per rank in every
+    # run with --use-distributed-optimizer. Only from that module: elsewhere it would mean a bug.
+    (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning,
+     r"megatron\.core\.optimizer\.optimizer"),
 )
 
 # megatron-core logging records (logger name, message substring) dropped the same way. GPTDataset
@@ -110,8 +116,9 @@ def quiet_megatron() -> None:
     if _quieted:
         return
     _quieted = True
-    for message, category in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category)
+    for message, category, *module in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category,
+                                module=module[0] if module else "")
     for name, substring in KNOWN_LOG_RECORDS:
         logging.getLogger(name).addFilter(_DropRecords(substring))
 

@@ -83,6 +83,29 @@ def test_other_warnings_still_show():
     assert _shown("full scope is deprecated", DeprecationWarning)  # the category must match too
 
 
+def test_non_leaf_grad_warning_is_filtered_only_from_megatron_cores_optimizer():
+    """megatron-core's distributed optimizer zeroes the .grad of its parameter-shard views (every
+    run with --use-distributed-optimizer): filtered there; from any other module it still shows."""
+    message = ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its "
+               ".grad attribute won't be populated during autograd.backward().")
+
+    def shown_from(module):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            runtime._quieted = False
+            try:
+                runtime.quiet_megatron()
+            finally:
+                runtime._quieted = True
+            warnings.warn_explicit(message, UserWarning, f"{module.replace('.', '/')}.py", 66,
+                                   module=module, registry={})
+        return bool(caught)
+
+    assert not shown_from("megatron.core.optimizer.optimizer")
+    assert shown_from("megaloop.training.trainer")
+
+
 def test_mock_dataset_cache_record_is_dropped(caplog):
     import logging
 

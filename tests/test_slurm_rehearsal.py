@@ -191,7 +191,7 @@ def test_sbatch_two_nodes_sigterm_resubmit_equals_single_node_run(tmp_path):
 
     # --- the reference: 2 ranks on one node, uninterrupted, the flags the job ran --------------
     argv = (stub1 / "argv").read_text().splitlines()
-    assert argv[0] == "torchrun" and "--nnodes" in argv and "c10d" in argv, argv
+    assert argv[1:3] == ["-m", "megaloop.launch"] and "--nnodes" in argv and "c10d" in argv, argv
     script = argv.index(os.path.join(ROOT, "pretrain_looplm.py"))
     flags = argv[script + 1:]
     ref_dir = tmp_path / "reference"
