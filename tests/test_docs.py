@@ -40,8 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                                for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 # Programs that are not megaloop's: their flags are theirs to define.
-FOREIGN = {"sbatch", "srun", "docker", "curl", "pip", "pytest", "scontrol", "git", "export",
-           "tar", "ls", "cd", "cat", "kill"}
+FOREIGN = {"sbatch", "srun", "scancel", "squeue", "docker", "curl", "pip", "pytest", "scontrol",
+           "git", "export", "tar", "ls", "cd", "cat", "kill"}
 FLAG = re.compile(r"(?<![\w\-/.])--[A-Za-z][A-Za-z0-9_\-]*\*?")  # `--moe-*`: a family
 # The studies' shared modules (no command line of their own).
 STUDY_LIBRARIES = {"study.py", "verdicts.py"}
@@ -346,6 +346,8 @@ def _flag_problems(text: str, kind: str) -> list[str]:
         if launcher == "torchrun":
             wrong += [f"{f}: not a torchrun flag" for f in before if not _accepts(flags_of("torchrun"), f)]
         if program is None or not after:
+            continue
+        if program.endswith(".sbatch"):  # run with bash, it submits itself: sbatch's options
             continue
         accepted = flags_of(program)
         wrong += [f"{f}: not a flag of {program}" for f in after if not _accepts(accepted, f)]
