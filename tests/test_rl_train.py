@@ -133,8 +133,9 @@ def test_tp2_update_equals_tp1(env_file, tmp_path):
         assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-7), key
 
 
-def _pretrained(rank, world, argv, path):
-    """A checkpoint that is not an RL one (weights of seed 99) to start RL from."""
+def _pretrained(rank, world, argv, path, norm_noise=0.0):
+    """A checkpoint that is not an RL one (weights of seed 99) to start RL from; ``norm_noise``:
+    the norm weights (initialised to 1) moved by that much noise, to values bf16 rounds."""
     from distributed import setup_parallel
     from megaloop.model.looped_gpt import build_model
     from megaloop.rl.train import configure
@@ -143,6 +144,10 @@ def _pretrained(rank, world, argv, path):
     cfg = configure(argv)
     setup_parallel(1, seed=99)
     model = build_model(cfg.model, cfg.loop, 64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * norm_noise)
     checkpointing.save_checkpoint(path, 5, model, run_config=cfg.to_dict())
 
 
@@ -313,3 +318,56 @@ def test_rollout_exit_is_checked_before_any_process_group():
 
     with pytest.raises(ValueError, match="--rollout-exit 'q:2': write q:<q in"):
         parse_args([*MODEL, *RL, "--env", "demo-tasks", "--rollout-exit", "q:2"]).validate(1)
+
+
+
+def _dtypes(rank, world, argv):
+    """(policy, reference): the dtype of every parameter, by name, of the built RL trainer."""
+    from megaloop.checkpoint.format import unwrap
+    from megaloop.rl.train import configure, rl_trainer_class
+    from megaloop.training.run import start
+    from megaloop.training.trainer import Trainer
+
+    cfg = configure(argv)
+    start(cfg)
+    trainer = rl_trainer_class()(cfg)
+    assert isinstance(trainer, Trainer)
+    return [{n: p.dtype for n, p in unwrap(m).named_parameters()}
+            for m in (trainer.model, trainer.reference)]
+
+
+def test_bf16_reference_is_the_policy_at_step_one(env_file, tmp_path):
+    """--bf16: the policy runs inside megatron-core's Float16Module (every weight bf16, the
+    local layers' norms included); the frozen reference holds the same weights and runs the
+    same way: every parameter of the dtype of the policy's, and before the first update the
+    two score every sampled token alike (the logged KL is exactly 0; on a GPU an fp32 norm
+    weight meets a bf16 input in another kernel than the policy's). Step 2's KL is not 0: the
+    reference does not follow the policy."""
+    argv = [*MODEL, *RL, "--env", env_file, "--train-iters", "2", "--bf16",
+            "--log-jsonl", str(tmp_path / "log.jsonl")]
+    policy, reference = run_distributed(_dtypes, 1, argv)[0]
+    assert torch.bfloat16 in policy.values() and reference == policy
+    code, _, _, records, _ = run_distributed(_rl, 1, argv)[0]
+    assert code == 0
+    assert records[0]["kl"] == 0.0, records[0]["kl"]
+    assert records[1]["kl"] > 0
+
+
+def test_bf16_resume_reads_the_reference_the_straight_run_used(env_file, tmp_path):
+    """--bf16 from a checkpoint whose norm weights bf16 rounds: the straight run's reference is
+    the policy's bf16 copy of them; a resumed run reads the reference from that checkpoint, and
+    must round it as the policy does (an fp32 norm keeps the unrounded values: another KL)."""
+    argv = [*MODEL, *RL, "--env", env_file, "--train-iters", "2", "--bf16"]
+    pre = str(tmp_path / "pretrained")
+    run_distributed(_pretrained, 1, argv, pre, 0.3)
+    straight = run_distributed(_rl, 1, argv + ["--load", pre,
+                                               "--log-jsonl", str(tmp_path / "a.jsonl")])[0]
+    log = str(tmp_path / "b.jsonl")
+    first = run_distributed(_rl, 1, argv + ["--load", pre, "--save", str(tmp_path / "b"),
+                                            "--exit-interval", "1", "--log-jsonl", log])[0]
+    resumed = run_distributed(_rl, 1, argv + ["--load", str(tmp_path / "b"),
+                                              "--log-jsonl", log])[0]
+    assert [straight[0], first[0], resumed[0]] == [0, 0, 0]
+    assert [r["iteration"] for r in resumed[3]] == [1, 2]
+    assert straight[3][1]["kl"] > 0
+    assert [_untimed(r) for r in resumed[3]] == [_untimed(r) for r in straight[3]]

@@ -18,7 +18,7 @@ from megaloop.device import current_device
 from megaloop.inference.generate import Generator, SamplingParams
 from megaloop.model.exit_rules import parse_exit
 from megaloop.model.looped_gpt import build_model
-from megaloop.rl.environments import load_environment
+from megaloop.rl.environments import checked_prompts, load_environment
 from megaloop.rl.logprobs import step_log_probs
 from megaloop.rl.objectives import (aggregate_parts, group_advantages, grpo_per_token,
                                     loop_weights, rltt_log_probs)
@@ -56,14 +56,24 @@ class RLTrainer(Trainer):
     def _load(self):
         cfg = self.cfg
         policy = unwrap(self.model)
-        self.reference = build_model(cfg.model, cfg.loop, self.tokenizer.vocab_size,
-                                     tp_size=cfg.parallel.tensor_model_parallel_size,
-                                     bf16=cfg.training.bf16)
+        reference = build_model(cfg.model, cfg.loop, self.tokenizer.vocab_size,
+                                tp_size=cfg.parallel.tensor_model_parallel_size,
+                                bf16=cfg.training.bf16)
         # Built at every --kl-beta, 0 included: the logged KL says whether RL moves the policy
         # (Megatron-RL also scores its reference whatever the KL weight). On the device, as
         # build_training_model moves the policy: left on the host, it would meet the GPU's
         # tokens in its embedding at the first _score.
-        self.reference.cuda(current_device())
+        reference.cuda(current_device())
+        if cfg.training.bf16:
+            # Wrapped as build_training_model wraps the policy: Float16Module casts every
+            # weight to bf16, the local layers' norm weights included, which build_model's
+            # bf16 leaves fp32. Otherwise the reference would hold fp32 norm weights (full
+            # precision when read from a checkpoint, and scored by another kernel), and its
+            # log-probs would not be the policy's at step 1.
+            from megatron.core.transformer.module import Float16Module
+
+            reference = Float16Module(reference.config, reference)
+        self.reference = reference
         self.reference.load_state_dict(policy.state_dict())  # the seeded initialisation
         self.reference.requires_grad_(False)
         self.reference.eval()
@@ -100,7 +110,7 @@ class RLTrainer(Trainer):
 
     def _build_data(self):
         self.env = load_environment(self.rl.env, **self.rl.env_kwargs())
-        self.prompt_set = self.env.prompts()
+        self.prompt_set = checked_prompts(self.env, self.rl.env)
         self.train_dataset = self.train_iter = self.valid_iter = None
 
     def checkpoint_extra(self) -> dict:
@@ -133,11 +143,15 @@ class RLTrainer(Trainer):
         try:
             r = rollout(generator, self.tokenizer, self.env, [self.prompt_set[i] for i in mine],
                         rl.group_size, rl.max_new_tokens, params, env_name=rl.env,
-                        indices=mine, weight_version=self.iteration)
+                        indices=mine, weight_version=self.iteration,
+                        reward_timeout=rl.reward_timeout)
         except RewardError as exc:
             r, error = None, str(exc)
         # A bad reward shows on the data-parallel rank that drew its prompt: every rank learns
         # of it here and raises the same error, so none waits in a collective for the others.
+        # A reward that hangs is stopped on its rank by --reward-timeout (validated below the
+        # collectives' timeout): that rank arrives here late, with its RewardError, and the
+        # others, waiting here, leave with it.
         errors = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(errors, error)
         first = next((e for e in errors if e is not None), None)
@@ -169,8 +183,8 @@ class RLTrainer(Trainer):
             mask = mask[:, :width - 1].to(current_device())
             old_steps, exit_probs = step_log_probs(policy, tokens, vocab, self.num_loops,
                                                    rl.temperature)
-            ref_steps, _ = step_log_probs(self.reference, tokens, vocab, self.num_loops,
-                                          rl.temperature)
+            ref_steps, _ = step_log_probs(unwrap(self.reference), tokens, vocab,
+                                          self.num_loops, rl.temperature)
             weights = None
             if self.weighting is not None:
                 weights = loop_weights(self.weighting, self.num_loops,
