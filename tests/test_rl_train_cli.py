@@ -106,6 +106,12 @@ REFUSALS = [
     (["--group-size", "1", "--micro-batch-size", "1", "--objective", "rltt"],
      "--group-size 1: --objective rltt"),
     (["--fp8-format", "hybrid"], "--fp8-format hybrid: train_rl.py's rollouts decode one token"),
+    (["--reward-timeout", "0"], "--reward-timeout 0.0 must be a number of seconds > 0"),
+    (["--reward-timeout", "nan"], "--reward-timeout nan must be a number of seconds > 0"),
+    (["--reward-timeout", "600"], "--reward-timeout 600 s must be below "
+                                  "--distributed-timeout-minutes 10 (600 s)"),
+    (["--reward-timeout", "61", "--distributed-timeout-minutes", "1"],
+     "--reward-timeout 61 s must be below --distributed-timeout-minutes 1 (60 s)"),
 ]
 
 
@@ -189,10 +195,11 @@ from megaloop.rl.environments import Environment, Prompt
 
 class BadReward(Environment):
     """Two prompts of NullTokenizer ids: prompt ``bad`` is rewarded ``value`` (``raise``: its
-    reward() raises), the other 1.0."""
+    reward() raises; ``hang``: it never returns, and writes ``unwound`` if its call unwinds),
+    the other 1.0."""
 
-    def __init__(self, value="nan", bad=1):
-        self.value, self.bad = value, bad
+    def __init__(self, value="nan", bad=1, unwound=None):
+        self.value, self.bad, self.unwound = value, bad, unwound
         self.items = [Prompt("1 2 3", ""), Prompt("4 5", "")]
 
     def prompts(self):
@@ -203,7 +210,17 @@ class BadReward(Environment):
             return 1.0
         if self.value == "raise":
             raise ZeroDivisionError("the checker divided by zero")
-        return {"nan": math.nan, "inf": -math.inf, "none": None, "text": "1.0"}[self.value]
+        if self.value == "hang":  # a busy loop that catches every Exception, as careless code may
+            try:
+                while True:
+                    try:
+                        pass
+                    except Exception:
+                        pass
+            finally:
+                open(self.unwound, "w").close()
+        return {"nan": math.nan, "inf": -math.inf, "none": None, "text": "1.0",
+                "huge": 10 ** 400}[self.value]
 '''
 
 
@@ -213,6 +230,7 @@ class BadReward(Environment):
     ("none", 1, "reward() returned None for prompt 1 (completion"),
     ("text", 1, "reward() returned '1.0' for prompt 1 (completion"),
     ("raise", 1, "reward() raised on prompt 1 (completion"),
+    ("huge", 1, "reward() returned an integer of 401 digits for prompt 1 (completion"),
     ("nan", 2, "reward() returned nan for prompt 1 (completion"),  # one data-parallel rank's
 ])
 def test_a_reward_that_is_not_a_finite_number_stops_the_run(tmp_path, value, world, want):

@@ -51,6 +51,13 @@ class RLConfig:
     """More KEY=VALUE arguments of the environment class (a Python literal, else a string),
     e.g. countdown's size=500 count=4 max_number=10 seed=1."""
 
+    reward_timeout: float = 60.0
+    """Seconds one reward() call may take; past it the run stops with one line naming the
+    environment and the prompt (exit 2). The shipped rewards take microseconds and a user's
+    checker (a symbolic comparison, a small test run) seconds, so a minute stops only a reward
+    that hangs; it must stay below the collectives' timeout (--distributed-timeout-minutes),
+    which the other ranks would otherwise hit while they wait for this one's rewards."""
+
     prompts_per_step: int = 32
     """Prompts (groups) per RL step, drawn without replacement from the environment's prompt
     set, seeded by (--seed, step); split evenly over the data-parallel ranks."""
@@ -197,6 +204,9 @@ class RLConfig:
                 raise ValueError(str(error).replace("--exit", "--rollout-exit", 1)) from None
         if self.solve_threshold != self.solve_threshold:  # NaN
             raise ValueError("--solve-threshold must be a number")
+        if not 0 < self.reward_timeout < float("inf"):  # NaN fails too
+            raise ValueError(f"--reward-timeout {self.reward_timeout} must be a number of "
+                             f"seconds > 0")
 
 
 @dataclass
@@ -239,6 +249,15 @@ class RLRunConfig(RunConfig):
                              "objective; use the checkpoint's --exit-loss")
         dp = self.parallel.data_parallel_size(world_size)
         self.rl.validate(loop.num_loops, loop.gated, dp, self.training.micro_batch_size)
+        collective_s = par.distributed_timeout_minutes * 60
+        if self.rl.reward_timeout >= collective_s:
+            # The rank whose reward hangs reaches the step's gather of reward errors only at the
+            # timeout; the others wait there, and must not hit the collectives' own timeout.
+            raise ValueError(f"--reward-timeout {self.rl.reward_timeout:g} s must be below "
+                             f"--distributed-timeout-minutes {par.distributed_timeout_minutes} "
+                             f"({collective_s} s), which the other ranks would reach first "
+                             f"while they wait for a hanging reward; lower it or raise "
+                             f"--distributed-timeout-minutes")
         if self.rl.rollout_exit is not None:
             from megaloop.model.exit_rules import parse_exit
 

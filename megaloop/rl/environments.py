@@ -31,7 +31,8 @@ Adding one takes one file: subclass ``Environment``, register it, and name it (o
     load_environment("my_env.py:Parity", size=50)   # or "parity" once my_env is imported
 
 Rewards are plain floats; a group's advantage is computed from them by
-megaloop.rl.objectives.group_advantages.
+megaloop.rl.objectives.group_advantages. train_rl.py checks what ``prompts()`` returns
+(``checked_prompts``) and that no prompt tokenizes to nothing before any process group starts.
 """
 
 from __future__ import annotations
@@ -104,6 +105,38 @@ def load_environment(spec: str, **kwargs) -> Environment:
         return cls(**kwargs)
     raise ValueError(f"environment {spec!r}: not one of {', '.join(sorted(ENVIRONMENTS))}, nor "
                      f"a FILE.py:CLASS of your own")
+
+
+def checked_prompts(env: Environment, name: str) -> list[Prompt]:
+    """``env.prompts()``, checked: a non-empty list (or tuple) of Prompt whose texts are str;
+    else ValueError, one line naming ``--env name`` and what prompts() returned (a wrong type
+    would otherwise fail far from it, in the tokenizer or the sampler)."""
+    try:
+        items = env.prompts()
+    except Exception as exc:  # the user's code: name where it failed, keep its own message
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ValueError(f"--env {name}: prompts() raised {cause}") from None
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"--env {name}: prompts() returned {_shown(items)}; it must return a "
+                         f"list of Prompt (megaloop.rl.environments.Prompt)")
+    if not items:
+        raise ValueError(f"--env {name}: prompts() returned no prompts")
+    for i, item in enumerate(items):
+        if not isinstance(item, Prompt):
+            raise ValueError(f"--env {name}: item {i} of the list prompts() returned is "
+                             f"{_shown(item)}; every item must be a Prompt(text, answer) "
+                             f"(megaloop.rl.environments.Prompt)")
+        if not isinstance(item.text, str):
+            raise ValueError(f"--env {name}: prompt {i}'s text is {_shown(item.text)}; it must "
+                             f"be a str (the text the policy continues)")
+    return list(items)
+
+
+def _shown(value) -> str:
+    """A value in a one-line message: its type and a short repr."""
+    text = " ".join(repr(value).split())
+    text = text if len(text) <= 60 else text[:60] + "..."
+    return f"a {type(value).__name__} ({text})"
 
 
 # --- demo tasks --------------------------------------------------------------------------------

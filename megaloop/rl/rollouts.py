@@ -14,16 +14,28 @@ position j exactly when token j + 1 is a completion token (an EOD the policy wro
 it chose to stop).
 
 Every reward is checked where the environment returns it (``checked_reward``): a value that is
-not a finite number, or a reward() that raises, is a RewardError naming the environment, the
-prompt's index in its prompt set and the completion. Which prompts a step draws and the seed its
+not a finite number (an integer beyond a float's range included), a reward() that raises, or one
+that does not return within --reward-timeout, is a RewardError naming the environment, the
+prompt's index in its prompt set and the completion.
+
+The timeout is SIGALRM's (``reward_deadline``): the alarm raises RewardTimeout inside reward()
+in the main thread, so the call unwinds and nothing of it is left running, where a watchdog
+thread could only abandon a call that never returns, still burning a core, and a subprocess per
+reward would fork the whole trainer for every completion and lose the environment's own state.
+RewardTimeout is a BaseException, so a reward() that catches Exception does not swallow it. What
+it cannot stop is a C call that never returns to the interpreter (which Ctrl-C cannot stop
+either). Which prompts a step draws and the seed its
 rollouts sample from (``prompt_indices``, ``sampling_seed``) are pure functions of (--seed, step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import random
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,21 +58,83 @@ class RewardError(RunError):
     exit_code = 2
 
 
+class RewardTimeout(BaseException):
+    """Raised inside reward() by the --reward-timeout alarm; a BaseException, as
+    KeyboardInterrupt is, so that the environment's ``except Exception`` lets it through."""
+
+
+def _expire(signum, frame):
+    raise RewardTimeout()
+
+
+@contextlib.contextmanager
+def reward_deadline(seconds: Optional[float]):
+    """RewardTimeout in the block once ``seconds`` have passed (None: no deadline). SIGALRM
+    reaches Python code in the main thread only: elsewhere, RuntimeError."""
+    if seconds is None:
+        yield
+        return
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("--reward-timeout stops reward() with SIGALRM, which only the main "
+                           "thread receives: run train_rl.py's training in the main thread")
+    previous = signal.signal(signal.SIGALRM, _expire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _shown_value(value) -> str:
+    """What a message says reward() returned: its repr, shortened (an integer beyond a float's
+    range by its digits: their repr is as long, and over 4300 digits repr refuses)."""
+    if isinstance(value, int) and abs(value) > 2 ** 64:
+        digits = len(str(abs(value))) if value.bit_length() < 14_000 else "over 4000"
+        return f"an integer of {digits} digits"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
 def checked_reward(env: Environment, name: str, prompt: Prompt, index: int,
-                   completion: str) -> float:
+                   completion: str, timeout: Optional[float] = None) -> float:
     """``env.reward(prompt, completion)`` as a float, or RewardError. ``name``: the --env the
-    message names; ``index``: the prompt's index in the environment's prompt set."""
+    message names; ``index``: the prompt's index in the environment's prompt set; ``timeout``:
+    seconds reward() may take (--reward-timeout; None: no limit)."""
     shown = repr(completion if len(completion) <= SHOWN_CHARS
                  else completion[:SHOWN_CHARS] + "...")
+
+    def call():  # the user's code: what it raises is named below, with its own message
+        try:
+            return env.reward(prompt, completion), None
+        except Exception as exc:
+            return None, exc
+
     try:
-        value = env.reward(prompt, completion)
-    except Exception as exc:  # the user's code: name where it failed, keep its own message
-        cause = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+        with reward_deadline(timeout):  # (its own RuntimeError is not reward()'s)
+            value, error = call()
+    except RewardTimeout:
+        raise RewardError(f"--env {name}: reward() did not return within --reward-timeout "
+                          f"{timeout:g} s on prompt {index} (completion {shown}); fix it, or "
+                          f"raise --reward-timeout if it is only slow") from None
+    if error is not None:
+        cause = " ".join(f"{type(error).__name__}: {error}".split())  # one line
         raise RewardError(f"--env {name}: reward() raised on prompt {index} (completion "
-                          f"{shown}): {cause}") from exc
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise RewardError(f"--env {name}: reward() returned {value!r} for prompt {index} "
-                          f"(completion {shown}); a reward must be a finite number")
+                          f"{shown}): {cause}") from error
+    reason = None
+    if not isinstance(value, numbers.Real):
+        reason = "a reward must be a finite number"
+    else:
+        try:
+            if not math.isfinite(float(value)):
+                reason = "a reward must be a finite number"
+        except OverflowError:  # an int (or Fraction) beyond a float's range: float() refuses it
+            reason = "it is beyond a float's range; a reward must be a finite number"
+    if reason is not None:
+        raise RewardError(f"--env {name}: reward() returned {_shown_value(value)} for prompt "
+                          f"{index} (completion {shown}); {reason}")
     return float(value)
 
 
@@ -89,12 +163,14 @@ class Rollouts:
 
 def rollout(generator: Generator, tokenizer, env: Environment, prompts: list[Prompt],
             group_size: int, max_tokens: int, params: SamplingParams, env_name: str = "",
-            indices: Optional[list[int]] = None, weight_version: int = 0) -> Rollouts:
+            indices: Optional[list[int]] = None, weight_version: int = 0,
+            reward_timeout: Optional[float] = None) -> Rollouts:
     """``group_size`` completions of each of ``prompts`` (at most ``max_tokens`` each), sampled
     by ``generator`` (its engine batches all of them; its exit rule, if any, decides each
-    token's depth). A reward that is not a finite number raises RewardError naming
-    ``env_name`` and the prompt's index in the environment's prompt set (``indices``, else its
-    place in ``prompts``). ``weight_version``: recorded in the result."""
+    token's depth). A reward that is not a finite number, or that takes longer than
+    ``reward_timeout`` seconds (None: no limit), raises RewardError naming ``env_name`` and the
+    prompt's index in the environment's prompt set (``indices``, else its place in
+    ``prompts``). ``weight_version``: recorded in the result."""
     if group_size < 1 or max_tokens < 1:
         raise ValueError(f"group size {group_size} and max tokens {max_tokens} must be >= 1")
     prompt_ids = [tokenizer.tokenize(p.text) for p in prompts]
@@ -112,7 +188,7 @@ def rollout(generator: Generator, tokenizer, env: Environment, prompts: list[Pro
         group = b // group_size
         index = indices[group] if indices is not None else group
         rewards.append(checked_reward(env, env_name or type(env).__name__, prompts[group],
-                                      index, completions[-1]))
+                                      index, completions[-1], reward_timeout))
     depths = [r.depths if generator.exit_rule is not None else [generator.num_loops] * len(r.out)
               for r in generator.requests]
     return Rollouts(list(prompts), tokens, mask,

@@ -82,10 +82,11 @@ def configure(argv: Optional[list] = None):
 
 
 def check_environment(cfg) -> None:
-    """The environment loads, has enough prompts for a step, and its longest prompt plus
-    --max-new-tokens fits --max-position-embeddings (ValueError naming the flag)."""
+    """The environment loads, its prompts() returns a list of Prompt, enough of them for a step,
+    none empty, and its longest prompt plus --max-new-tokens fits --max-position-embeddings
+    (ValueError naming the flag, or the environment and the prompt's index)."""
     from megaloop.data.tokenizers import build_tokenizer
-    from megaloop.rl.environments import load_environment
+    from megaloop.rl.environments import checked_prompts, load_environment
 
     rl = cfg.rl
     try:
@@ -95,15 +96,16 @@ def check_environment(cfg) -> None:
             from None
     except (ValueError, OSError) as exc:
         raise ValueError(f"--env {rl.env}: {exc}") from None
-    prompts = env.prompts()
+    prompts = checked_prompts(env, rl.env)
     if len(prompts) < rl.prompts_per_step:
         raise ValueError(f"--prompts-per-step {rl.prompts_per_step}: --env {rl.env} has only "
                          f"{len(prompts)} prompts; lower it")
     tokenizer = build_tokenizer(cfg.tokenizer)
+    source = f" (read from --env-path {rl.env_path})" if rl.env_path is not None else ""
     longest = 0
     for i, prompt in enumerate(prompts):
         try:
-            longest = max(longest, len(tokenizer.tokenize(prompt.text)))
+            length = len(tokenizer.tokenize(prompt.text))
         except ValueError as exc:
             if cfg.tokenizer.tokenizer_type == "NullTokenizer":
                 raise ValueError(
@@ -113,6 +115,12 @@ def check_environment(cfg) -> None:
                     f"--tokenizer-model)") from None
             raise ValueError(f"--env {rl.env}: prompt {i} does not tokenize with "
                              f"--tokenizer-type {cfg.tokenizer.tokenizer_type}: {exc}") from None
+        if length == 0:  # the sampler continues a prompt: it needs a last token
+            shown = prompt.text if len(prompt.text) <= 40 else prompt.text[:40] + "..."
+            raise ValueError(f"--env {rl.env}: prompt {i} (counting from 0){source} has no "
+                             f"tokens (its text is {shown!r}); every prompt needs at least one "
+                             f"token for the policy to continue: give it text, or leave it out")
+        longest = max(longest, length)
     limit = cfg.model.max_position_embeddings
     if longest + rl.max_new_tokens > limit:
         raise ValueError(f"--max-new-tokens {rl.max_new_tokens}: the longest prompt of --env "
