@@ -419,6 +419,27 @@ def test_n_choices_reproducible_with_a_seed(server):
     assert [c["text"] for c in greedy["choices"]] == [alone[0]] * 2 + [alone[1]] * 2
 
 
+def test_a_seed_samples_as_generate_tool_samples_with_it(server, ckpt, tmp_path):
+    """One seed range for the server's requests and tools/generate.py's --seed (64 bits, signed
+    or unsigned; flags.check_seed): a seed beyond numpy's 0 .. 2**32 - 1 samples the same tokens
+    in both, -1 samples as 2**64 - 1, and 2**64 is refused by both, naming the range."""
+    client, _ = server
+    body = dict(prompt=[5, 6, 7], max_tokens=8, temperature=1.0, ignore_eos=True)
+    argv = ["--load", ckpt, "--prompt-ids", "5,6,7", "--max-tokens", "8", "--temperature", "1",
+            "--no-stop-at-eod"]
+    for seed in (-1, 2 ** 32 + 5):
+        code, printed = run_distributed(_generate_tool, 1, argv + ["--seed", str(seed)],
+                                        str(tmp_path / "gen"))[0]
+        assert code == 0
+        served = _complete(client, **body, seed=seed)["choices"][0]["text"]
+        assert _ids(served) == [int(i) for i in printed.split(",")], seed
+    assert _complete(client, **body, seed=-1)["choices"] == \
+        _complete(client, **body, seed=2 ** 64 - 1)["choices"]
+    r = client.post("/v1/completions", json={**body, "seed": 2 ** 64})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        f"seed {2 ** 64}: must be an integer from {-2 ** 63} to {2 ** 64 - 1}"), r.text
+
+
 def test_unknown_and_unsupported_fields_are_refused_by_name(server):
     client, _ = server
     for extra, name in (({"presence_penalty": 0.5}, "presence_penalty"),

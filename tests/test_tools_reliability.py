@@ -1,6 +1,7 @@
 """tools/generate.py refuses what it cannot do with one line and exit code 2 (a depth below 1, a
-top-p of 0, a prompt past the model's context), keeps a prompt's last tokens only when asked,
-loads the checkpoint step it is asked for, and prints text as the tokenizer decodes it."""
+top-p of 0, a seed outside 64 bits, a prompt past the model's context), samples with any 64-bit
+seed, keeps a prompt's last tokens only when asked, loads the checkpoint step it is asked for,
+and prints text as the tokenizer decodes it."""
 
 import contextlib
 import glob
@@ -59,6 +60,8 @@ def ckpt(tmp_path_factory):
     (["--top-p", "0"], "--top-p 0.0"),
     (["--temperature", "-1"], "--temperature -1.0"),
     (["--top-k", "-2"], "--top-k -2"),
+    (["--seed", str(2 ** 64)], f"--seed {2 ** 64}"),
+    (["--seed", str(-2 ** 63 - 1)], f"--seed {-2 ** 63 - 1}"),
 ])
 def test_generate_refuses_out_of_range_values(ckpt, flags, named):
     code, out, err = _generate(["--load", ckpt, "--prompt-ids", "5,6,7", "--max-tokens", "2",
@@ -66,6 +69,21 @@ def test_generate_refuses_out_of_range_values(ckpt, flags, named):
     assert code == 2 and out == "", (code, out, err)
     lines = err.strip().split("\n")
     assert len(lines) == 1 and lines[0].startswith(f"error: {named}:"), err
+
+
+def test_a_seed_is_any_64_bit_integer_signed_or_unsigned(ckpt):
+    """--seed takes the server's range of a request's seed (flags.SEED_RANGE), not numpy's
+    0 .. 2**32 - 1: a negative seed s is the 64-bit pattern 2**64 + s, so -1 samples what
+    2**64 - 1 samples, and a seed past 2**32 samples too (and differs from another)."""
+    argv = ["--load", ckpt, "--prompt-ids", "5,6,7", "--max-tokens", "8", "--no-stop-at-eod",
+            "--temperature", "1"]
+    results = {}
+    for seed in (-1, 2 ** 64 - 1, 2 ** 32, 2 ** 32 + 1):
+        code, out, err = _generate(argv + ["--seed", str(seed)])
+        assert code == 0, err
+        results[seed] = out
+    assert results[-1] == results[2 ** 64 - 1]
+    assert len({results[-1], results[2 ** 32], results[2 ** 32 + 1]}) == 3, results
 
 
 def test_prompt_past_the_context_is_refused_or_keeps_its_tail(ckpt):

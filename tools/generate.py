@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample from the most likely tokens whose probability reaches p, in "
                         "(0, 1] (default 1: all)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed: an integer from -2**63 to 2**64 - 1, as a request's seed "
+                        "to tools/serve.py (a negative seed s is 2**64 + s; default 0)")
     p.add_argument("--no-stop-at-eod", action="store_true",
                    help="keep generating past the end-of-document token")
     return p
@@ -70,12 +72,14 @@ def main(argv=None) -> int:
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2
-    from megaloop.inference.flags import check_sampling, fit_prompt, tokenizer_from_flags
+    from megaloop.inference.flags import (check_sampling, check_seed, fit_prompt,
+                                          tokenizer_from_flags)
     from megaloop.inference.loading import (check_generation_flags, check_transformer_impl,
                                             parse_prompt_ids)
 
     try:
         check_sampling(args.temperature, args.top_k, args.top_p)
+        check_seed(args.seed)
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
                                       ckpt_step=args.ckpt_step)
         impl = check_transformer_impl(args.transformer_impl, engine=False)
@@ -95,7 +99,10 @@ def main(argv=None) -> int:
                                             setup_processes)
     from megaloop.parallel import initialize
 
-    tp = setup_processes(args.seed)
+    # The process's seed is not --seed: the sampler draws from its own counter-based streams of
+    # --seed (megaloop/inference/sampling.py) and a loaded model holds no random state, while
+    # numpy, seeded here, takes only 0 .. 2**32 - 1.
+    tp = setup_processes()
     try:
         try:
             model, tokenizer, run = load_for_generation(args.load, tp, tokenizer=tokenizer_cfg,

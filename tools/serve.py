@@ -22,6 +22,9 @@ requests are decoded together by the batching engine (megaloop/inference/engine.
 ``--kv-policy`` and ``--exit`` are those of tools/generate.py and apply to every request;
 ``--max-prompts-per-request``, ``--max-n`` and ``--max-request-tokens`` limit one request (HTTP
 400), ``--max-request-bytes`` its body (HTTP 413, before the body is read).
+``--api-key KEY`` (or the MEGALOOP_API_KEY environment variable): every request but ``GET
+/health`` must send ``Authorization: Bearer KEY`` (HTTP 401 otherwise; the ``openai`` client's
+``api_key``); serving beyond loopback (``--host 0.0.0.0``) without one prints a warning.
 ``--transformer-impl`` is the layer backend the model is built with: `local`, the one the engine
 runs, whatever the checkpoint was saved with (the weights map by name; a line says so).
 """
@@ -45,6 +48,20 @@ from megaloop.inference.limits import RequestLimits  # noqa: E402
 
 
 ENGINE_FLAGS = ("max_batch", "block_size", "num_blocks", "prefill_chunk", "speculate")
+API_KEY_ENV = "MEGALOOP_API_KEY"  # --api-key's default (vLLM's flag reads VLLM_API_KEY so)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` listens on this machine's loopback only (a host name other than
+    localhost may resolve to any interface: not loopback)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megaloop checkpoint directory, or a folder written by export-hf")
     add_ckpt_step_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port, 1 to 65535 (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require this key of every request (the header Authorization: Bearer "
+                        "KEY; without it HTTP 401), except GET /health. Default: the "
+                        f"{API_KEY_ENV} environment variable (which keeps the key out of the "
+                        "process list), else no key")
     p.add_argument("--model-name", default=None,
                    help="the model id /v1/models reports (default: the --load folder's name)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=None,
@@ -85,6 +107,12 @@ def main(argv=None) -> int:
             print(f"error: {message}", file=sys.stderr)
         return 2
 
+    if not 1 <= args.port <= 65535:
+        return refuse(f"--port {args.port}: must be from 1 to 65535")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        where = "--api-key" if args.api_key is not None else API_KEY_ENV
+        return refuse(f"{where} is empty: give the key clients must send, or leave it out")
     if args.tensor_model_parallel_size not in (None, world):
         return refuse(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: this "
                       f"launch has {world} rank{'s' if world > 1 else ''}, and every rank of the "
@@ -111,6 +139,11 @@ def main(argv=None) -> int:
     except ValueError as exc:
         return refuse(str(exc))
 
+    if api_key is None and not is_loopback(args.host) and rank_zero:
+        print(f"warning: --host {args.host} serves beyond this machine without --api-key: "
+              f"anyone who reaches port {args.port} can use the model; pass --api-key KEY "
+              f"(or set {API_KEY_ENV}) and clients send Authorization: Bearer KEY",
+              file=sys.stderr, flush=True)
     logging.basicConfig(level=args.log_level.upper() if rank_zero else "WARNING",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runtime.quiet_megatron()
@@ -149,7 +182,8 @@ def main(argv=None) -> int:
             "on http://%s:%d", name, service.num_loops, args.kv_policy,
             rule.text if rule else "none", tp, engine_config.max_batch, args.host, args.port)
         try:
-            started = serve(service, args.host, args.port, args.log_level.lower(), stop)
+            started = serve(service, args.host, args.port, args.log_level.lower(), stop,
+                            api_key=api_key)
         finally:
             service.runner.lockstep.close()  # (done already, unless serving failed to start)
     finally:

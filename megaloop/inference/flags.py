@@ -120,12 +120,16 @@ def check_sampling(temperature: float, top_k: int, top_p: float,
                          f"smaller p keeps the most likely tokens whose probability reaches p)")
 
 
-def check_seed(seed, spell: Callable[[str], str] = cli_name) -> None:
-    """A 64-bit integer (SEED_RANGE); ValueError naming the value otherwise."""
-    low, high = SEED_RANGE
+def check_seed(seed, spell: Callable[[str], str] = cli_name, valid: tuple = SEED_RANGE,
+               why: str = "a 64-bit seed, signed or unsigned") -> None:
+    """An integer in ``valid`` (inclusive; the sampler's SEED_RANGE unless the caller's seed
+    feeds something narrower, ``why`` saying what); ValueError naming the value otherwise. The
+    one check of every seed a user gives: generate.py's --seed, a request's ``seed``, the
+    trainer's --seed (megaloop/training/config.py)."""
+    low, high = valid
     if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
         raise ValueError(f"{spell('seed')} {seed}: must be an integer from {low} to {high} "
-                         f"(a 64-bit seed, signed or unsigned)")
+                         f"({why})")
 
 
 def fit_prompt(ids: list, max_tokens: int, context: Optional[int], keep_tail: bool = False,

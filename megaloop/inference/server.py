@@ -41,6 +41,10 @@ a stream's error event); the other rows decode on (megaloop/inference/lockstep.p
 (its connection closes) has its rows cancelled, freed at the next engine step; a queued request
 never starts. ``GET /stats`` (megaloop's own) reports the engine's counters after its last step.
 
+Access: with ``--api-key`` every request but ``GET /health`` must carry the header
+``Authorization: Bearer <key>`` (HTTP 401 otherwise, an OpenAI-style error body); without it,
+whoever reaches the port may use the model (tools/serve.py warns when that is beyond loopback).
+
 Tensor parallelism (a torchrun launch): rank 0 serves HTTP and every rank steps the same batch
 (megaloop/inference/lockstep.py); the other ranks open no port.
 """
@@ -164,6 +168,45 @@ class _LimitBody:
         await self.app(scope, receive if length else counted, send)
 
 
+class _RequireKey:
+    """``--api-key``: a request without the header ``Authorization: Bearer <key>`` gets HTTP 401
+    with an OpenAI-style error body (as OpenAI's API and vLLM's ``--api-key`` answer), before
+    its body is read. ``GET /health`` stays open: a load balancer's or orchestrator's liveness
+    probe sends no credentials, and it tells nothing but that the model serves. The key is
+    compared in constant time (a timing difference would tell a guesser how much was right)."""
+
+    OPEN = ("/health",)
+
+    def __init__(self, app, key: str):
+        # (HTTP drops a header value's surrounding spaces: a key's own could never be sent)
+        self.app, self.key = app, key.strip().encode()
+
+    def refusal(self, headers: dict) -> Optional[str]:
+        import hmac
+
+        given = headers.get(b"authorization")
+        if given is None:
+            return ("no API key: this server takes requests with the header Authorization: "
+                    "Bearer <key> (the key it was started with, --api-key)")
+        scheme, _, key = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.key):
+            return "incorrect API key: send the header Authorization: Bearer <key>"
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        message = self.refusal(dict(scope["headers"]))
+        if message is None:
+            return await self.app(scope, receive, send)
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                     "param": None, "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
 class _Stream:
     """A job's server-sent events: the chunks of OpenAI's streaming format, as the model thread
     hands over each row's text; the job is cancelled when the client leaves."""
@@ -254,8 +297,9 @@ async def _generate(service: ModelService, job: Job, request):
             waiting.cancel()  # and the job's future: a queued job never starts
 
 
-def create_app(service: ModelService):
-    """The FastAPI application serving ``service``."""
+def create_app(service: ModelService, api_key: Optional[str] = None):
+    """The FastAPI application serving ``service``; with ``api_key``, to requests that carry
+    it (``_RequireKey``)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import StreamingResponse
@@ -264,7 +308,9 @@ def create_app(service: ModelService):
     app = FastAPI(title="megaloop", docs_url=None, redoc_url=None)
 
     app.add_middleware(_LimitBody, limit=service.limits.max_request_bytes)
-    app.add_middleware(_LogRequests)  # (the outer one: it logs the 413s too)
+    if api_key is not None:  # (outside the size limit: a client without the key learns no more)
+        app.add_middleware(_RequireKey, key=api_key)
+    app.add_middleware(_LogRequests)  # (the outer one: it logs the 401s and 413s too)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -379,12 +425,13 @@ def create_app(service: ModelService):
 
 
 def serve(service: ModelService, host: str, port: int, log_level: str = "info",
-          stop: Optional[threading.Event] = None) -> bool:
+          stop: Optional[threading.Event] = None, api_key: Optional[str] = None) -> bool:
     """Serve until Ctrl-C or ``stop`` is set: uvicorn in a second thread, the model's jobs on
-    this one. False if the server never started (e.g. the port is taken: uvicorn logs why)."""
+    this one. False if the server never started (e.g. the port is taken: uvicorn logs why).
+    ``api_key``: requests must carry it (``create_app``)."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(service), host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(create_app(service, api_key), host=host, port=port, log_level=log_level,
                             access_log=False)  # the middleware logs one line per request
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
