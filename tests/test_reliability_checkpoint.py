@@ -276,7 +276,8 @@ exit $STUB_RC
 def test_sbatch_exit_code_follows_the_run_status(tmp_path, status, srun_rc, expected):
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for name, text in (("srun", SRUN_STUB), ("scontrol", "#!/bin/bash\necho 127.0.0.1\n")):
+    for name, text in (("srun", SRUN_STUB), ("scontrol", "#!/bin/bash\necho 127.0.0.1\n"),
+                       ("squeue", "#!/bin/bash\nexit 1\n")):  # no controller: no time limit
         (bindir / name).write_text(text)
         (bindir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", MOCK_DATA="true",
@@ -463,3 +464,58 @@ def test_sigterm_without_the_handler_still_ends_the_process():
                           timeout=60)
     assert proc.returncode == -signal.SIGTERM and "not reached" not in proc.stdout, proc.stderr
     assert sigterm.received() is None  # this process never caught anything
+
+
+def _stream_full_main(rank, world, flags):
+    """pretrain_looplm.main whose shard files of iteration 2 fail as a full disk's do: the
+    file's write raises ENOSPC. The tensors are written by torch.save, which turns that into
+    its RuntimeError "[enforce fail at inline_container.cc] unexpected pos ..." (what a real
+    full disk gave under --async-save); the file system then has 123456789 bytes free."""
+    import collections
+    import functools
+
+    import torch
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    real = filesystem_async._write_item
+
+    class FullFile:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    @functools.wraps(real)  # megatron-core inspects its signature
+    def write_until_full(*args, **kwargs):
+        at = next(i for i, a in enumerate(args) if hasattr(a, "fileno") and hasattr(a, "name"))
+        if "iter_0000002" in str(args[at].name) and isinstance(args[at + 1], torch.Tensor):
+            args = args[:at] + (FullFile(args[at]),) + args[at + 1:]
+        return real(*args, **kwargs)
+
+    usage = collections.namedtuple("usage", "total used free")
+    filesystem_async._write_item = write_until_full
+    shutil.disk_usage = lambda path: usage(10**10, 10**10 - 123456789, 123456789)
+    return _main(rank, world, flags, set())
+
+
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+def test_disk_full_inside_torch_save_says_the_disk_is_full(tmp_path, mode, capfd):
+    """A full disk met inside torch.save (a tensor's bytes): torch raises "unexpected pos", the
+    ENOSPC only its context, which megatron-core's writer processes lose on the way back. The
+    message must still say the disk is full, with the folder and its free space."""
+    ckpt, status = tmp_path / "ckpt", tmp_path / "status.json"
+    flags = TINY + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
+                    "--exit-status-file", str(status)] + mode
+    assert run_distributed(_stream_full_main, 1, flags) == [1]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    reason = json.loads(status.read_text())["reason"]
+    assert "saving iteration 2" in reason and "still names iteration 1" in reason and \
+        f"the disk is full: 123,456,789 bytes free on the file system of {ckpt}" in reason and \
+        "No space left on device" in reason, reason
+    open("/tmp/h53/reason.txt", "a").write(reason + "\n"); assert "unexpected pos" not in reason and "inline_container" not in reason, reason
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err

@@ -106,10 +106,17 @@ exit $rc
 """
 
 
+# squeue stand-in: a job with no time limit (the script then sets no --exit-duration-in-mins). The
+# machine's own squeue would wait for a controller that is not running.
+SQUEUE = """#!/bin/bash
+echo "2026-01-01T00:00:00 Unknown"
+"""
+
+
 def _write_stubs(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
+    for name, text in (("scontrol", SCONTROL), ("srun", SRUN), ("squeue", SQUEUE)):
         path = bindir / name
         path.write_text(text)
         path.chmod(path.stat().st_mode | stat.S_IXUSR)

@@ -57,6 +57,10 @@ def configure(argv: Optional[list] = None):
     from megaloop.rl.config import parse_args
 
     cfg = parse_args(argv)  # --help and a flag argparse refuses answer before any heavy import
+    if cfg.checkpoint.exit_signal_handler:
+        from megaloop.training import sigterm
+
+        sigterm.catch()  # from now on, as pretraining does (megaloop.training.sigterm says why)
     from megaloop.device import refuse_cpu_fallback
 
     refuse_cpu_fallback(sys.argv[1:] if argv is None else argv)  # no CPU run on a GPU node
