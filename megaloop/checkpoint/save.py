@@ -16,6 +16,7 @@ model without optimizer state (a converted checkpoint).
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import queue
 import re
@@ -86,6 +87,7 @@ def write_shards(save_dir: str, iteration: int, module, state: dict, *, strategy
     if not asynchronous:
         _use_in_process_results_queue()
     keep_writer_errors()  # (before the save forks its writer: the fork inherits it)
+    _keep_write_errno()
     request = None
     try:
         request = dist_checkpointing.save(state, tmp,
@@ -143,6 +145,39 @@ def save_weights(save_dir: str, iteration: int, model, *, run_config: dict,
     tmp, final, _ = write_shards(save_dir, iteration, module, state)
     publish(save_dir, iteration, tmp, final, checksums=checksums)
     return final
+
+
+def _keep_write_errno() -> None:
+    """Make a shard write that fails in the file system raise the OSError itself (its errno).
+
+    torch.save into a file whose write fails (ENOSPC on a full disk) raises torch's
+    RuntimeError("[enforce fail at inline_container.cc:...] unexpected pos ..."), with the
+    OSError only as its ``__context__``; megatron-core's writer processes send that exception
+    back pickled, which drops the context, so a full disk read as "unexpected pos" and
+    ``_disk_full`` could not tell. Installed once, before the save forks its writers (they
+    inherit it); megatron-core looks ``_write_item`` up in its module at each call."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    write_item = filesystem_async._write_item
+    if getattr(write_item, "keeps_errno", False):
+        return
+
+    @functools.wraps(write_item)  # megatron-core inspects its signature
+    def write_keeping_errno(*args, **kwargs):
+        try:
+            return write_item(*args, **kwargs)
+        except OSError:
+            raise
+        except Exception as exc:
+            cause = exc.__cause__ or exc.__context__
+            while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, cause.filename) from exc
+
+    write_keeping_errno.keeps_errno = True
+    filesystem_async._write_item = write_keeping_errno
 
 
 def _disk_full(error: Optional[BaseException], save_dir: str) -> Optional[BaseException]:
