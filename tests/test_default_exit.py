@@ -1,14 +1,16 @@
 """A model's own exit rule (an Ouro folder's early_exit_threshold) is the default of generate,
 serve and lm-eval (one function, loading.check_generation_flags, decides for all three):
 decoding with it equals decoding with the same --exit given, differs from --exit none (the
-gate is set so that tokens really exit early), is announced once, and reaches a checkpoint
-converted from the folder."""
+gate is set so that tokens really exit early), is announced once, reaches a checkpoint
+converted from the folder, and every later save of a run trained from it."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+
+from distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,3 +69,36 @@ def test_serve_and_lm_eval_take_the_same_default(models, capsys):
     assert check_generation_flags(models["folder"], "full", "none") is None
     assert check_generation_flags(models["plain"], "full", None) is None
     assert capsys.readouterr().err == ""
+
+
+def _train(rank, world, argv):
+    from run_helpers import train
+
+    code, _ = train(argv)
+    assert code == 0, code
+
+
+def test_later_saves_keep_the_models_rule(models, tmp_path):
+    """A fine-tuning run from the imported checkpoint saves the rule and where it came from
+    (the run config's ``generation`` section, which no flag sets), and so does a run resumed
+    from that run's save: the default of each save is the folder's, as read from the folder."""
+    from megaloop.checkpoint.config import read_run_config
+    from megaloop.inference.loading import default_exit_rule
+
+    imported = models["checkpoint"]
+    common = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+              os.path.join(imported, "tokenizer"), "--mock-data", "--seq-length", "16",
+              "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-4",
+              "--num-workers", "0", "--eval-iters", "0", "--save-interval", "1"]
+    tuned, resumed = str(tmp_path / "tuned"), str(tmp_path / "resumed")
+    run_distributed(_train, 1, ["--use-checkpoint-args", "--load", imported, "--finetune",
+                                "--save", tuned, "--train-iters", "1", *common])
+    run_distributed(_train, 1, ["--use-checkpoint-args", "--load", tuned, "--save", resumed,
+                                "--train-iters", "2", "--use-checkpoint-opt_param-scheduler",
+                                *common])
+    want = default_exit_rule(models["folder"])
+    assert want == ("q:0.5", "config.json early_exit_threshold 0.5")
+    for save in (tuned, resumed):
+        assert default_exit_rule(save) == want, save
+    assert read_run_config(resumed)["generation"] == read_run_config(imported)["generation"]
+    assert read_run_config(resumed)["training"]["train_iters"] == 2  # (a later save indeed)
