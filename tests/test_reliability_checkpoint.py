@@ -466,7 +466,6 @@ def test_sigterm_without_the_handler_still_ends_the_process():
     assert sigterm.received() is None  # this process never caught anything
 
 
-
 class _FullFile:
     """A shard file on a disk that fills up: its first ``budget`` bytes are written, then
     every write raises ENOSPC (as the kernel's write does)."""

@@ -169,10 +169,12 @@ def _keep_write_errno() -> None:
         except OSError:
             raise
         except Exception as exc:
-            cause = exc.__cause__ or exc.__context__
-            while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+            cause, seen = exc.__cause__ or exc.__context__, set()
+            while cause is not None and id(cause) not in seen and \
+                    not (isinstance(cause, OSError) and cause.errno):
+                seen.add(id(cause))  # (a chain made with ``raise ... from`` may loop)
                 cause = cause.__cause__ or cause.__context__
-            if cause is None:
+            if not isinstance(cause, OSError):
                 raise
             raise OSError(cause.errno, cause.strerror, cause.filename) from exc
 
