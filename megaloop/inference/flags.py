@@ -98,6 +98,9 @@ MIN_TEMPERATURE = 1e-6
 # A seed is a 64-bit integer, signed or unsigned (a negative seed s is the unsigned 2**64 + s):
 # the sampler's streams (megaloop/inference/sampling.py) hash its 64 bits.
 SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
+# A seed of the process's generators (megaloop.parallel.initialize.set_seed: the trainer's --seed,
+# import-hf's) seeds numpy's too, which take 0 .. 2**32 - 1 only.
+PROCESS_SEED_RANGE = (0, 2 ** 32 - 1)
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float,

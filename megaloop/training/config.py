@@ -11,11 +11,6 @@ from megaloop.checkpoint.config import LoadConfig
 from megaloop.checkpoint.tracker import check_training_load
 
 
-# numpy's generators take seeds from 0 to 2**32 - 1 only, and the trainer seeds numpy's global
-# generator and megatron-core's datasets (their sample order) with --seed.
-TRAINING_SEED_RANGE = (0, 2 ** 32 - 1)
-
-
 @dataclass
 class TrainingConfig:
     """Batch shape, schedule length, precision and evaluation cadence."""
@@ -138,9 +133,10 @@ class TrainingConfig:
         return consumed
 
     def validate(self, dp_size: int, max_position_embeddings: int) -> None:
-        from megaloop.inference.flags import check_seed
+        from megaloop.inference.flags import PROCESS_SEED_RANGE, check_seed
 
-        check_seed(self.seed, valid=TRAINING_SEED_RANGE,
+        # (it seeds numpy's global generator and megatron-core's datasets' sample order)
+        check_seed(self.seed, valid=PROCESS_SEED_RANGE,
                    why="numpy's seed range: the run seeds numpy and its data order with it")
         if self.train_samples is not None and self.train_samples < 1:
             raise ValueError(f"--train-samples {self.train_samples} must be >= 1")
