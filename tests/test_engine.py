@@ -412,6 +412,58 @@ def test_other_layouts_decode_as_recomputation():
     assert "prefills a prompt in one forward, and --prefill-chunk is 4" in chunk
 
 
+GROUPED_PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43], [70, 71, 72, 73]]  # one length
+GROUPED_ARRIVE = [0, 0, 1]
+GROUPED_TOKENS = 6
+
+
+def _grouped_rows(rank, world):
+    setup_parallel(world)
+    # float64: the engine and the dense decode then differ by rounding of order 1e-16
+    # relative, far below the fp32 ulp both cast their logits to (the test's tolerance).
+    model = _model().double()
+    engine = _engine(model)
+    engine.layout = "grouped"  # what Transformer Engine's attention gets (test above)
+    forwards = []  # per model call: (rows, distinct first positions, a mask given)
+    hook = model.register_forward_pre_hook(lambda mod, args: forwards.append(
+        (args[0].size(0), len(set(args[1][:, 0].tolist())), args[2] is not None)))
+    requests, step = [], 0
+    try:
+        while step <= max(GROUPED_ARRIVE) or engine.has_work():
+            for i, arrive in enumerate(GROUPED_ARRIVE):
+                if arrive == step:
+                    requests.append(engine.add(GROUPED_PROMPTS[i], GROUPED_TOKENS,
+                                               _params(i, 0.0), record_logprobs=True))
+            engine.step()
+            step += 1
+    finally:
+        hook.remove()
+    results = []
+    for i, r in enumerate(requests):
+        out, logp, _ = _alone(model, r.prompt, GROUPED_TOKENS, "full", None, _params(i, 0.0))
+        results.append((r.out, out, (torch.stack(r.logprobs) - logp).abs().max().item(),
+                        logp.abs().max().item(), r.finish))
+    return results, forwards
+
+
+def test_grouped_layout_batches_rows_of_one_cached_length_only():
+    """Under the grouped layout (no mask), two requests of one prompt length arriving together
+    share their forwards; a third of the same length arriving one step later is one token
+    behind them from then on, so it must be forwarded apart (batched with them, unmasked, it
+    would read their extra cache column as its own). Each request, greedy, gives the tokens of
+    decoding it alone over a dense cache, and its logprobs within 4 fp32 ulps of the largest:
+    both sides compute in float64 and cast the logits to fp32 before the log-softmax, so they
+    differ by at most an ulp of rounding in the cast, moving the log-softmax by about two."""
+    results, forwards = run_distributed(_grouped_rows, 1)[0]
+    for batched, alone, gap, scale, finish in results:
+        tolerance = 4 * scale * torch.finfo(torch.float32).eps
+        assert batched == alone and gap <= tolerance, (batched, alone, gap, tolerance)
+        assert finish == "length"
+    # the first two shared forwards, and no forward mixed positions or had a mask
+    assert max(rows for rows, _, _ in forwards) == 2, forwards
+    assert all(positions == 1 and not masked for _, positions, masked in forwards), forwards
+
+
 # --- admission, queueing and faults -------------------------------------------------------------
 def _one_request_pool(rank, world):
     setup_parallel(world)
