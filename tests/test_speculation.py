@@ -106,6 +106,61 @@ def test_speculation_under_tensor_parallelism():
     assert all(len(out) == 12 for out in sampled)
 
 
+def _draft_logits(rank, world, spec):
+    check_placement()  # the batch and the drafts go where the model is, as on a GPU
+    from megaloop.device import current_device
+    from megaloop.inference import engine as engine_module, speculation
+    from megaloop.inference.generate import SamplingParams
+
+    setup_parallel(world)
+    # float64: the cached draft and the uncached forward then differ by rounding of order 1e-16
+    # relative, far below the fp32 ulp both logits are cast to (the test's tolerance)
+    model = _model().double()
+    d = int(spec.split(":")[0])
+    gaps, rounds = [], []
+    seqs = []  # per row of the round: its tokens up to the position being drafted from
+
+    def round_(engine, requests, k):
+        seqs[:] = [r.prompt + r.out for r in requests]
+        rounds.append(k)
+        return speculate_round(engine, requests, k)
+
+    def logits(model, ids, positions, mask, num_loops, kv, vocab_size, **kwargs):
+        out = forward(model, ids, positions, mask, num_loops, kv, vocab_size, **kwargs)
+        if num_loops != d:  # the verify
+            return out
+        for i, seq in enumerate(seqs):
+            if positions[i, 0] == len(seq):  # a draft fed: it follows the row
+                seq.append(int(ids[i, 0]))
+            whole = torch.tensor([seq], device=current_device())
+            at = torch.arange(len(seq), device=current_device())[None]
+            alone = model(whole, at, None, num_loops=d)[0, -1, :vocab_size].float()
+            gaps.append(((out[i, -1] - alone).abs().max().item(), alone.abs().max().item()))
+        return out
+
+    speculate_round, forward = engine_module.speculate_round, speculation._logits
+    engine_module.speculate_round, speculation._logits = round_, logits
+    try:
+        outs = _staggered(_engine(model, spec), 12, SamplingParams(temperature=0.8, seed=3))
+    finally:
+        engine_module.speculate_round, speculation._logits = speculate_round, forward
+    return gaps, len(rounds), outs
+
+
+def test_drafts_are_the_depth_d_model():
+    """Every draft forward's logits, for every row and round, are those of the first d loop
+    steps run over the row's whole sequence without a cache: the coda's cache at step d holds
+    the prompt and every kept token (the prefill and the verify, whose output is step T's,
+    fill it too). Both sides compute in float64 and cast to fp32, so they may differ by an
+    ulp of the cast: the bound is 2 fp32 ulps of the largest logit."""
+    ulp = torch.finfo(torch.float32).eps
+    for spec in ("2:3", "1:2"):
+        gaps, rounds, outs = run_distributed(_draft_logits, 1, spec)[0]
+        assert rounds > 3 and len(gaps) > 3 * rounds, (spec, rounds, len(gaps))
+        bad = [(gap, scale) for gap, scale in gaps if not gap <= 2 * ulp * scale]  # (NaN too)
+        assert not bad, (spec, len(bad), len(gaps), bad[:5])
+
+
 N, TOP_K, TEMP = 2400, 4, 0.4
 PROMPT = [40, 41, 42, 43]
 
@@ -202,3 +257,58 @@ def test_what_speculation_cannot_do_is_refused_by_name():
     assert reasons[2].startswith("--speculate 0:2: the draft depth and the drafted tokens")
     assert reasons[3].startswith("--speculate 2:2 needs --kv-policy full")
     assert reasons[4].startswith("--speculate 2:2 and --exit: choose one")
+
+
+FAULT_TOKENS = 12
+
+
+def _fault_rows(rank, world, spec):
+    check_placement()  # the batch and the drafts go where the model is, as on a GPU
+    from megaloop.inference.generate import SamplingParams
+
+    setup_parallel(world)
+    model = _model()
+    # Rows 0 to 2 greedy, row 3 sampled: a round mixes both. A sampled row is not compared
+    # with itself alone: a round's k is the least room of its rows, so near a batch-mate's end
+    # its draws take other roles (its distribution stays depth T's).
+    params = [SamplingParams()] * 3 + [SamplingParams(temperature=1.0, seed=9)]
+    engine = _engine(model, spec)
+    requests = [engine.add(p, FAULT_TOKENS, params[i]) for i, p in enumerate(PROMPTS)]
+    engine.step()  # the prefill's token and a first round, sound
+    bad = requests[1]
+    before = list(bad.out)
+    # A value add() refuses, set after its checks: the row's logits / temperature overflow to
+    # inf, so its probabilities in the next round's draft and verify are not finite.
+    bad.params = SamplingParams(temperature=1e-45, seed=2)
+    drafted = engine.stats["drafted"]
+    ended = engine.step()
+    fault = (bad in ended, engine.stats["drafted"] > drafted)
+    while engine.has_work():
+        engine.step()
+    used = engine.allocator.used
+    alone = []  # greedy, each prompt alone without speculation: the full-depth tokens
+    for p in PROMPTS:
+        single = _engine(model)
+        request = single.add(p, FAULT_TOKENS, SamplingParams())
+        while single.has_work():
+            single.step()
+        alone.append(request.out)
+    return [(r.out, r.finish, repr(r.error)) for r in requests], before, fault, alone, used
+
+
+def test_a_row_whose_probabilities_break_ends_alone_within_the_round():
+    """--speculate: a row whose temperature makes its probabilities non-finite is ended by the
+    round it breaks in, with the error and no token past the ones it had (which are its
+    full-depth tokens); the greedy rows give the tokens of decoding them alone without
+    speculation, the sampled one all its tokens, and every block comes back."""
+    for spec in ("2:3", "1:2"):
+        rows, before, fault, alone, used = run_distributed(_fault_rows, 1, spec)[0]
+        out, finish, error = rows[1]
+        assert out == before == alone[1][:len(before)], (spec, out, before, alone[1])
+        assert 0 < len(before) < FAULT_TOKENS, (spec, before)
+        assert finish == "cancelled" and "cannot sample this row" in error, (spec, rows[1])
+        assert fault == (True, True), (spec, fault)  # ended in the step whose round drafted
+        for i in (0, 2):
+            assert rows[i][:2] == (alone[i], "length"), (spec, i, rows[i], alone[i])
+        assert (len(rows[3][0]), rows[3][1:]) == (FAULT_TOKENS, ("length", "None")), rows[3]
+        assert used == 0

@@ -30,7 +30,8 @@ All rows of a forward sample in one call (megaloop/inference/sampling.py), each 
 counter-based stream of its ``SamplingParams.seed`` and its ``stream``, with one transfer of the
 chosen ids to the host; so a request's tokens are those it gets decoded alone
 (tests/test_engine.py), whatever else is in the batch, and every tensor-parallel rank draws the
-same ones.
+same ones (sampled under ``--speculate``, the exception megaloop/inference/speculation.py
+states).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from megaloop.inference.generate import SamplingParams
 from megaloop.inference.kv_cache import LoopKVCache
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
 from megaloop.inference.sampling import probabilities, sample_rows
-from megaloop.inference.speculation import check_speculate, parse_speculate, speculate_round
+from megaloop.inference.speculation import (check_speculate, full_depth_forward,
+                                             parse_speculate, speculate_round)
 
 
 # Columns a decode forward's gathered cache keeps free, so that the next SPARE_COLUMNS decode
@@ -359,6 +361,10 @@ class InferenceEngine:
             # (the last position's logits at the rule's step: the first token follows the rule)
             logits, depth = early_exit.prefill(self.model, ids, positions, kv, self.num_loops,
                                                mask, rule=self.exit_rule)
+        elif self.speculate and not decode:
+            # the drafts read out at step d: the coda's cache of step d must hold the prompt
+            logits = full_depth_forward(self.model, ids, positions, mask, self.num_loops, kv,
+                                        self.speculate[0])
         else:
             logits = self.model(ids, positions, mask, num_loops=self.num_loops, kv_cache=kv)
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)

@@ -16,19 +16,30 @@ One round for the engine's decoding rows (``--speculate d:k``):
 4. roll back: a row's cached length counts the tokens it kept; the K/V written for rejected
    drafts sits past it and is overwritten by the next round.
 
+A draft reads out at step d, so its coda attends to the coda's cache of step d, which a forward
+returning step T's logits never writes: the engine's prefill and the verify also read out at
+step d (``full_depth_forward``; one more coda and head pass), or the drafts would attend to
+an unwritten cache for the prompt and for a round's last kept draft.
+
 Each row's draws come from its counter-based stream (megaloop/inference/sampling.py): the
 uniform of role r (draft, accept, final draw) for its n-th generated token is the stream's
-counter 3n + r, so a row's tokens do not depend on its batch-mates. The cache must keep every
+counter 3n + r, so a row's draws do not depend on its batch-mates. (Its sampled tokens do
+near a batch-mate's end: k is the least room of a round's rows, and with a smaller k a token
+is drawn in another role; their distribution is depth T's all the same, and a greedy row's
+tokens are depth T's exactly.) The cache must keep every
 loop step's K/V of every token (``full``): the one-slot and mod-k policies make a multi-token
 verify differ from token-by-token decoding. An exit rule is refused with it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 
 from megaloop.device import current_device
 from megaloop.inference.sampling import draw, probabilities, stream_uniforms
+from megaloop.model import recurrence
 
 DRAFT, ACCEPT, FINAL = 0, 1, 2
 
@@ -64,10 +75,32 @@ def check_speculate(text: str, exit_rule, kv_policy: str, num_loops: int = 0):
     return spec
 
 
-def _logits(model, ids, positions, mask, num_loops, kv, vocab_size):
+@dataclass
+class _DraftCacheContext(recurrence.StepContext):
+    """A forward's step context that also reads out at the draft depth (its logits unused)."""
+
+    draft_depth: int = 0
+
+    def reads_out(self, t: int) -> bool:
+        return t == self.draft_depth or super().reads_out(t)
+
+
+def full_depth_forward(model, ids, positions, mask, num_loops, kv, draft_depth: int):
+    """``model(ids, positions, mask, num_loops=num_loops, kv_cache=kv)``'s logits, the coda's
+    cache of step ``draft_depth`` written for these positions as well (module docstring)."""
+    ctx = recurrence.context(model, ids, mask, None, num_loops, kv)
+    ctx = _DraftCacheContext(**{f.name: getattr(ctx, f.name) for f in fields(ctx)},
+                             draft_depth=draft_depth)
+    return recurrence.fold(model, recurrence.begin(model, ids, positions, ctx), ctx)
+
+
+def _logits(model, ids, positions, mask, num_loops, kv, vocab_size, draft_depth=None):
     from megatron.core import tensor_parallel
 
-    logits = model(ids, positions, mask, num_loops=num_loops, kv_cache=kv)
+    if draft_depth is None:  # a draft
+        logits = model(ids, positions, mask, num_loops=num_loops, kv_cache=kv)
+    else:
+        logits = full_depth_forward(model, ids, positions, mask, num_loops, kv, draft_depth)
     logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
     return logits[..., :vocab_size].float()
 
@@ -111,7 +144,7 @@ def speculate_round(engine, requests: list, k: int):
                      torch.stack(drafts, 1)], 1)
     positions = (lengths.view(-1, 1) + torch.arange(k + 1)).to(device)
     logits = _logits(model, ids, positions, paged.mask(lengths, base, k + 1), engine.num_loops,
-                     kv, engine.vocab_size)
+                     kv, engine.vocab_size, draft_depth=d)
     paged.write_back(kv, rows, k + 1)
     # 3. accept, position by position (a row stops at its first rejection)
     b = len(requests)
