@@ -7,7 +7,7 @@ only the rows still in the loop at each step; cancelled and finished requests fr
 a request that does not fit waits; an oversized one is refused; a pool of exactly one request's
 blocks serves it; ``max_batch`` caps the running rows; a cancelled queued request is returned
 once without blocks; a row whose draw fails ends alone; seeds and temperatures torch cannot take
-are refused by name."""
+are refused by name; the grouped layout forwards together only rows of one cached length."""
 
 import pytest
 import torch

@@ -10,6 +10,10 @@
   depth-d model's), so it can tell the two apart; and the drafts kept number
   sum over requests of sum_x min(p(x), q(x)) within 4 standard deviations (the rule's rate);
 - at TP=2 greedy speculation gives plain decoding's tokens and both ranks sample alike;
+- every draft's logits are the depth-d model's over the row's whole sequence, uncached (the
+  coda's cache at step d holds the prompt and the kept tokens);
+- a row whose probabilities break mid-round ends in that round, alone, with no token past the
+  fault; the others decode on;
 - what speculation cannot do is refused by name.
 
 The rank bodies run under the CPU shim's placement check.
