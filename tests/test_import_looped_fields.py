@@ -50,6 +50,8 @@ def test_every_ouro_key_is_accounted_for_and_read():
     ("use_sliding_window", True, "use_sliding_window=True"),
     ("layer_types", ["full_attention", "sliding_attention"], "layer_types"),
     ("attention_bias", True, "attention_bias=True"),
+    ("mlp_bias", True, "mlp_bias=True"),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5"),
     ("some_new_switch", 3, "['some_new_switch'] are unknown"),
     ("model_type", "qwen2", "model_type 'qwen2'"),
     ("early_exit_step", 4, "early_exit_step 4"),

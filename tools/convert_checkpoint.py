@@ -101,13 +101,17 @@ def main(argv=None) -> int:
     runtime.quiet_megatron()  # before the first megatron-core import (both commands)
     try:
         if args.command == "import-hf":
+            from megaloop.convert.hf_import import check_source
+
             if _looped_folder(args.hf_dir, sys.argv[1:] if argv is None else argv,
                              parser.import_hf):
+                check_source(args.hf_dir)  # before the process group and the --save lock
                 return _import(args, None)
             loop = dataclass_from_args(LoopConfig, args)
             # Range checks of the loop flags before the slow imports (the layer count is checked
             # against config.json later).
             loop.validate(num_layers=loop.num_prelude_layers + loop.num_coda_layers + 1)
+            check_source(args.hf_dir)
             return _import(args, loop)
         return _export(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:

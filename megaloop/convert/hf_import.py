@@ -17,29 +17,19 @@ requested TP size only decides the vocabulary padding check and the flags printe
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 
 from megaloop.arguments import flag_name
-from megaloop.convert.hf_families import SUPPORTED, model_config_from_hf
+from megaloop.convert.hf_families import SUPPORTED, check_fields, model_config_from_hf
+from megaloop.convert.hf_folder import SafetensorsFolder, check_folder, read_hf_config
 from megaloop.convert.hf_looped import (EXPORT_ARCHITECTURES, default_exit, is_looped_config,
                                         looped_configs)
 from megaloop.convert.layout import Heads, from_hf, layer_from_hf, local_names
 from megaloop.data.config import TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig, padded_vocab_size
-
-
-def read_hf_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json; pass the folder that "
-                                f"save_pretrained wrote (config.json + *.safetensors)")
-    with open(path) as f:
-        return json.load(f)
 
 
 @dataclass
@@ -70,9 +60,21 @@ def padding_divisor(table_rows: int, tok_vocab: int) -> int:
     return next(d for d in range(lowest, table_rows + 1) if table_rows % d == 0)
 
 
+# Tokenizer files a Hugging Face folder may hold: import-hf copies them next to the checkpoint,
+# which then stands alone (the training run and generation read them there).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+# Files of a tokenizer import-hf does not read (it reads tokenizer.json): a folder holding one of
+# these without tokenizer.json has a tokenizer that the import would otherwise replace by
+# NullTokenizer.
+OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt")
+
+
 def plan_vocab(hf_dir: str, table_rows: int, tp_size: int) -> Vocab:
     """Keep the HF table as it is: choose the padding divisor so that megaloop's padding of the
-    tokenizer's vocabulary lands exactly on the table size (no extra softmax columns)."""
+    tokenizer's vocabulary lands exactly on the table size (no extra softmax columns). The
+    tokenizer is the folder's tokenizer.json; a folder with no tokenizer files at all gets
+    NullTokenizer (said in a note); one with some but not tokenizer.json is refused."""
     if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
         from megaloop.data.tokenizers import HuggingFaceTokenizer
 
@@ -83,72 +85,23 @@ def plan_vocab(hf_dir: str, table_rows: int, tp_size: int) -> Vocab:
             raise ValueError(f"{hf_dir}/tokenizer.json has {tok_vocab} tokens but the embedding "
                              f"table only {table_rows} rows")
     else:  # no tokenizer: ids are the table's rows (NullTokenizer reports vocab-size + 1)
+        others = [name for name in TOKENIZER_FILES[1:] + OTHER_TOKENIZER_FILES
+                  if os.path.isfile(os.path.join(hf_dir, name))]
+        if others:
+            raise ValueError(f"{hf_dir} has {', '.join(others)} but no tokenizer.json, the file "
+                             f"import-hf reads the tokenizer from: copy the model's "
+                             f"tokenizer.json into the folder")
         tok_vocab = table_rows
         tokenizer = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=table_rows - 1)
+        print(f"> note: {hf_dir} holds no tokenizer files: the checkpoint's tokenizer is "
+              f"NullTokenizer (text is token ids, 0..{table_rows - 2} and end-of-text "
+              f"{table_rows - 1}); copy the model's tokenizer.json into the folder and import "
+              f"again to use it")
     divisible_by = padding_divisor(table_rows, tok_vocab)
     if padded_vocab_size(tok_vocab, divisible_by, tp_size) != table_rows:
         raise ValueError(f"--tensor-model-parallel-size {tp_size} does not divide the vocabulary "
                          f"table ({table_rows} rows); choose a TP size that divides it")
     return Vocab(table_rows, tokenizer, tok_vocab, divisible_by)
-
-
-class SafetensorsFolder:
-    """Read tensors by name from every *.safetensors file of a folder (lazily, one at a time)."""
-
-    def __init__(self, hf_dir: str):
-        from safetensors import safe_open
-
-        paths = sorted(glob.glob(os.path.join(glob.escape(hf_dir), "*.safetensors")))
-        if not paths:
-            raise FileNotFoundError(f"--hf-dir {hf_dir}: no *.safetensors files (convert .bin "
-                                    f"checkpoints with save_pretrained(safe_serialization=True))")
-        _check_index(hf_dir)
-        self._files = [_open(p, safe_open) for p in paths]
-        self.where = {name: f for f in self._files for name in f.keys()}
-
-    def names(self) -> set:
-        return set(self.where)
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.where:
-            raise KeyError(f"tensor {name!r} is missing from the safetensors files")
-        return self.where[name].get_tensor(name).float()
-
-
-INDEX = "model.safetensors.index.json"  # save_pretrained's map of a sharded model's tensors
-
-
-def _check_index(hf_dir: str) -> None:
-    """The shards the folder's index names are all there: a missing one is named as the file to
-    copy again (otherwise the first tensor it holds would be reported missing)."""
-    path = os.path.join(hf_dir, INDEX)
-    if not os.path.isfile(path):
-        return
-    try:
-        with open(path) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} is not a readable safetensors index ({type(exc).__name__}: "
-                         f"{exc}); copy it again from the model's source") from None
-    missing = sorted({f for f in weight_map.values()
-                      if not os.path.isfile(os.path.join(hf_dir, f))})
-    if missing:
-        raise FileNotFoundError(
-            f"--hf-dir {hf_dir}: shard {', '.join(missing)} named by {INDEX} is missing "
-            f"(tensors such as {next(k for k, v in weight_map.items() if v == missing[0])!r} "
-            f"are in it); copy the folder again, every shard included")
-
-
-def _open(path: str, safe_open):
-    """``safe_open`` of one shard, or a message naming it: a file cut short (an interrupted
-    download or copy) fails safetensors' header check with a SafetensorError."""
-    from safetensors import SafetensorError
-
-    try:
-        return safe_open(path, framework="pt")
-    except SafetensorError as exc:
-        raise ValueError(f"{path} is truncated or corrupt ({exc}; {os.path.getsize(path):,} "
-                         f"bytes): copy or download it again") from None
 
 
 def hf_state_dict(reader: SafetensorsFolder, model_cfg: ModelConfig, loop: LoopConfig,
@@ -216,6 +169,19 @@ def training_flags(model_cfg: ModelConfig, loop: LoopConfig, vocab: Vocab, tp_si
                                             "--load", load_dir, "--finetune"]
 
 
+def check_source(hf_dir: str) -> tuple[dict, SafetensorsFolder]:
+    """(config.json, the tensor reader) of ``hf_dir`` after what can be checked before a model is
+    built: config.json's keys (a looped folder's configs, or a dense family's fields) and its
+    sizes against the tensors and this machine's memory (``hf_folder.check_folder``).
+    tools/convert_checkpoint.py calls it before it starts a process group, import_hf again."""
+    cfg = read_hf_config(hf_dir)
+    if is_looped_config(cfg):
+        looped_configs(cfg)
+    else:
+        check_fields(cfg)  # the architecture and every key, before its sizes are compared
+    return cfg, check_folder(hf_dir, cfg)
+
+
 def import_hf(hf_dir: str, save_dir: str, loop: LoopConfig, *, tp_size: int = 1,
               seed: int = 1234, progress: bool = True) -> list:
     """Convert ``hf_dir`` into a megaloop checkpoint in ``save_dir`` (iteration 0) and return the
@@ -228,9 +194,9 @@ def import_hf(hf_dir: str, save_dir: str, loop: LoopConfig, *, tp_size: int = 1,
     from megaloop.parallel.config import ParallelConfig
     from megaloop.parallel.initialize import set_seed
 
-    cfg = read_hf_config(hf_dir)
+    cfg, reader = check_source(hf_dir)
     if is_looped_config(cfg):
-        return import_looped(hf_dir, cfg, save_dir, tp_size=tp_size, progress=progress)
+        return import_looped(hf_dir, cfg, reader, save_dir, tp_size=tp_size, progress=progress)
     vocab = plan_vocab(hf_dir, cfg["vocab_size"], tp_size)
     model_cfg = model_config_from_hf(cfg, vocab.divisible_by)
     if loop.num_coda_layers:
@@ -240,22 +206,16 @@ def import_hf(hf_dir: str, save_dir: str, loop: LoopConfig, *, tp_size: int = 1,
     loop.validate(model_cfg.num_layers)
     set_seed(seed)  # the fresh exit gate and LoRA A matrices
     model = build_model(model_cfg, loop, vocab.tokenizer_vocab, tp_size=1)
-    reader = SafetensorsFolder(hf_dir)
     with tqdm(total=model_cfg.num_layers, desc="import-hf layers", unit="layer",
               disable=not progress) as bar:
         tensors = hf_state_dict(reader, model_cfg, loop, bar)
     load_into(model, tensors)
+    vocab = carry_tokenizer(hf_dir, save_dir, vocab)  # the run config names the copy
     # The sections this conversion decides (a training run's own sections come with its flags).
     run = {"model": asdict(model_cfg), "loop": asdict(loop), "tokenizer": asdict(vocab.tokenizer),
            "parallel": asdict(ParallelConfig(tensor_model_parallel_size=tp_size))}
     save_weights(save_dir, 0, model, run_config=run)
     return training_flags(model_cfg, loop, vocab, tp_size, save_dir)
-
-
-# Tokenizer files a Hugging Face folder may hold: import-hf copies them next to the checkpoint,
-# which then stands alone (the training run and generation read them there).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
 
 
 def carry_tokenizer(hf_dir: str, save_dir: str, vocab: Vocab) -> Vocab:
@@ -274,18 +234,41 @@ def carry_tokenizer(hf_dir: str, save_dir: str, vocab: Vocab) -> Vocab:
     return Vocab(vocab.table_rows, tokenizer, vocab.tokenizer_vocab, vocab.divisible_by)
 
 
-def import_looped(hf_dir: str, cfg: dict, save_dir: str, *, tp_size: int = 1,
-                  progress: bool = True) -> list:
-    """A looped folder (Ouro's, or an export) -> a megaloop checkpoint in ``save_dir``
-    (iteration 0) holding every tensor of the folder (the exit gate included: nothing is fresh),
-    the folder's tokenizer (copied into ``save_dir/tokenizer``) and its default exit rule (the
-    run config's ``generation`` section, from early_exit_threshold / early_exit_step); returns
-    the pretrain_looplm.py flags that train it. The loop is the folder's: config.json says how
-    many steps, which norms and which gate (``hf_looped.looped_configs``)."""
+def eos_note(cfg: dict, tokenizer: TokenizerConfig) -> str | None:
+    """The note import-hf prints when config.json's eos_token_id (an id, or a list of them) does
+    not name the end-of-text token of the checkpoint's tokenizer, which is where megaloop
+    separates documents and stops generating; None when it does, or config.json names none."""
+    from megaloop.data.tokenizers import build_tokenizer
+
+    eos = cfg.get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    eod = build_tokenizer(tokenizer).eod
+    if not ids or eod in ids:
+        return None
+    if tokenizer.tokenizer_type == "NullTokenizer":
+        how = "NullTokenizer's end-of-text id is the one after the table's ordinary ids"
+    else:
+        path = os.path.join(tokenizer.tokenizer_model, "tokenizer_config.json")
+        how = (f"set eos_token in {path} to change it" if os.path.isfile(path) else
+               f"write a {path} with an eos_token to change it")
+    shown = eos if isinstance(eos, int) else ids
+    return (f"> note: config.json's eos_token_id {shown} is not the tokenizer's end-of-text "
+            f"token {eod}; megaloop separates documents and stops generating at {eod} ({how})")
+
+
+def import_looped(hf_dir: str, cfg: dict, reader: SafetensorsFolder, save_dir: str, *,
+                  tp_size: int = 1, progress: bool = True) -> list:
+    """A looped folder (Ouro's, or an export; ``cfg`` and ``reader`` from ``check_source``) -> a
+    megaloop checkpoint in ``save_dir`` (iteration 0) holding every tensor of the folder (the
+    exit gate included: nothing is fresh), the folder's tokenizer (copied into
+    ``save_dir/tokenizer``) and its default exit rule (the run config's ``generation`` section,
+    from early_exit_threshold / early_exit_step); returns the pretrain_looplm.py flags that train
+    it. The loop is the folder's: config.json says how many steps, which norms and which gate
+    (``hf_looped.looped_configs``)."""
     from tqdm import tqdm
 
     from megaloop.checkpoint.save import save_weights
-    from megaloop.data.tokenizers import build_tokenizer
     from megaloop.model.looped_gpt import build_model
     from megaloop.parallel.config import ParallelConfig
 
@@ -294,7 +277,6 @@ def import_looped(hf_dir: str, cfg: dict, save_dir: str, *, tp_size: int = 1,
     model_cfg.make_vocab_size_divisible_by = vocab.divisible_by
     generation = default_exit(cfg)
     model = build_model(model_cfg, loop, vocab.tokenizer_vocab, tp_size=1)
-    reader = SafetensorsFolder(hf_dir)
     heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
                   model_cfg.kv_channels)
     layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
@@ -302,18 +284,11 @@ def import_looped(hf_dir: str, cfg: dict, save_dir: str, *, tp_size: int = 1,
     with tqdm(total=1, desc="import-hf tensors", disable=not progress) as bar:
         tensors = from_hf(reader.get, reader.names(), heads, layers)
         bar.update(1)
-    table = tensors["embedding.word_embeddings.weight"]
-    if table.shape[0] != cfg["vocab_size"]:
-        raise ValueError(f"config.json's vocab_size {cfg['vocab_size']} differs from the "
-                         f"{table.shape[0]} rows of model.embed_tokens.weight")
     load_sharded(model, tensors)  # every tensor covered, nothing left over (TP = 1 here)
     vocab = carry_tokenizer(hf_dir, save_dir, vocab)
-    eos = cfg.get("eos_token_id")
-    eod = build_tokenizer(vocab.tokenizer).eod
-    if isinstance(eos, int) and eos != eod:
-        print(f"> note: config.json's eos_token_id {eos} is not the tokenizer's end-of-text "
-              f"token {eod}; megaloop separates documents and stops generating at {eod} (set "
-              f"eos_token in {save_dir}/tokenizer/tokenizer_config.json to change it)")
+    note = eos_note(cfg, vocab.tokenizer)
+    if note:
+        print(note)
     run = {"model": asdict(model_cfg), "loop": asdict(loop), "tokenizer": asdict(vocab.tokenizer),
            "parallel": asdict(ParallelConfig(tensor_model_parallel_size=tp_size)),
            "generation": generation,
@@ -431,19 +406,15 @@ def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | No
     model_cfg, loop = exported_configs(cfg)
     if transformer_impl is not None:
         model_cfg.transformer_impl = transformer_impl
+    reader = check_folder(folder, cfg)  # sizes against the tensors and memory, before building
     rows = cfg["vocab_size"]
     tok_cfg = exported_tokenizer(folder, rows, tokenizer)
     model = build_model(model_cfg, loop, rows, tp_size=tp_size)
-    reader = SafetensorsFolder(folder)
     heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
                   model_cfg.kv_channels)
     layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
               "core": loop.num_core_layers(model_cfg.num_layers)}
     tensors = from_hf(reader.get, reader.names(), heads, layers)
-    table = tensors.get("embedding.word_embeddings.weight")
-    if table is not None and table.shape[0] != rows:
-        raise ValueError(f"config.json's vocab_size {rows} differs from the {table.shape[0]} rows "
-                         f"of model.embed_tokens.weight")
     load_sharded(model, tensors)
     run = {"model": asdict(model_cfg), "loop": asdict(loop), "tokenizer": asdict(tok_cfg),
            "hf_folder": os.path.abspath(folder), "generation": default_exit(cfg)}

@@ -228,9 +228,20 @@ def default_exit_rule(load: str, ckpt_step: Optional[int] = None):
 def check_load(load: str, ckpt_step: Optional[int] = None, spell=cli_name) -> None:
     """``load`` is a directory; ``ckpt_step`` (a step of a megaloop checkpoint directory, whose
     folder the load itself checks, naming the steps there) is not given for an exported
-    folder, which holds one set of weights."""
+    folder, which holds one set of weights; an exported folder's config.json agrees with its
+    tensors (``megaloop.convert.hf_folder.check_folder``)."""
     if not os.path.isdir(load):
         raise ValueError(f"{spell('load')} {load}: no such directory")
     if ckpt_step is not None and is_hf_folder(load):
         raise ValueError(f"{spell('ckpt_step')} {ckpt_step}: {load} is an exported folder (one "
                          f"set of weights, no checkpoint steps); leave it out")
+    if is_hf_folder(load):
+        from megaloop.convert.hf_folder import check_folder
+
+        # config.json's types and sizes against the tensors and memory, before the process
+        # groups and the model (whose allocation a wrong size would otherwise break). A missing
+        # shard is bad input like the rest: the entry points refuse ValueErrors in one line.
+        try:
+            check_folder(load)
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc)) from None
