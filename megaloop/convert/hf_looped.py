@@ -228,6 +228,10 @@ def default_exit(cfg: dict) -> dict:
         return {"exit": None, "source": None}
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
         raise ValueError(f"config.json early_exit_threshold {threshold!r} is not a number")
+    if not 0 <= threshold <= 1:  # (NaN too)
+        raise ValueError(f"config.json early_exit_threshold {threshold:g}: the cumulative exit "
+                         f"probability a token leaves at, so in [0, 1] (1.0: full depth, the "
+                         f"released models' value; 0: every token after step 1)")
     source = f"config.json early_exit_threshold {threshold:g}"
     if threshold >= 1.0 or not gated:
         if threshold < 1.0:

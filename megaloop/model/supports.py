@@ -68,6 +68,20 @@ def decoding_cache(loop, r: Request) -> Optional[str]:
     return None
 
 
+def exit_depth(loop, r: Request) -> Optional[str]:
+    """``fixed:n`` stops every token after step n; past the steps that run it would silently
+    mean full depth."""
+    if r.exit is None or r.exit.kind != "fixed":
+        return None
+    depth = r.depth if r.depth is not None else loop.num_loops
+    if r.exit.value > depth:
+        return (f"{r.spell('exit')} {r.exit.text}: this model runs {depth} loop step"
+                f"{'s' if depth > 1 else ''} ({r.spell('num_loops')} {depth}), so no token can "
+                f"leave after step {r.exit.text.partition(':')[2]}; use fixed:1 to fixed:{depth}, "
+                f"or none for full depth")
+    return None
+
+
 def spiral(loop, r: Request) -> Optional[str]:
     """SpiralFormer (--loop-resolutions / --loop-topology) fixes one operator per loop step, and
     its cached decoding keeps each coarse step's chunk latents for the whole batch."""
@@ -133,7 +147,7 @@ def export(loop, r: Request) -> Optional[str]:
     return None
 
 
-DECLARED = (gate, decoding_cache, export, spiral)
+DECLARED = (gate, exit_depth, decoding_cache, export, spiral)
 
 
 def supports(loop, request: Request) -> Optional[str]:
