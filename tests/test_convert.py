@@ -379,3 +379,18 @@ def test_plan_vocab_reads_the_folder_tokenizer(tmp_path):
         plan_vocab(str(tmp_path), 200, tp_size=1)
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 7"):
         plan_vocab(str(tmp_path), 384, tp_size=7)
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_import_seed_outside_numpys_range_is_one_line(tmp_path, seed):
+    """import-hf's --seed seeds the process's generators, numpy's among them: a seed numpy
+    refuses is refused by name before anything starts (it was numpy's traceback)."""
+    hf_dir = str(tmp_path / "hf")
+    _make_hf("llama", hf_dir)
+    log = str(tmp_path / "log")
+    assert _run_tool(["import-hf", "--hf-dir", hf_dir, "--save", str(tmp_path / "ck"),
+                      "--num-loops", "2", "--seed", seed, "--no-progress"], log) == 2
+    lines = open(log).read().strip().splitlines()
+    assert lines == [f"error: --seed {seed}: must be an integer from 0 to 4294967295 (numpy's "
+                     f"seed range: it seeds the fresh weights' generators)"], lines
+    assert not os.path.exists(tmp_path / "ck")

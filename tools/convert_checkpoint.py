@@ -102,6 +102,11 @@ def main(argv=None) -> int:
     try:
         if args.command == "import-hf":
             from megaloop.convert.hf_import import check_source
+            from megaloop.inference.flags import PROCESS_SEED_RANGE, check_seed
+
+            # It seeds the process's generators, numpy's among them (0 .. 2**32 - 1).
+            check_seed(args.seed, valid=PROCESS_SEED_RANGE,
+                       why="numpy's seed range: it seeds the fresh weights' generators")
 
             if _looped_folder(args.hf_dir, sys.argv[1:] if argv is None else argv,
                              parser.import_hf):
