@@ -12,6 +12,9 @@ and its aligned ``<prefix>_lossmask_document``; EOD always ends each response):
 
     python tools/preprocess_data.py --input sft.jsonl --output-prefix data/sft \\
         --data-format sft --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model
+
+One run per --output-prefix: while a run writes a prefix it holds ``<prefix>.preprocess.lock``,
+and a second run into the same prefix is refused (exit code 2) naming the first.
 """
 
 from __future__ import annotations
@@ -200,7 +203,8 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from megaloop.data.preprocess import Terminated, preprocess, raise_terminated  # numpy
+    from megaloop.data.preprocess import (OutputInUse, Terminated, output_lock,  # numpy
+                                          preprocess, raise_terminated)
 
     # Every run, whatever its --partitions: a killed partitioned run's folder is garbage here.
     # (Before the handlers below: an interrupted removal needs no clean-up, the next run goes on.)
@@ -222,9 +226,15 @@ def main(argv=None) -> int:
 
     try:
         if args.partitions > 1:
-            stats = preprocess_partitions(args, run)
+            # The partitions are preprocessed under names of their own; the lock guards the
+            # merge into --output-prefix.
+            with output_lock(args.output_prefix):
+                stats = preprocess_partitions(args, run)
         else:
             stats = run(args.input, args.output_prefix)
+    except OutputInUse as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except (BadInputError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -36,6 +36,14 @@ next message instead of blocking on a pipe nobody reads. The temporary names car
 pid and host, so the next run into the same output prefix removes those of a run on this host
 whose pid has ended, and leaves those of a live run, or of another host sharing the
 filesystem, alone.
+
+One run per output prefix: two runs into one prefix would each publish and the later would
+silently replace the other's files, so a run holds ``<prefix>.preprocess.lock``
+(megaloop.lockfile, as --save's lock) from before it writes anything until it has published or
+cleaned up, Ctrl-C and SIGTERM included. A second run is refused (``OutputInUse``), naming
+the holder; the lock of a run that was killed is taken over with a note: at once on this host
+(its pid has ended), after ``LOCK_STALE_MIN`` minutes without a refresh from another host (a
+running holder touches it every ``LOCK_REFRESH_S`` seconds).
 """
 
 from __future__ import annotations
@@ -58,13 +66,18 @@ from typing import Callable, Iterator, Optional
 
 import numpy
 
+from megaloop import lockfile
 from megaloop.data.batch_encoder import SFT_KEYS, BatchEncoder
 from megaloop.data.config import TokenizerConfig
 from megaloop.data.indexed_format import optimal_dtype, write_digest, write_index
 from megaloop.data.jsonl import (DEFAULT_BATCH_BYTES, BadInputError, byte_ranges, line_number,
                                  read_batches)
 from megaloop.data.tokenizers import build_tokenizer
+
 RANGES_PER_WORKER = 8
+LOCK_SUFFIX = ".preprocess.lock"
+LOCK_REFRESH_S = 60.0
+LOCK_STALE_MIN = 10.0  # ten refreshes missed: the holder is gone (another host's lock)
 
 
 @dataclass
@@ -384,6 +397,56 @@ def remove_stale_temporaries(prefixes: list[str]) -> dict[int, list[str]]:
     return removed
 
 
+class OutputInUse(Exception):
+    """Another live preprocessing run holds the output prefix's lock."""
+
+
+@contextlib.contextmanager
+def output_lock(output_prefix: str):
+    """Hold ``<output_prefix>.preprocess.lock`` inside the block (refreshed every
+    ``LOCK_REFRESH_S`` by a thread, so another host can tell a live holder from a dead one);
+    released however the block ends. Raises OutputInUse when a live run holds it, ValueError
+    when it cannot be created. Notes on stale locks taken over go to stderr."""
+    path = output_prefix + LOCK_SUFFIX
+    got, stop = None, threading.Event()
+    try:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+            # An interrupt between creating the file and filling it would leave a lock naming
+            # nobody, refused as "unknown" for LOCK_STALE_MIN: it waits for the taking to end.
+            with _interrupts_deferred(drop=False):
+                got = lockfile.take(path, LOCK_STALE_MIN,
+                                    f"the {LOCK_STALE_MIN:g} min within which a running "
+                                    f"preprocessing refreshes it")
+        except OSError as exc:
+            raise ValueError(f"--output-prefix {output_prefix}: cannot create the lock file "
+                             f"{path} ({exc.strerror}); check that its folder is "
+                             f"writable") from None
+        for note in got.notes:
+            print(note, file=sys.stderr)
+        if got.token is None:
+            holder = "other runs keep taking it" if got.raced else lockfile.describe(got.holder)
+            raise OutputInUse(f"--output-prefix {output_prefix} is in use by another "
+                              f"preprocessing run: {holder} (lock file {path}). Wait for it to "
+                              f"finish, choose another --output-prefix, or delete the lock file "
+                              f"if that run is gone")
+
+        def refresh() -> None:
+            while not stop.wait(LOCK_REFRESH_S):
+                with contextlib.suppress(OSError):  # removed by hand: nothing to refresh
+                    os.utime(path)
+
+        # Workers are forked while this thread runs: it holds no lock they could inherit.
+        threading.Thread(target=refresh, name="preprocess-lock", daemon=True).start()
+        yield
+    finally:
+        # A Ctrl-C landing in the release (after publishing, say) must not leave the lock.
+        with _interrupts_deferred(drop=False):
+            stop.set()
+            if got is not None and got.token is not None:
+                lockfile.release(path, got.token)
+
+
 def _join_parts(target: str, parts: list[str]) -> None:
     """``target`` = the parts back to back; the first part is renamed, not copied."""
     os.replace(parts[0], target)
@@ -402,10 +465,12 @@ def preprocess(input_path: str, output_prefix: str, tok_cfg: TokenizerConfig,
     """Tokenize ``input_path`` (JSONL or JSONL.gz) into ``<output_prefix>_<key>_document``.
 
     Raises BadInputError on the first bad line unless ``skip_bad_lines``, and when no document
-    is left to write (an empty input, or every line blank, bad or empty); KeyboardInterrupt
-    (Terminated for SIGTERM) after removing every temporary file.
+    is left to write (an empty input, or every line blank, bad or empty); OutputInUse when
+    another run writes ``output_prefix``; KeyboardInterrupt (Terminated for SIGTERM) after
+    removing every temporary file.
     """
-    with _sigterm_raises():
+    # The lock before anything in the output folder is touched, released however this ends.
+    with _sigterm_raises(), output_lock(output_prefix):
         return _preprocess(input_path, output_prefix, tok_cfg, json_keys, data_format, workers,
                            append_eod, skip_bad_lines, batch_bytes, log_interval, progress)
 

@@ -9,7 +9,8 @@ whose holder is gone is taken over with a message: on this host when its pid no 
 another host when the holder has not refreshed it (its modification time, touched about once a
 minute while the run trains) for --save-lock-timeout minutes, and at once when it names this
 SLURM job (requeued after its node failed). --load needs no lock: reading a
-folder another run writes is safe (``latest`` only ever names complete checkpoints).
+folder another run writes is safe (``latest`` only ever names complete checkpoints). The lock
+file itself (creation, staleness, takeover) is megaloop.lockfile's, shared with preprocessing.
 
 The lock is released when the run ends (trained, stopped, failed, or SIGTERM without
 --exit-signal-handler); a holder killed outright (SIGKILL, a node failure) leaves it, to be taken
@@ -19,16 +20,14 @@ over as stale.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
-import socket
 import time
-import uuid
 from typing import Optional
 
 import torch
 
+from megaloop import lockfile
 from megaloop.training.exit_conditions import RunError
 
 LOCK = "megaloop_run.lock"
@@ -39,53 +38,6 @@ class SaveDirInUse(RunError):
     """Another live run holds the --save folder's lock: refused before training (exit 2)."""
 
     exit_code = 2
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        return True
-    return True
-
-
-def describe(holder: Optional[dict]) -> str:
-    if not holder:
-        return "an unknown run (the lock file is empty or unreadable)"
-    job = f", SLURM job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
-    return (f"pid {holder.get('pid')} on host {holder.get('host')}{job}, started "
-            f"{holder.get('started')}")
-
-
-def _read(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def stale_reason(holder: Optional[dict], age_s: float, timeout_min: float) -> Optional[str]:
-    """Why the lock of ``holder`` (last refreshed ``age_s`` seconds ago) may be taken over, or
-    None while its run may still be alive."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if holder and job and holder.get("slurm_job_id") == job:
-        # A requeued SLURM job keeps its id and may restart on another node after the first
-        # died without releasing (node failure): the same job, not a second run.
-        return f"it was taken by this SLURM job ({job}) before it was requeued"
-    if holder and holder.get("host") == socket.gethostname():
-        pid = int(holder.get("pid", -1))
-        if pid == os.getpid():
-            return "it is this process's own"
-        if not _pid_alive(pid):
-            return f"its process {pid} no longer runs on this host"
-        return None
-    if age_s > timeout_min * 60.0:
-        return (f"not refreshed for {age_s / 60.0:.1f} min, more than --save-lock-timeout "
-                f"{timeout_min:g}")
-    return None
 
 
 class SaveLock:
@@ -143,12 +95,7 @@ class SaveLock:
         if self._previous_sigterm is not None and \
                 signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
-        holder = _read(self.path)
-        if holder and holder.get("token") == token:
-            try:
-                os.remove(self.path)
-            except OSError:
-                pass
+        lockfile.release(self.path, token)
 
     def _on_sigterm(self, signum, frame):  # noqa: ARG002 - signal handler signature
         # Without --exit-signal-handler SIGTERM ends the run at once: release, then die of it.
@@ -161,46 +108,12 @@ def _take(save_dir: str, timeout_min: float):
     """Rank 0: (refusal or None, notes, token)."""
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, LOCK)
-    token = uuid.uuid4().hex
-    me = {"host": socket.gethostname(), "pid": os.getpid(),
-          "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-          "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": token}
-    notes = []
-    for _ in range(3):  # a takeover raced by another run: look again
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _read(path)
-            try:
-                age = time.time() - os.path.getmtime(path)
-            except FileNotFoundError:
-                continue  # released meanwhile
-            why = stale_reason(holder, age, timeout_min)
-            if why is None:
-                return (f"--save {save_dir} is in use by another run: {describe(holder)} (lock "
-                        f"file {path}). Wait for it to finish, choose another --save, or delete "
-                        f"the lock file if that run is gone", notes, None)
-            # Exactly one taker wins the rename; a lock that changed meanwhile is put back.
-            aside = f"{path}.stale.{os.getpid()}"
-            try:
-                os.rename(path, aside)
-            except FileNotFoundError:
-                continue
-            if (_read(aside) or {}).get("token") != (holder or {}).get("token"):
-                try:
-                    os.link(aside, path)  # never overwrites: fails if a lock exists again
-                except OSError:
-                    pass
-                os.remove(aside)
-                continue
-            os.remove(aside)
-            if why != "it is this process's own":
-                notes.append(f"> took over the stale lock {path} of {describe(holder)}: {why}")
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return None, notes, token
-    return (f"--save {save_dir}: could not take the lock file {path} (other runs keep taking "
-            f"it); start one run per --save folder", notes, None)
+    got = lockfile.take(path, timeout_min, f"--save-lock-timeout {timeout_min:g}")
+    if got.token is not None:
+        return None, got.notes, got.token
+    if got.raced:
+        return (f"--save {save_dir}: could not take the lock file {path} (other runs keep "
+                f"taking it); start one run per --save folder", got.notes, None)
+    return (f"--save {save_dir} is in use by another run: {lockfile.describe(got.holder)} (lock "
+            f"file {path}). Wait for it to finish, choose another --save, or delete the lock "
+            f"file if that run is gone", got.notes, None)

@@ -1,0 +1,139 @@
+"""A lock file that one run holds while it writes somewhere others could write too (a --save
+folder, a preprocessing output prefix); no torch here, so a tool that starts in a fraction of a
+second may take one.
+
+The file is created with ``O_CREAT | O_EXCL`` (atomic, also on NFS) and holds who took it:
+host, pid, SLURM job id, start time and a random token. Someone else's lock is taken over, with
+a note, when its holder is gone: on this host when its pid no longer runs, on another host when
+the holder has not refreshed it (its modification time) for ``timeout_min`` minutes, and at
+once when it names this SLURM job (requeued after its node failed). The users and their
+messages: megaloop.training.save_lock (--save) and megaloop.data.preprocess (--output-prefix).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+OWN = "it is this process's own"
+
+
+@dataclass
+class Outcome:
+    """What ``take`` found: the token when the lock is now ours; else who holds it (None when
+    the file is empty or unreadable), or ``raced`` when other takers kept winning."""
+
+    token: Optional[str]
+    notes: list[str] = field(default_factory=list)  # stale locks taken over, one line each
+    holder: Optional[dict] = None
+    raced: bool = False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
+def describe(holder: Optional[dict]) -> str:
+    if not holder:
+        return "an unknown run (the lock file is empty or unreadable)"
+    job = f", SLURM job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+    return (f"pid {holder.get('pid')} on host {holder.get('host')}{job}, started "
+            f"{holder.get('started')}")
+
+
+def read_holder(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            holder = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def stale_reason(holder: Optional[dict], age_s: float, timeout_min: float,
+                 timeout_text: str) -> Optional[str]:
+    """Why the lock of ``holder`` (last refreshed ``age_s`` seconds ago) may be taken over, or
+    None while its run may still be alive. ``timeout_text`` names ``timeout_min`` in the note
+    (e.g. the flag that set it, with its value)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if holder and job and holder.get("slurm_job_id") == job:
+        # A requeued SLURM job keeps its id and may restart on another node after the first
+        # died without releasing (node failure): the same job, not a second run.
+        return f"it was taken by this SLURM job ({job}) before it was requeued"
+    if holder and holder.get("host") == socket.gethostname():
+        pid = int(holder.get("pid", -1))
+        if pid == os.getpid():
+            return OWN
+        if not pid_alive(pid):
+            return f"its process {pid} no longer runs on this host"
+        return None
+    if age_s > timeout_min * 60.0:
+        return f"not refreshed for {age_s / 60.0:.1f} min, more than {timeout_text}"
+    return None
+
+
+def take(path: str, timeout_min: float, timeout_text: str) -> Outcome:
+    """Create the lock file ``path`` for this process, taking over a stale one (see
+    ``stale_reason``). OSError when it cannot be created (the folder is not writable)."""
+    token = uuid.uuid4().hex
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+          "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": token}
+    notes = []
+    for _ in range(3):  # a takeover raced by another run: look again
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = read_holder(path)
+            try:
+                age = time.time() - os.path.getmtime(path)
+            except FileNotFoundError:
+                continue  # released meanwhile
+            why = stale_reason(holder, age, timeout_min, timeout_text)
+            if why is None:
+                return Outcome(None, notes, holder)
+            # Exactly one taker wins the rename; a lock that changed meanwhile is put back.
+            aside = f"{path}.stale.{os.getpid()}"
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                continue
+            if (read_holder(aside) or {}).get("token") != (holder or {}).get("token"):
+                try:
+                    os.link(aside, path)  # never overwrites: fails if a lock exists again
+                except OSError:
+                    pass
+                os.remove(aside)
+                continue
+            os.remove(aside)
+            if why != OWN:
+                notes.append(f"> took over the stale lock {path} of {describe(holder)}: {why}")
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return Outcome(token, notes)
+    return Outcome(None, notes, raced=True)
+
+
+def release(path: str, token: str) -> None:
+    """Remove the lock file ``path`` if it still holds ``token`` (taken over meanwhile: not
+    ours to remove)."""
+    holder = read_holder(path)
+    if holder and holder.get("token") == token:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
