@@ -23,9 +23,20 @@ EOF
 if ready; then
   exit 0
 fi
-if [ ! -x .venv-mc19/bin/python ]; then
+# A setup interrupted while the venv was being made leaves a folder whose python is missing or
+# broken, or that has no pip yet (venv installs pip last): every later install in it fails.
+# Such a folder is made again; one whose python and pip run is kept, and the installs below
+# (each a no-op once done) complete it.
+if [ -e .venv-mc19 ] && ! .venv-mc19/bin/python -m pip --version >/dev/null 2>&1; then
+  echo "setup_mc19_venv: .venv-mc19 is incomplete (its python or pip does not run: an" \
+    "interrupted setup?); making it again" >&2
+  rm -rf .venv-mc19
+fi
+if [ ! -e .venv-mc19 ]; then
   python3 -m venv .venv-mc19
 fi
+# pip through the venv's python: its bin/pip script is one more file an interruption can leave out.
+pip=(.venv-mc19/bin/python -m pip)
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 quiet() {  # pip's output only when it fails
@@ -34,14 +45,14 @@ quiet() {  # pip's output only when it fails
     return 1
   fi
 }
-quiet .venv-mc19/bin/pip install -q torch==2.13.0
-if ! quiet .venv-mc19/bin/pip install -q --ignore-requires-python --no-deps "$MCORE"; then
+quiet "${pip[@]}" install -q torch==2.13.0
+if ! quiet "${pip[@]}" install -q --ignore-requires-python --no-deps "$MCORE"; then
   echo "setup_mc19_venv: unavailable: pip cannot install $MCORE here" >&2
   exit 3
 fi
 # megatron-core 0.19 imports triton (its MoE paged-stash kernels, reached from the transformer
 # package) without declaring it; packaging is its declared dependency. The rest is megaloop with
 # its test extra: the installed 0.19.x satisfies megaloop's range, so pip keeps it.
-quiet .venv-mc19/bin/pip install -q "packaging>=24.2" triton
-quiet .venv-mc19/bin/pip install -q -e '.[test]'
+quiet "${pip[@]}" install -q "packaging>=24.2" triton
+quiet "${pip[@]}" install -q -e '.[test]'
 ready || { echo "setup_mc19_venv: the venv does not import megatron-core 0.19" >&2; exit 1; }
