@@ -441,6 +441,7 @@ class Trainer:
             return self._train()
         finally:
             self.save_lock.release()
+            self.hooks.close()
 
     def _train(self) -> Optional[str]:
         # --exit-duration-in-mins counts from the process's start, as Megatron-LM's does (the
