@@ -547,24 +547,37 @@ def test_no_save_optim_and_rng_and_checkpoint_args(tmp_path):
     assert json.loads(open(log).readline())["iteration"] == 1
 
 
-def _gc_state_after_training(rank, world, flags):
+def _gc_state_during_and_after_training(rank, world, flags):
+    """Whether automatic collection was on at every step, and after train() returned."""
     import gc
 
-    _train_records(rank, world, flags)
-    return gc.isenabled()
+    from run_helpers import build_trainer
+
+    trainer = build_trainer(flags)
+    during, step = [], trainer.train_step
+
+    def train_step():
+        during.append(gc.isenabled())
+        return step()
+
+    trainer.train_step = train_step
+    trainer.train()
+    return during, gc.isenabled()
 
 
 def test_profile_and_manual_gc(tmp_path):
     """--profile writes a Chrome trace of the profiled iterations (next to --save without a
-    TensorBoard folder); --manual-gc turns automatic collection off for the run."""
+    TensorBoard folder); --manual-gc turns automatic collection off for the run, and back on
+    when the run ends."""
     import json
 
     ckpt = str(tmp_path / "ckpt")
-    gc_enabled = run_distributed(_gc_state_after_training, 1, BASE2 + [
+    gc_enabled = run_distributed(_gc_state_during_and_after_training, 1, BASE2 + [
         "--micro-batch-size", "2", "--train-iters", "4", "--profile", "--profile-step-start", "1",
         "--profile-step-end", "3", "--manual-gc", "--manual-gc-interval", "2", "--save", ckpt,
         "--log-jsonl", str(tmp_path / "log.jsonl")])
-    assert gc_enabled == [False]
+    during, after = gc_enabled[0]
+    assert during[1:] == [False] * 3 and after  # off from the first step's end on
     trace = Path(ckpt) / "profile" / "trace_rank0_iters2-3.json"
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in str(e.get("name")) for e in events)
