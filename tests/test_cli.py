@@ -59,8 +59,9 @@ MEGATRON_NOISE = [
 ]
 
 
-def _shown(message, category=UserWarning):
-    """Whether `message` gets through after quiet_megatron() on a clean filter list."""
+def _shown(message, category=UserWarning, module=None):
+    """Whether `message` gets through after quiet_megatron() on a clean filter list (raised
+    from ``module`` when given, else from here)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()
         warnings.simplefilter("always")
@@ -69,7 +70,11 @@ def _shown(message, category=UserWarning):
             runtime.quiet_megatron()
         finally:
             runtime._quieted = True
-        warnings.warn(message, category)
+        if module is None:
+            warnings.warn(message, category)
+        else:
+            warnings.warn_explicit(message, category, f"{module.replace('.', '/')}.py", 66,
+                                   module=module, registry={})
     return bool(caught)
 
 
@@ -89,21 +94,8 @@ def test_non_leaf_grad_warning_is_filtered_only_from_megatron_cores_optimizer():
     message = ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its "
                ".grad attribute won't be populated during autograd.backward().")
 
-    def shown_from(module):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.resetwarnings()
-            warnings.simplefilter("always")
-            runtime._quieted = False
-            try:
-                runtime.quiet_megatron()
-            finally:
-                runtime._quieted = True
-            warnings.warn_explicit(message, UserWarning, f"{module.replace('.', '/')}.py", 66,
-                                   module=module, registry={})
-        return bool(caught)
-
-    assert not shown_from("megatron.core.optimizer.optimizer")
-    assert shown_from("megaloop.training.trainer")
+    assert not _shown(message, module="megatron.core.optimizer.optimizer")
+    assert _shown(message, module="megaloop.training.trainer")
 
 
 def test_mock_dataset_cache_record_is_dropped(caplog):

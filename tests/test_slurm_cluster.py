@@ -235,6 +235,19 @@ def test_sigterm_to_the_batch_shell_saves_and_resumes(tmp_path, plain):
     assert "batch script: SIGTERM received" in log
 
 
+def _failed_naming_the_kept_checkpoint(job: Job):
+    """The job ended FAILED, its exit_status.json (the script's, the ranks never wrote one) and
+    its log naming the checkpoint kept; returns that iteration and the status."""
+    info = job.wait()
+    log = job.log()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", log[-6000:]
+    kept = tracker(job.ckpt_dir)
+    status = job.status()
+    assert (status["status"], status["checkpoint_iteration"]) == ("failed", kept), status
+    assert f"nothing after the last checkpoint ({kept}) is kept" in log, log[-6000:]
+    return kept, status
+
+
 def test_sigterm_to_every_process_says_what_is_kept_and_resumes(tmp_path, plain):
     """scancel --full also signals srun, which kills its job step at once (SLURM's own rule):
     the ranks cannot save. The job fails, saying so and naming the checkpoint that is kept;
@@ -243,14 +256,8 @@ def test_sigterm_to_every_process_says_what_is_kept_and_resumes(tmp_path, plain)
     job = submit(tmp_path, "first", SAVE_INTERVAL=2)
     job.wait_iteration(5)
     subprocess.run(["scancel", "--full", "-s", "TERM", job.id], check=True)
-    info = job.wait()
-    log = job.log()
-    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", log[-6000:]
-    kept = tracker(job.ckpt_dir)
-    status = job.status()
-    assert (status["status"], status["checkpoint_iteration"]) == ("failed", kept), status
+    kept, status = _failed_naming_the_kept_checkpoint(job)
     assert "srun itself is signalled" in status["reason"]
-    assert f"nothing after the last checkpoint ({kept}) is kept" in log, log[-6000:]
     _resume_equals_reference(tmp_path, job, reference, kept)
 
 
@@ -333,12 +340,6 @@ def test_a_node_lost_fails_clearly_and_resumes(tmp_path, plain):
     assert len(node2) == 2, node2
     for pid, _ in node2:
         os.kill(pid, signal.SIGKILL)
-    info = job.wait()
-    log = job.log()
-    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", log[-6000:]
-    kept = tracker(job.ckpt_dir)
-    status = job.status()
-    assert (status["status"], status["checkpoint_iteration"]) == ("failed", kept), status
+    kept, _ = _failed_naming_the_kept_checkpoint(job)
     assert kept >= 5 and kept % 5 == 0
-    assert f"nothing after the last checkpoint ({kept}) is kept" in log, log[-6000:]
     _resume_equals_reference(tmp_path, job, reference, kept)
