@@ -335,7 +335,7 @@ def test_a_node_lost_fails_clearly_and_resumes(tmp_path, plain):
     _, _, reference = plain
     job = submit(tmp_path, "first", SAVE_INTERVAL=5)
     job.wait_iteration(7)
-    node2 = job.processes("torchrun", SLURMD_NODENAME="node2") + job.processes(
+    node2 = job.processes("megaloop.launch", SLURMD_NODENAME="node2") + job.processes(
         SCRIPT, SLURMD_NODENAME="node2", LOCAL_RANK="0")
     assert len(node2) == 2, node2
     for pid, _ in node2:
