@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megaloop.model import recurrence
+from megaloop.model import layer_forward, recurrence
 from megaloop.model.exit_rules import ExitRule, parse_exit  # noqa: F401  (the --exit parser)
 
 
@@ -51,12 +51,17 @@ def decode_step(model, ids, position_ids, kv, num_loops: int, rule: ExitRule,
             logits[done] = out.logits[-1][out.exits]
             depth[done] = t
             kv.fill_exited(done, position, t, num_loops)
+        going = out.rows[~out.exits]
         if attention_mask is not None and attention_mask.size(0) > 1:
             # The fold compacts the carry and the caches to these rows; the mask must match.
-            ctx.attention_mask = attention_mask.index_select(0, out.rows[~out.exits])
+            ctx.attention_mask = attention_mask.index_select(0, going)
+        if isinstance(rope, layer_forward.PositionRope):  # so must each row's rotary angles
+            ctx.rotary_pos_emb = rope.index_rows(going)
 
-    recurrence.fold(model, recurrence.begin(model, ids, position_ids, ctx), ctx,
-                    stop=recurrence.Stop(rule, per_row=True), on_step=on_step)
+    carry = recurrence.begin(model, ids, position_ids, ctx)
+    rope = ctx.rotary_pos_emb
+    recurrence.fold(model, carry, ctx, stop=recurrence.Stop(rule, per_row=True),
+                    on_step=on_step)
     return logits.unsqueeze(1), depth
 
 

@@ -51,6 +51,7 @@ from megaloop.inference.generate import SamplingParams
 from megaloop.inference.kv_cache import LoopKVCache
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
 from megaloop.inference.sampling import probabilities, sample_rows
+from megaloop.model.layer_forward import unsupported as unsupported_layers
 from megaloop.inference.speculation import (check_speculate, full_depth_forward,
                                              parse_speculate, speculate_round)
 
@@ -58,6 +59,7 @@ from megaloop.inference.speculation import (check_speculate, full_depth_forward,
 # Columns a decode forward's gathered cache keeps free, so that the next SPARE_COLUMNS decode
 # forwards over the same rows reuse it instead of gathering every cached token again.
 SPARE_COLUMNS = 32
+LAYER_FORWARDS = ("auto", "megatron-core")
 
 
 @dataclass
@@ -77,6 +79,11 @@ class EngineConfig:
     prefill_budget: int = 0
     """Prompt tokens of several requests prefilled per engine step at most (0: prefill_chunk);
     a prompt is still cut at multiples of prefill_chunk."""
+    layer_forward: str = "auto"
+    """``auto``: decode with megaloop's inference forward of the model's layers
+    (megaloop/model/layer_forward.py: the same modules and weights, less host work per token)
+    where it can compute them, else with megatron-core's (``InferenceEngine.forward_impl``
+    says which, and why); ``megatron-core``: megatron-core's layer forward always."""
     speculate: str = ""
     """``d:k``: self-speculative decoding, k tokens drafted at loop depth d and verified at the
     full depth in one forward (lossless; megaloop/inference/speculation.py). Empty: off."""
@@ -89,6 +96,9 @@ class EngineConfig:
             raise ValueError(f"prefill_budget {self.prefill_budget}: must be >= 0 (0: "
                              f"--prefill-chunk)")
         parse_speculate(self.speculate)
+        if self.layer_forward not in LAYER_FORWARDS:
+            raise ValueError(f"--layer-forward {self.layer_forward}: choose one of "
+                             f"{', '.join(LAYER_FORWARDS)}")
         if self.num_blocks < 0:
             raise ValueError(f"--num-blocks {self.num_blocks}: must be >= 0 (0: sized from "
                              f"--max-batch and --max-sequence-length)")
@@ -187,7 +197,13 @@ class InferenceEngine:
         num_blocks = config.num_blocks or config.max_batch * -(
             -config.max_sequence_length // config.block_size)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
-        self.kv = PagedKV(self.allocator, kv_policy, current_device())
+        # Which forward computes the layers: megaloop's inference forward, or megatron-core's
+        # (with the reason); a Transformer Engine model stays on megatron-core's.
+        why = "--layer-forward megatron-core" if config.layer_forward == "megatron-core" \
+            else unsupported_layers(model)
+        self.layer_forward = why is None
+        self.forward_impl = "megaloop" if why is None else f"megatron-core ({why})"
+        self.kv = PagedKV(self.allocator, kv_policy, current_device(), self.layer_forward)
         self._lock = threading.Lock()  # add / cancel may come from other threads than step()
         self._queue: list[Request] = []
         self._running: list[Request] = []
@@ -254,7 +270,8 @@ class InferenceEngine:
     @torch.no_grad()
     def step(self) -> list:
         """One iteration (module docstring); the requests that finished in it."""
-        self.model.eval()
+        if self.model.training:  # (eval() walks every module: not on every step)
+            self.model.eval()
         finished: list[Request] = []
         with self._lock:
             for request in [r for r in self._queue if r.cancelled]:
@@ -310,7 +327,7 @@ class InferenceEngine:
             request.blocks = blocks
             if self.layout == "private" and self.kv_policy != "none":
                 request.cache = LoopKVCache(1, len(request.prompt) + request.max_tokens,
-                                            self.kv_policy)
+                                            self.kv_policy, self.layer_forward)
             self._running.append(request)
 
     def _retire(self, request: Request) -> None:

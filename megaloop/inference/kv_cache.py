@@ -48,11 +48,19 @@ def parse_policy(text: str) -> tuple[str, int]:
 class LoopKVCache:
     """Per-(block, slot) key/value dicts around one megatron-core ``StaticInferenceContext``."""
 
-    def __init__(self, max_batch_size: int, max_sequence_length: int, policy: str = "full"):
+    def __init__(self, max_batch_size: int, max_sequence_length: int, policy: str = "full",
+                 layer_forward: bool = False):
         from megatron.core.inference.contexts import StaticInferenceContext
+
+        from megaloop.model.layer_forward import MARK
 
         self.policy, self.k = parse_policy(policy)
         self.context = StaticInferenceContext(max_batch_size, max_sequence_length)
+        # The blocks' calls under this cache run megaloop's inference forward of the same
+        # layers (megaloop/model/layer_forward.py), which fills and reads these buffers as
+        # megatron-core's static path does.
+        setattr(self.context, MARK, layer_forward)
+        self.layer_forward = layer_forward
         self.dicts: dict = {}
         self._rows = None  # the batch rows a compacted call runs on (``rows``)
         self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length

@@ -65,8 +65,8 @@ class BlockAllocator:
 class _View(LoopKVCache):
     """A LoopKVCache over gathered rows; its offset is the column of the new tokens."""
 
-    def __init__(self, rows: int, width: int, policy: str, offset: int):
-        super().__init__(rows, width, policy)
+    def __init__(self, rows: int, width: int, policy: str, offset: int, layer_forward: bool):
+        super().__init__(rows, width, policy, layer_forward)
         self.context.sequence_len_offset = offset
         if offset > 0:
             self.context.enable_decode_mode()
@@ -78,8 +78,10 @@ class _View(LoopKVCache):
 class PagedKV:
     """The pools of every (block, slot) cache and layer, indexed by block id."""
 
-    def __init__(self, allocator: BlockAllocator, policy: str, device):
+    def __init__(self, allocator: BlockAllocator, policy: str, device,
+                 layer_forward: bool = False):
         self.allocator, self.policy, self.device = allocator, policy, device
+        self.layer_forward = layer_forward  # the views' blocks run megaloop's layer forward
         self.pools: dict = {}  # (block, slot) -> {layer: (K, V)}
 
     def _slots(self, rows: list[tuple[list[int], int]], start: torch.Tensor, count: int):
@@ -109,7 +111,7 @@ class PagedKV:
         if L:
             index[:L] = self._slots(rows, lengths - L, L)
         index = index.flatten().to(self.device)
-        kv = _View(b, width, self.policy, L)
+        kv = _View(b, width, self.policy, L, self.layer_forward)
         for key, layers in self.pools.items():
             kv.dicts[key] = {
                 n: tuple(pool.index_select(0, index).view(width, b, *pool.shape[1:])

@@ -31,7 +31,7 @@ from megaloop.model.config import LoopConfig, ModelConfig, with_layers
 from megaloop.model.conditioning import build_timestep_conditioning, conditioned_spec
 from megaloop.model.loop_step import StepHolder
 from megaloop.model.injection import build_history_injection, build_injection
-from megaloop.model import recurrence
+from megaloop.model import layer_forward, recurrence
 from megaloop.model.carry import SIDE, Slot, merge_slots
 from megaloop.model.lora import StepwiseLoRA
 from megaloop.model.readout import chunked_language_model_loss
@@ -208,8 +208,8 @@ class LoopedGPTModel(LanguageModule):
         (megaloop/model/readout.py); both give the same loss and gradients."""
         r = y
         if self.coda is not None:
-            r = self.coda(hidden_states=y, attention_mask=attention_mask,
-                          rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
+            r = layer_forward.call(self.coda, y, attention_mask, rotary_pos_emb,
+                                   inference_context)
         gate_logit = self.exit_gate(r) if gate else None
         return self.lm_head(r, labels), gate_logit
 

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megaloop.model import layer_forward
 from megaloop.model.carry import Carry, Slot
 from megaloop.model.loss import LoopOutput
 from megaloop.model.objective import ExitObjective
@@ -171,11 +172,18 @@ def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
 
 def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
     """Embedding, prelude and the variants' set-up: the carry entering step 1 (first stage)."""
+    if ctx.rotary_pos_emb is not None and ctx.kv is not None and ctx.kv.layer_forward:
+        # megaloop's layer forward rotates each token by its position (layer_forward.py)
+        from megatron.core.transformer.attention import \
+            _yarn_get_concentration_factor_from_config as mscale
+
+        ctx.rotary_pos_emb = layer_forward.PositionRope(ctx.rotary_pos_emb, position_ids,
+                                                        mscale(model.config))
     embedded = h = model.embedding(input_ids=input_ids, position_ids=position_ids)
     if model.prelude is not None:
         with ctx.cache("prelude") as cache:
-            h = model.prelude(hidden_states=h, attention_mask=ctx.attention_mask,
-                              rotary_pos_emb=ctx.rotary_pos_emb, **cache)
+            h = layer_forward.call(model.prelude, h, ctx.attention_mask, ctx.rotary_pos_emb,
+                                   **cache)
     carry = Carry(h, model.carry_slots(ctx.num_loops))
     for variant in model.variants:
         variant.begin(carry, ctx, embedded)
@@ -184,8 +192,7 @@ def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
 
 def _core(core, ctx, t, z, attention_mask, rotary_pos_emb):
     with ctx.cache("core", t) as cache:
-        return core(hidden_states=z, attention_mask=attention_mask,
-                    rotary_pos_emb=rotary_pos_emb, **cache)
+        return layer_forward.call(core, z, attention_mask, rotary_pos_emb, **cache)
 
 
 def step(model, carry: Carry, t: int, ctx: StepContext) -> tuple[Carry, StepOutput]:

@@ -1,0 +1,258 @@
+"""An inference forward of megatron-core's transformer layers: the same modules, less host work.
+
+A cached decoding step of a small looped model spends most of its time on the host, not in
+arithmetic: megatron-core's ``TransformerLayer`` and ``SelfAttention`` are written for training
+and for every parallel layout at once, so each call goes through an autograd function per linear,
+process-group lookups, offloading and NVTX contexts, configuration checks and a softmax module,
+a few hundred microseconds per layer on a CPU whatever the batch (docs/inference.md has the
+profile). ``block_forward`` computes what ``TransformerBlock.forward`` computes for an
+inference call over a ``StaticInferenceContext`` (the engine's paged views and every
+``LoopKVCache``), from the block's own modules and weights:
+
+- the norms, the bias-dropout-add functions (every norm scheme's, megaloop/model/specs.py)
+  and the final norm are the layer's own modules, called as ``TransformerLayer`` calls them;
+- the linears are ``F.linear`` on the modules' weights (their bias added where the module adds
+  it, handed on where it skips it), the row-parallel ones followed by megatron-core's all-reduce
+  over the tensor-parallel group;
+- query/key/value are split as ``SelfAttention.get_query_key_value_tensors`` splits them, and
+  rotated by megatron-core's own ``apply_rotary_pos_emb``;
+- the new keys and values are written into the context's buffers where megatron-core's static
+  path writes them, but keys *after* RoPE, rotated by each token's position
+  (``PositionRope``, made by ``recurrence.begin`` from the forward's position ids): megatron-core
+  stores keys before RoPE and rotates the whole cached prefix by column at every call, work that
+  grows with the context; a rotary score depends only on the distance of the two positions,
+  which a row's left padding in the engine's views does not change, so both give the same
+  scores. A cache is therefore filled by one forward or the other, never both
+  (``LoopKVCache(layer_forward=...)``);
+- attention is PyTorch's ``scaled_dot_product_attention`` over the cached prefix, with the
+  caller's mask (True: hidden) or, without one, causal over a square or one query that sees
+  every cached key (megatron-core's static rules for these calls).
+
+``unsupported(model)`` says which layers this cannot compute (a reason naming it), so a model
+is decoded by this forward only when all its layers are plain megatron-core ones it knows: the
+engine announces which forward it decodes with (``InferenceEngine.forward_impl``) and
+tests/test_layer_forward.py checks both give the same logits on every layout it serves.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+MARK = "megaloop_layer_forward"
+"""The attribute a ``StaticInferenceContext`` carries (True) when its blocks run this forward."""
+
+
+class PositionRope:
+    """The rotary angles of each new token at its own position, as the cos and sin [s, b, 1,
+    rot_dim] that megatron-core's unfused RoPE computes from the angles at every call (here once
+    per forward, for every layer and step of it)."""
+
+    def __init__(self, table: torch.Tensor, position_ids: torch.Tensor, mscale: float = 1.0):
+        # table [S, 1, 1, rot_dim], position_ids [b, s] -> [s, b, 1, rot_dim]
+        freqs = table[:, 0, 0][position_ids.t()].unsqueeze(2)
+        self.cos, self.sin = torch.cos(freqs) * mscale, torch.sin(freqs) * mscale
+        self._cast: dict = {}
+
+    def index_rows(self, rows: torch.Tensor) -> "PositionRope":
+        """The angles of batch rows ``rows`` (early exit's rows still going)."""
+        out = PositionRope.__new__(PositionRope)
+        out.cos, out.sin = self.cos.index_select(1, rows), self.sin.index_select(1, rows)
+        out._cast = {}
+        return out
+
+    def apply(self, t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """``t`` [s, b, heads, dim] rotated: megatron-core's ``_apply_rotary_pos_emb_bshd``
+        (the first rot_dim features rotated, halves or interleaved pairs, the rest passed)."""
+        if t.dtype not in self._cast:
+            self._cast[t.dtype] = (self.cos.to(t.dtype), self.sin.to(t.dtype))
+        cos, sin = self._cast[t.dtype]
+        rot = cos.size(-1)
+        x, rest = (t, None) if rot == t.size(-1) else (t[..., :rot], t[..., rot:])
+        if interleaved:
+            x1, x2 = x[..., ::2], x[..., 1::2]
+            half = torch.stack((-x2, x1), dim=-1).view(x.shape)
+        else:
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+            half = torch.cat((-x2, x1), dim=-1)
+        x = x * cos + half * sin
+        return x if rest is None else torch.cat((x, rest), dim=-1)
+
+
+def unsupported(model) -> Optional[str]:
+    """Why ``block_forward`` cannot compute ``model``'s blocks (None: it can)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megaloop.model.spiral import is_active
+
+    c = model.config
+    if is_active(model.loop):  # (its coarse steps cut the rotary table per resolution)
+        return "SpiralFormer's multi-resolution steps (megatron-core's layers decode them)"
+    checks = (
+        (c.context_parallel_size == 1, "context parallelism"),
+        (not c.sequence_parallel, "sequence parallelism"),
+        (not c.multi_latent_attention, "multi-latent attention"),
+        (not getattr(c, "no_rope_freq", None), "--no-rope-freq"),
+        (not getattr(c, "attention_output_gate", False), "an attention output gate"),
+        (not c.flash_decode, "flash decoding"),
+        (not c.apply_query_key_layer_scaling, "query-key layer scaling"),
+        (not c.fp32_residual_connection, "an fp32 residual connection"),
+        (getattr(c, "activation_func_clamp_value", None) is None, "a clamped activation"),
+        (not getattr(c, "glu_linear_offset", 0.0), "a GLU linear offset"),
+        (not getattr(c, "use_te_activation_func", False), "Transformer Engine's activation"),
+        (c.num_query_groups is None or
+         c.num_query_groups >= c.tensor_model_parallel_size,
+         "fewer query groups than tensor-parallel ranks"),
+        (c.fp8 is None, "FP8"),
+    )
+    for ok, what in checks:
+        if not ok:
+            return f"{what} (megatron-core's layers decode it)"
+    for name in ("prelude", "core", "coda"):
+        block = getattr(model, name, None)
+        if block is None:
+            continue
+        for layer in block.layers:
+            attn, mlp = layer.self_attention, layer.mlp
+            parts = (
+                ("the layer", layer, TransformerLayer),
+                ("self-attention", attn, SelfAttention),
+                ("linear_qkv", attn.linear_qkv, ColumnParallelLinear),
+                ("linear_proj", attn.linear_proj, RowParallelLinear),
+                ("MLP", mlp, MLP),
+                ("linear_fc1", getattr(mlp, "linear_fc1", None), ColumnParallelLinear),
+                ("linear_fc2", getattr(mlp, "linear_fc2", None), RowParallelLinear),
+            )
+            for what, module, expected in parts:
+                if type(module) is not expected:
+                    return (f"{name} layer {layer.layer_number}: its {what} is a "
+                            f"{type(module).__name__}, not megatron-core's "
+                            f"{expected.__name__} (megatron-core's layers decode it)")
+            if not isinstance(layer.cross_attention, IdentityOp) or \
+                    not isinstance(attn.core_attention, DotProductAttention):
+                return (f"{name} layer {layer.layer_number}: cross-attention or a core "
+                        f"attention other than megatron-core's (its layers decode it)")
+            core = attn.core_attention
+            if getattr(core, "softmax_offset", None) is not None or \
+                    core.scale_mask_softmax.window_size is not None:
+                return (f"{name} layer {layer.layer_number}: a softmax offset or sliding window "
+                        f"(megatron-core's layers decode it)")
+    return None
+
+
+def call(block, hidden_states, attention_mask, rotary_pos_emb, inference_context=None):
+    """``block``'s forward on ``hidden_states``: this module's (``block_forward``) where the
+    inference context is marked for it (``MARK``), the block's own call otherwise. The one
+    place the model calls its prelude, core and coda through."""
+    if inference_context is not None and getattr(inference_context, MARK, False):
+        return block_forward(block, hidden_states, attention_mask, rotary_pos_emb,
+                             inference_context)
+    if inference_context is None:
+        return block(hidden_states=hidden_states, attention_mask=attention_mask,
+                     rotary_pos_emb=rotary_pos_emb)
+    return block(hidden_states=hidden_states, attention_mask=attention_mask,
+                 rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
+
+
+def block_forward(block, hidden_states, attention_mask, rotary_pos_emb, inference_context):
+    """``block(hidden_states=..., attention_mask=..., rotary_pos_emb=...,
+    inference_context=...)`` for a megatron-core ``TransformerBlock`` (module docstring)."""
+    h = hidden_states
+    for layer in block.layers:
+        h = _layer(layer, h, attention_mask, rotary_pos_emb, inference_context)
+    if block.final_layernorm is not None:
+        h = block.final_layernorm(h)
+    return h
+
+
+def _linear(module, x):
+    """(output, bias or None) as the megatron-core linear ``module`` returns them, without its
+    autograd function: the product, a row-parallel linear's partial sums reduced over its group,
+    then the bias added (or handed on, where the module skips adding it)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    out = torch.matmul(x, module.weight.t())
+    if getattr(module, "input_is_parallel", False) and module.tp_group.size() > 1:
+        out = reduce_from_tensor_model_parallel_region(out, group=module.tp_group)
+    bias = module.bias if module.bias is not None and module.bias.numel() else None
+    if module.skip_bias_add:
+        return out, bias
+    return (out if bias is None else out + bias), None
+
+
+def _layer(layer, x, mask, rope, context):
+    c = layer.config
+    residual = x
+    a = _attention(layer.self_attention, layer.input_layernorm(x), mask, rope, context)
+    x = layer.self_attn_bda(False, False)(a, residual, 0.0)
+    residual = x
+    m = _mlp(layer.mlp, layer.pre_mlp_layernorm(x), c)
+    return layer.mlp_bda(False, False)(m, residual, 0.0)
+
+
+def _mlp(mlp, x, c):
+    y, bias = _linear(mlp.linear_fc1, x)
+    if bias is not None:
+        y = y + bias
+    if c.gated_linear_unit:
+        gate, up = torch.chunk(y, 2, dim=-1)
+        y = c.activation_func(gate) * up
+    else:
+        y = c.activation_func(y)
+    return _linear(mlp.linear_fc2, y)
+
+
+def _attention(attn, x, mask, rope, context):
+    c = attn.config
+    groups, heads = attn.num_query_groups_per_partition, attn.num_attention_heads_per_partition
+    dim = attn.hidden_size_per_attention_head
+    mixed, _ = _linear(attn.linear_qkv, x)
+    sq, b = mixed.shape[:2]
+    # [sq, b, groups, (heads / groups + 2) * dim]: each group's queries, its key, its value
+    mixed = mixed.view(sq, b, groups, (heads // groups + 2) * dim)
+    query, key, value = torch.split(mixed, [heads // groups * dim, dim, dim], dim=3)
+    query = query.reshape(sq, b, heads, dim)
+    if attn.q_layernorm is not None:
+        query = attn.q_layernorm(query)
+    if attn.k_layernorm is not None:
+        key = attn.k_layernorm(key)
+    # megatron-core's static cache layout: keys and values at [offset, offset + sq) of the rows
+    # [batch offset, + b); attention reads the prefix up to the new tokens. Keys after RoPE.
+    start, rows = context.sequence_len_offset, context.batch_size_offset
+    end = start + sq
+    if attn.layer_number not in context.key_value_memory_dict:
+        size = (context.max_sequence_length, context.max_batch_size, groups, dim)
+        context.key_value_memory_dict[attn.layer_number] = (
+            torch.empty(size, dtype=key.dtype, device=key.device),
+            torch.empty(size, dtype=value.dtype, device=value.device))
+    keys, values = context.key_value_memory_dict[attn.layer_number]
+    if rope is not None:
+        if not isinstance(rope, PositionRope):
+            raise ValueError("megaloop's layer forward rotates by position: give "
+                             "recurrence.begin the forward's position ids")
+        query = rope.apply(query, c.rotary_interleaved)
+        key = rope.apply(key, c.rotary_interleaved)
+    keys[start:end, rows:rows + b] = key
+    values[start:end, rows:rows + b] = value
+    key, value = keys[:end, rows:rows + b], values[:end, rows:rows + b]
+    # [s, b, h, d] -> [b, h, s, d]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    if mask is not None:
+        allowed, causal = ~mask, False
+    else:  # megatron-core: causal over a square (a prefill), every key for one query
+        if sq > 1 and sq != end:
+            raise ValueError(f"an unmasked call of {sq} tokens after {start} cached ones: "
+                             f"give an attention mask")
+        allowed, causal = None, sq > 1
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, is_causal=causal,
+        scale=attn.core_attention.softmax_scale, enable_gqa=heads != groups)
+    out = out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+    return _linear(attn.linear_proj, out)
