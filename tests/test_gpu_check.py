@@ -4,8 +4,10 @@ The GPU rows need a GPU (they have not run where this suite runs). What CPU can 
 here: the script runs every command line of the GPU check with the GPU-only flags swapped (the
 rehearsal: a schedule or flag mistake such as a resume refused at load fails here first), every
 GPU command line passes validation as it would on a GPU, a failing row shows the program's
-Python traceback (not torchrun's banner), a timed-out row leaves no process behind, and
---attention-backend / context parallelism / the interpreter choice behave as on a GPU.
+Python traceback (not torchrun's banner), a timed-out row leaves no process behind, the FP8 rows run
+right after the smoke rows (before anything can use up their budget), the TE generate row's
+comparison fails on deliberately perturbed logits and ids, and --attention-backend / context
+parallelism / the interpreter choice behave as on a GPU.
 """
 
 import json
@@ -45,18 +47,19 @@ def test_cpu_rehearsal_runs_every_gpu_row(tmp_path):
                 + [f"TE vs local grads {p} T=3: {v}" for p, v, _, _ in rows.grads_runs()]
                 + ["smoke: train 5 + eval + save (bf16 TE, T=3)",
                    "smoke: resume 5 -> 7 under torchrun",
-                   "smoke: resumed 6-7 equal a straight 7-iteration run",
+                   "smoke: resumed 6-7 equal a straight 7-iteration run"]
+                + [f"FP8 {r}: 2 steps vs bf16 (looped 6 x 4)" for r in rows.FP8]
+                + ["FP8 checkpoint: train 2 (tensorwise) + save",
+                   "FP8 checkpoint: generate via tools/generate.py",
                    "generate: smoke checkpoint (TE) via tools/generate.py",
                    "generate: smoke checkpoint (TE) via tools/generate.py --transformer-impl "
                    "transformer_engine",
                    "serve: smoke checkpoint (TE) via tools/serve.py + POST /v1/completions",
-                   "FP8 checkpoint: train 2 (tensorwise) + save",
-                   "FP8 checkpoint: generate via tools/generate.py",
                    "RL: 2 GRPO steps with a reference policy (train_rl.py)"]
-                + [f"FP8 {r}: 2 steps vs bf16 (looped 6 x 4)" for r in rows.FP8]
                 + [f"throughput {k}" for k in rows.timed_runs(False)])
     for row in expected:
         assert status.get(row) in ("REHEARSED", "INFO"), (row, status.get(row))
+    _assert_fp8_rows_follow_the_smoke_rows([r["row"] for r in summary["rows"]])
     assert status["pytest -m gpu tests"] == "SKIP"
     assert "FAIL" not in status.values()
     # The goals are a section of their own, not judged without a GPU, with the figure.
@@ -70,6 +73,17 @@ def test_cpu_rehearsal_runs_every_gpu_row(tmp_path):
     generated = by_row["generate: smoke checkpoint (TE) via tools/generate.py"]["numbers"]["ids"]
     eod = 512  # the rehearsal's --vocab-size: the server leaves the end-of-document id out
     assert served["numbers"]["ids"] == (generated[:-1] if generated[-1] == eod else generated)
+    # The TE generate row ran its comparison: the teacher-forced logits of the prompt and the
+    # generated ids from the checkpoint built twice (both local here: bitwise equal), and the
+    # ids against their argmax up to a near-tie.
+    te = by_row["generate: smoke checkpoint (TE) via tools/generate.py --transformer-impl "
+                "transformer_engine"]
+    n = te["numbers"]
+    assert n["max_abs_diff"] == 0 and "bitwise equal" in te["detail"], te
+    assert n["positions"] == len(user_rows.PROMPT) + len(generated) and n["vocab"] == eod + 1
+    assert n["rms_local"] > 0 and n["atol"] == pytest.approx(rows.TE_LOGITS_TOL * n["rms_local"])
+    assert n["ids_compared"] + (n["near_tie_at"] is not None) == len(n["top2_margins"]) >= 1
+    assert "[gpu_check] local: logits of" in open(n["logits_log"]).read()
     # Every large run keeps its timings (build, first step, the rest) in summary.json and in
     # its log; the FP8 rows report the proof's findings (FP8 cannot run here).
     for key in rows.timed_runs(False):
@@ -97,6 +111,42 @@ def test_cpu_rehearsal_runs_every_gpu_row(tmp_path):
     assert sum(r["log"] is not None for r in summary["rows"]) >= 1 + 8 + 3 + 5 + 2
     assert (out / "smoke" / "ckpt" / "iter_0000005").is_dir()
     assert (out / "summary.md").read_text().startswith("| row | status |")
+
+
+def _assert_fp8_rows_follow_the_smoke_rows(names: list):
+    """Rows past the budget are reported as not run: the FP8 rows (every row named "FP8 ...")
+    must form the block right after the last smoke row, so that nothing ahead of them can use
+    up their time. The bf16 run the FP8 rows compare with is a row of its own only when it
+    failed (then between the two, where fp8() runs it)."""
+    smoke = [i for i, n in enumerate(names) if n.startswith("smoke:")]
+    fp8 = [n for n in names if n.startswith("FP8 ")]
+    assert smoke and smoke == list(range(smoke[0], smoke[-1] + 1)), names
+    assert all(any(n.startswith(f"FP8 {recipe}:") for n in fp8) for recipe in rows.FP8), names
+    assert any(n.startswith("FP8 checkpoint:") for n in fp8), names
+    reference = [f"run: {k}" for k in rows.timed_runs(False)
+                 if k.startswith("looped-expected") and k.endswith("bf16")]
+    after = names[smoke[-1] + 1:]
+    assert [n for n in after if n not in reference][:len(fp8)] == fp8, names
+    for name in reference:
+        assert name not in names or names.index(name) < names.index(fp8[0]), names
+
+
+def test_fp8_rows_run_right_after_the_smoke_rows(tmp_path, capsys):
+    """The order the check runs its rows in, from a run whose budget is spent before the first
+    row (every row is then reported, in order, as not run: nothing heavy starts)."""
+    from megaloop.gpu_check.main import Check
+
+    check = Check(str(tmp_path), budget_s=0)
+    try:
+        assert check.run() == 1
+    finally:
+        check.worker.close()
+    names = [r.row for r in check.report.results]
+    assert [r.status for r in check.report.results if r.row.startswith("FP8 ")] == \
+        ["FAIL"] * sum(n.startswith("FP8 ") for n in names)
+    _assert_fp8_rows_follow_the_smoke_rows(names)
+    # The same list as summary.json keeps it.
+    assert [r["row"] for r in json.load(open(tmp_path / "summary.json"))["rows"]] == names
 
 
 def test_every_gpu_command_line_passes_validation_on_a_gpu(monkeypatch, tmp_path):
@@ -220,6 +270,86 @@ def test_grads_verdict_catches_one_step_share_of_the_gradient():
     assert rows.grads_verdict(run, "bf16")[0]
     run["loss_b"] = 6.9 + 0.04
     assert not rows.grads_verdict(run, "bf16")[0]
+
+
+def _generation_logits(ids: list, vocab: int = 16, seed: int = 0) -> list:
+    """Teacher-forced logits of PROMPT + ``ids`` as the local build would give them: noise of
+    RMS about 1, and at each position that chose a generated id, that id 5 above the rest (a
+    top-2 margin of about 3, far above 2 x the tolerance of 5e-2 x RMS)."""
+    import random
+
+    rng = random.Random(seed)
+    logits = [[rng.gauss(0.0, 1.0) for _ in range(vocab)]
+              for _ in range(len(user_rows.PROMPT) + len(ids))]
+    for j, token in enumerate(ids):
+        row = logits[len(user_rows.PROMPT) - 1 + j]
+        row[token] = max(row) + 5.0
+    return logits
+
+
+def test_te_generate_row_fails_when_te_departs_from_the_local_build(tmp_path):
+    """The TE generate row's verdict (the comparison the CPU rehearsal runs on local against
+    local) fed deliberately perturbed pairs: a logit moved by 2 x the tolerance, a greedy id
+    changed where the local margin is clear, TE going on past the local EOD; each fails the
+    row and sets the exit status. Within the tolerance, and after a near-tie, it passes."""
+    from megaloop.gpu_check.main import Check
+    from megaloop.gpu_check.user_rows import UserRows
+
+    ids = [7, 3, 9]
+    local = _generation_logits(ids)
+    rms = (sum(v * v for row in local for v in row) / sum(len(row) for row in local)) ** 0.5
+    atol = rows.TE_LOGITS_TOL * rms
+    name = "generate: TE"
+
+    def judged(te, te_ids, local_logits=local, local_ids=ids):
+        check = Check(str(tmp_path), budget_s=300)
+        check.gpu = True  # PASS / FAIL, as on a GPU
+        UserRows(check).judge_te_generate(name, local_ids, te_ids, [local_logits, te], None,
+                                          1.0, None)
+        (row,) = check.report.results
+        assert row.row == name and row.detail.startswith(f"prompt {user_rows.PROMPT} -> ")
+        return row, check.report.exit_status()
+
+    row, status = judged([list(r) for r in local], ids)
+    assert row.status == "PASS" and status == 0 and "bitwise equal" in row.detail, row.detail
+    assert row.numbers["ids_compared"] == 3 and row.numbers["ids"] == ids
+    # Rounding-sized differences everywhere, half the tolerance: passes, the difference named.
+    noisy = [[v + (0.5 if (p + k) % 2 else -0.5) * atol for k, v in enumerate(r)]
+             for p, r in enumerate(local)]
+    row, status = judged(noisy, ids)
+    assert row.status == "PASS" and status == 0, row.detail
+    assert row.numbers["max_abs_diff"] == pytest.approx(0.5 * atol)
+    # One prompt logit moved by 2 x the tolerance (the ids unchanged): the logits fail the row.
+    moved = [list(r) for r in local]
+    moved[1][4] += 2 * atol
+    row, status = judged(moved, ids)
+    assert row.status == "FAIL" and status == 1, row.detail
+    assert "max |TE - local| logit" in row.detail and "at position 1, id 4" in row.detail
+    # The same logits, TE's second greedy id another one where the local margin is clear.
+    row, status = judged([list(r) for r in local], [7, 4, 9])
+    assert row.status == "FAIL" and status == 1 and "TE's id 2 is 4, the local build's 3" in \
+        row.detail, row.detail
+    # TE stops early, or goes on past the local build's last id.
+    assert judged([list(r) for r in local], [7, 3])[0].status == "FAIL"
+    assert judged([list(r) for r in local], [7, 3, 9, 1])[0].status == "FAIL"
+    # The local tool's own id is not its teacher-forced argmax: the premise fails, the row too.
+    row, _ = judged([list(r) for r in local], [7, 5, 9], local_ids=[7, 5, 9])
+    assert row.status == "FAIL" and "the local tools/generate.py id 2 is 5" in row.detail
+    # A near-tie at the second id (the local top-2 margin under 2 x the tolerance): the ids may
+    # part from there by rounding alone, so only the first is compared.
+    tie = [list(r) for r in local]
+    second = tie[len(user_rows.PROMPT)]
+    other = next(k for k in range(len(second)) if k != 3)
+    second[other] = second[3] - 0.5 * atol  # now the runner-up, by half the tolerance
+    row, status = judged(tie, [7, other, 0], local_logits=tie)
+    assert row.status == "PASS" and status == 0, row.detail
+    assert row.numbers["ids_compared"] == 1 and row.numbers["near_tie_at"] == 2
+    assert "near-tie at id 2" in row.detail
+    # Non-finite TE logits, or logits of another shape, fail.
+    nan = [list(r) for r in local]
+    nan[0][0] = float("nan")
+    assert "non-finite logits" in judged(nan, ids)[0].detail
+    assert judged([list(r) for r in local[:-1]], ids)[0].status == "FAIL"
 
 
 def test_failing_torchrun_row_shows_the_python_traceback(tmp_path):

@@ -1,6 +1,7 @@
 """What the GPU check's worker measures (one process, one rank; megaloop.gpu_check.worker calls
-these): the environment, TE-vs-local gradients, training steps timed with CUDA events. Each
-returns plain numbers; the verdicts are megaloop.gpu_check.rows'."""
+these): the environment, TE-vs-local gradients, TE-vs-local logits of a checkpoint, training
+steps timed with CUDA events. Each returns plain numbers; the verdicts are
+megaloop.gpu_check.rows'."""
 
 from __future__ import annotations
 
@@ -182,6 +183,39 @@ def grads(argv_a: list, argv_b: list) -> dict:
                 "step_losses_a": stats_a["step_losses"], "step_losses_b": stats_b["step_losses"],
                 "applied": [bool(ok_a), bool(ok_b)], "init_max_diff": init,
                 "params": per_param}
+
+
+def generation_logits(load: str, impls: list, ids: list) -> dict:
+    """The teacher-forced logits of ``ids`` from the checkpoint ``load``, built once per layer
+    backend in ``impls`` as tools/generate.py builds it (megaloop.inference.loading's
+    load_for_generation: fp32 weights, eval mode), read as its engine reads them: the last loop
+    step's logits over the tokenizer's vocabulary, in fp32. {"logits": one [len(ids)][vocabulary]
+    list per backend}."""
+    import torch
+
+    from megaloop.device import current_device
+    from megaloop.inference.loading import load_for_generation
+
+    out = []
+    with world_of_one():
+        for impl in impls:
+            model, tokenizer, _ = load_for_generation(load, 1, transformer_impl=impl,
+                                                      purpose="teacher-forced logits")
+            held = sorted({str(p.dtype) for p in model.parameters()})
+            if held != ["torch.float32"]:
+                # The verdict's tolerance (rows.TE_LOGITS_TOL) is derived for fp32 weights and
+                # activations; a 16-bit model rounds 8 times coarser and would fail it.
+                raise AssertionError(f"load_for_generation held the {impl} model in {held}, "
+                                     f"not fp32: the TE-vs-local logits comparison needs fp32")
+            x = torch.tensor([ids], dtype=torch.long, device=current_device())
+            positions = torch.arange(len(ids), device=x.device).unsqueeze(0)
+            with torch.no_grad():  # no attention mask: the model's causal one, as in prefill
+                logits = model(x, positions, None, num_loops=model.loop.num_loops)
+            out.append(logits[0, :, :tokenizer.vocab_size].float().cpu().tolist())
+            print(f"[gpu_check] {impl}: logits of {len(ids)} positions x "
+                  f"{tokenizer.vocab_size} ids", flush=True)
+            del model, logits  # freed before the next build and world_of_one's cache emptying
+    return {"logits": out}
 
 
 class StepClock:

@@ -132,6 +132,30 @@ FP8_GRAD_COS = 0.9
 FP8_GRAD_COS_JUDGED = ("tensorwise",)
 # The TE recipe class megatron-core builds for each --fp8-recipe.
 FP8_RECIPE_CLASS = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling"}
+# TE against local generation from the smoke checkpoint: the teacher-forced logits of the prompt and
+# the local build's continuation, one checkpoint built twice, in fp32 both times
+# (megaloop.gpu_check.probes.generation_logits refuses a model held in any other precision). The two
+# differ by arithmetic alone: TE runs its fp32 GEMMs with TF32 inputs (cuBLASLt's
+# CUBLAS_COMPUTE_32F_FAST_TF32: 10 mantissa bits, unit roundoff u = 2^-11 = 4.9e-4) where the local
+# layers' matmuls stay fp32 (torch's default), and its fused norm and RoPE kernels sum in another
+# order (fp32 rounding, ~1e-7: negligible). Rounding both factors of a product moves it by up to 2u
+# with a random sign, so a dot product of d terms errs by about 2u times its own typical size (value
+# and error are both random-sign sums of d terms). The smoke model applies 2 layers x T = 3 = 6
+# layer applications of 4 TE GEMMs each (QKV, attention projection, fc1, fc2); counting the
+# attention's two batched GEMMs too, in case they also ran in TF32, 36 independent errors of 2u add
+# in quadrature through the residual stream: sqrt(36) x 2u = 5.9e-3 of the hidden state's scale,
+# carried linearly into the logits by the output layer (not a TE module: fp32 in both builds). A
+# logit's error therefore scales with the RMS of all logits, not with its own size (a logit near 0
+# errs as much as a large one): atol = tol x RMS(local logits), rtol = 0. The largest of the ~1.2e4
+# compared errors (12 positions x 1025 ids) is about 4 standard deviations of a Gaussian: 2.4e-2 x
+# RMS; 5e-2 doubles that for what the estimate leaves out (each loop step re-reads the previous
+# step's rounded output through the block). What this row exists to catch is structural and moves
+# logits by O(1) x RMS: TE's attention without the causal mask, another number of loop steps,
+# positions or weights mapped wrong.
+TE_LOGITS_TOL = 5e-2
+# Greedy ids are compared only where they cannot part by rounding: at a position whose local top-2
+# margin exceeds 2 x atol (each of the two logits may move by atol towards the other); after the
+# first near-tie the two continuations may legitimately differ, so nothing after it is compared.
 MFU_RATIO_GOAL = 0.98  # looped (`last`) / dense MFU: the loop itself should cost nothing
 FP8_SPEEDUP_GOAL = 1.3
 # Dense (no sparsity) BF16 tensor-core peak per GPU, FLOP/s; matched against the device name in
@@ -366,6 +390,74 @@ def fp8_verdict(fp8: dict, bf16: dict, steps: int, recipe: str,
     if not gpu:
         detail += ("; FP8-ran proof not judged without a GPU, it finds: "
                    + ("; ".join(not_proven) or "nothing missing"))
+    return not problems, "; ".join(problems) or detail, numbers
+
+
+def _top2(row: list) -> tuple[int, float]:
+    """(argmax, top-1 minus top-2) of one position's logits; a tie has margin 0."""
+    best = max(range(len(row)), key=row.__getitem__)
+    return best, row[best] - max(v for i, v in enumerate(row) if i != best)
+
+
+def te_generation_verdict(local: list, te: list, local_ids: list, te_ids: list,
+                          prompt_len: int) -> tuple[bool, str, dict]:
+    """The TE generate row: ``local`` and ``te`` are the teacher-forced fp32 logits
+    [positions][vocabulary] of the prompt followed by ``local_ids`` (the local build's greedy
+    ids from tools/generate.py), from the local and the TE build of one checkpoint; ``te_ids``
+    are the ids tools/generate.py printed with --transformer-impl transformer_engine. Every
+    logit within TE_LOGITS_TOL x RMS(local) of the local one, and each greedy id equal to the
+    local teacher-forced argmax (both tools' ids) up to the first near-tie."""
+    shape = (len(local), len(local[0]) if local else 0)
+    te_shape = (len(te), len(te[0]) if te else 0)
+    if te_shape != shape or shape[0] != prompt_len + len(local_ids):
+        return False, (f"logits of shape {te_shape} (TE) and {shape} (local), expected "
+                       f"{prompt_len} prompt + {len(local_ids)} generated positions"), {}
+    flat_local = [v for row in local for v in row]
+    flat_te = [v for row in te for v in row]
+    if not finite(flat_local) or not finite(flat_te):
+        return False, (f"non-finite logits (local all finite: {finite(flat_local)}, TE: "
+                       f"{finite(flat_te)})"), {}
+    rms = math.sqrt(sum(v * v for v in flat_local) / len(flat_local))
+    atol = TE_LOGITS_TOL * rms
+    worst = max(range(len(flat_local)), key=lambda i: abs(flat_te[i] - flat_local[i]))
+    diff = abs(flat_te[worst] - flat_local[worst])
+    at = divmod(worst, shape[1])  # (position, token id)
+    problems = []
+    if diff > atol:
+        problems.append(f"max |TE - local| logit {diff:.3g} at position {at[0]}, id {at[1]} > "
+                        f"tolerance {atol:.3g} ({TE_LOGITS_TOL:g} x RMS {rms:.3g})")
+    compared, near_tie, margins = 0, None, []
+    for j, token in enumerate(local_ids):
+        p = prompt_len - 1 + j  # the position whose logits chose generated token j
+        ref, margin = _top2(local[p])
+        margins.append(margin)
+        if margin <= 2 * atol:
+            near_tie = j + 1
+            break
+        if token != ref:
+            problems.append(f"the local tools/generate.py id {j + 1} is {token}, its "
+                            f"teacher-forced argmax {ref} (top-2 margin {margin:.3g})")
+            break
+        if j >= len(te_ids) or te_ids[j] != ref:
+            got = te_ids[j] if j < len(te_ids) else "none (it stopped)"
+            problems.append(f"TE's id {j + 1} is {got}, the local build's {ref}, whose top-2 "
+                            f"margin {margin:.3g} > 2 x tolerance {2 * atol:.3g} (not a near-tie)")
+            break
+        compared += 1
+    else:
+        if len(te_ids) > len(local_ids):  # equal up to the local EOD, yet TE went on
+            problems.append(f"TE generated {len(te_ids)} ids, the local build {len(local_ids)} "
+                            f"with all of them equal: {te_ids} vs {local_ids}")
+    numbers = {"max_abs_diff": diff, "at_position_id": list(at), "rms_local": rms, "atol": atol,
+               "tolerance_x_rms": TE_LOGITS_TOL, "positions": shape[0], "vocab": shape[1],
+               "ids_compared": compared, "near_tie_at": near_tie, "top2_margins": margins}
+    equal = "bitwise equal" if diff == 0 else f"{diff / rms:.1e} x RMS"
+    detail = (f"teacher-forced fp32 logits ({shape[0]} positions x {shape[1]} ids): max |TE - "
+              f"local| {diff:.2e} ({equal}; tolerance {TE_LOGITS_TOL:g} x RMS {rms:.3g} = "
+              f"{atol:.2e}); greedy ids equal the local build's at {compared} of "
+              f"{len(local_ids)}" + (f" (near-tie at id {near_tie}: local top-2 margin "
+                                     f"{margins[-1]:.2e} <= 2 x tolerance, not compared from "
+                                     f"there)" if near_tie else ""))
     return not problems, "; ".join(problems) or detail, numbers
 
 

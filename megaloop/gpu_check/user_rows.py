@@ -1,8 +1,10 @@
 """The GPU check's rows that run megaloop's other entry points as a user does: generation
 (``tools/generate.py``) and serving (``tools/serve.py`` started as a process of its own, one
 HTTP completion request) from the smoke row's checkpoint, trained with Transformer Engine on a
-GPU; generation from a checkpoint trained 2 steps with FP8; and two RL steps of ``train_rl.py``
-with a KL to the reference policy (the reference model is built, placed and run).
+GPU, and generation with the Transformer Engine layers judged against the local ones (their
+teacher-forced logits, in the worker); generation from a checkpoint trained 2 steps with FP8;
+and two RL steps of ``train_rl.py`` with a KL to the reference policy (the reference model is
+built, placed and run).
 
 Tools run as processes, exactly as a user types them; training runs in the worker, as the
 smoke row's. On a GPU the checkpoints are TE (and FP8) ones; the CPU rehearsal runs the same
@@ -140,8 +142,9 @@ class UserRows:
             return None
         return procs.run_logged([PY, *argv], log, t, ROOT, c.env, name)
 
-    def _generate(self, name: str, argv: list) -> list | None:
-        """A tools/generate.py row: exit 0 and 1..NEW_TOKENS ids in the vocabulary; the ids."""
+    def _run_generate(self, name: str, argv: list) -> tuple | None:
+        """Run tools/generate.py for row ``name``: exit 0 and 1..NEW_TOKENS ids in the
+        vocabulary; (ids, the finished process), or None after a FAIL row."""
         c = self.check
         c.show_gpu_command(name, "python " + shlex.join(argv))
         done = self._tool(name, argv, 150)
@@ -153,36 +156,31 @@ class UserRows:
         if problems:
             c.fail(name, "; ".join(problems), done.log, done.seconds)
             return None
-        c.report.add(Result(name, c.status(True), f"prompt {PROMPT} -> {ids}", done.seconds,
-                            numbers={"ids": ids}, log=done.log))
+        return ids, done
+
+    def _generate(self, name: str, argv: list) -> list | None:
+        """A tools/generate.py row judged on its own output (``_run_generate``); the ids."""
+        ran = self._run_generate(name, argv)
+        if ran is None:
+            return None
+        ids, done = ran
+        self.check.report.add(Result(name, self.check.status(True), f"prompt {PROMPT} -> {ids}",
+                                     done.seconds, numbers={"ids": ids}, log=done.log))
         return ids
 
     def generate_and_serve(self, ckpt: str):
         """tools/generate.py and tools/serve.py on the smoke checkpoint: both answer, and the
         server's greedy completion equals generate's ids (one decode path behind both). Both
         build the local layers by default whatever the checkpoint was saved with (the TE
-        checkpoint's weights map by name); on a GPU generate also runs with
-        --transformer-impl transformer_engine, the layers the checkpoint was trained with."""
+        checkpoint's weights map by name); generate also runs with --transformer-impl
+        transformer_engine, the layers the checkpoint was trained with, judged against the
+        local build (``te_generate``)."""
         c = self.check
         ids = self._generate("generate: smoke checkpoint (TE) via tools/generate.py",
                              generate_argv(ckpt))
         if ids is None:
             return
-        name = ("generate: smoke checkpoint (TE) via tools/generate.py --transformer-impl "
-                "transformer_engine")
-        if c.gpu:
-            te_ids = self._generate(name, [*generate_argv(ckpt), *rows.TE])
-            if te_ids is not None:
-                # Greedy ids of two layer implementations in bf16 may part at a near-tie:
-                # reported, not judged.
-                say(f"{name}: ids {'equal' if te_ids == ids else 'differ from'} the local "
-                    f"build's")
-        else:
-            # Generation refuses TE without a GPU; swapped for local, the command line is the
-            # row above.
-            c.show_gpu_command(name, "python " + shlex.join([*generate_argv(ckpt), *rows.TE]))
-            c.report.add(Result(name, "REHEARSED", "the same CPU command line as the previous "
-                                "row; its result reused", numbers={"ids": ids}))
+        self.te_generate(ckpt, ids)
 
         name = "serve: smoke checkpoint (TE) via tools/serve.py + POST /v1/completions"
         port = _free_port()
@@ -235,6 +233,47 @@ class UserRows:
             return c.fail(name, "; ".join(problems), log, secs)
         c.report.add(Result(name, c.status(True), f"greedy completion {got} equals "
                             f"tools/generate.py's", secs, numbers={"ids": got}, log=log))
+
+    def te_generate(self, ckpt: str, ids: list):
+        """tools/generate.py --transformer-impl transformer_engine on the smoke checkpoint,
+        judged against the local build of the same checkpoint (``ids``: the local tool's greedy
+        ids): the teacher-forced fp32 logits of the prompt and ``ids`` from both builds, in the
+        worker, and TE's greedy ids against them (rows.te_generation_verdict). Without a GPU,
+        generation refuses TE: swapped for local, the tool's command line is the previous row's
+        (its ids reused) and both logits come from the local build, so the same comparison runs
+        and must find them bitwise equal."""
+        c = self.check
+        name = ("generate: smoke checkpoint (TE) via tools/generate.py --transformer-impl "
+                "transformer_engine")
+        argv = [*generate_argv(ckpt), *rows.TE]
+        if c.gpu:
+            ran = self._run_generate(name, argv)
+            if ran is None:
+                return
+            te_ids, done = ran
+            log, secs = done.log, done.seconds
+        else:
+            c.show_gpu_command(name, "python " + shlex.join(argv))
+            say(f"{name}: the same CPU command line as the previous row; its ids reused")
+            te_ids, log, secs = ids, None, 0.0
+        te_impl = "transformer_engine" if c.gpu else "local"
+        value = c.in_worker(name, "generation_logits", {"load": ckpt, "impls": ["local", te_impl],
+                                                        "ids": [*PROMPT, *ids]}, 60)
+        if value is None:  # (in_worker reported the FAIL row)
+            return
+        self.judge_te_generate(name, ids, te_ids, value["logits"], log or c.last_log,
+                               secs + c.last_secs, c.last_log)
+
+    def judge_te_generate(self, name: str, ids: list, te_ids: list, logits: list,
+                          log: str | None, secs: float | None, logits_log: str | None):
+        """The TE generate row's verdict from what ran: ``logits`` = [local, TE] teacher-forced
+        logits of PROMPT + ``ids``; a correctness row (a FAIL sets the exit status)."""
+        c = self.check
+        ok, detail, numbers = rows.te_generation_verdict(logits[0], logits[1], ids, te_ids,
+                                                         len(PROMPT))
+        numbers.update(ids=te_ids, local_ids=ids, logits_log=logits_log)
+        c.report.add(Result(name, c.status(ok), f"prompt {PROMPT} -> {te_ids}; {detail}", secs,
+                            numbers=numbers, log=log))
 
     def fp8_checkpoint(self):
         """Train 2 steps with FP8 and save (in the worker), then generate from that checkpoint
