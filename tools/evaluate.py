@@ -13,7 +13,8 @@ picks the K-th evaluation's; the report names the samples), or ``--data-path``/`
 the accuracy on held-out problems (``tools/make_demo_corpus.py --tasks-output``) by family and k.
 ``--seq-length``, ``--micro-batch-size``, ``--global-batch-size``, ``--eval-iters`` and the
 tokenizer flags default to the checkpoint's. ``--ckpt-step N`` loads iteration N instead of the
-latest.
+latest. ``--bf16`` / ``--fp16`` / ``--fp32``: the precision the model is held in, as
+tools/generate.py's (default: on a GPU the checkpoint's; on CPU fp32).
 Writes ``depth_sweep.md``, ``depth_sweep.json``, ``loss_vs_depth.png`` and
 ``exit_distribution.png`` (gated models) into ``--output-dir``.
 """
@@ -33,6 +34,7 @@ from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: 
 from megaloop.eval.config import EvalConfig, parse_rules  # noqa: E402
 from megaloop.inference.flags import (add_ckpt_step_flag, add_tokenizer_flags,  # noqa: E402
                                       tokenizer_from_flags)
+from megaloop.inference.precision import PrecisionConfig  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, EvalConfig)
     add_ckpt_step_flag(p)
     add_tokenizer_flags(p)
+    add_dataclass_args(p, PrecisionConfig)
     return p
 
 
@@ -48,7 +51,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cfg = dataclass_from_args(EvalConfig, args)
     cfg.ckpt_step = args.ckpt_step
+    precision = dataclass_from_args(PrecisionConfig, args)
     try:
+        precision.validate()
         cfg.validate()
         tokenizer_cfg = tokenizer_from_flags(args)
         if cfg.plots:
@@ -75,7 +80,8 @@ def main(argv=None) -> int:
         start = time.time()
         try:
             model, tokenizer, run = load_for_generation(cfg.load, tp, tokenizer=tokenizer_cfg,
-                                                        ckpt_step=cfg.ckpt_step)
+                                                        ckpt_step=cfg.ckpt_step,
+                                                        precision=precision)
             if tokenizer_cfg is not None:
                 tokenizer = build_tokenizer(tokenizer_cfg)
                 run = {**run, "tokenizer": dataclasses.asdict(tokenizer_cfg)}

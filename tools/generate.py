@@ -20,6 +20,8 @@ cumulative exit probability), ``kl:<eps>`` (Huginn: successive steps' next-token
 closer than eps), ``fixed:<n>``; the mean executed depth is printed on stderr.
 ``--transformer-impl``: the layer backend the model is built with, `local` unless told
 otherwise, whatever the checkpoint was saved with (the weights map by name; a line says so).
+``--bf16`` / ``--fp16`` / ``--fp32``: the precision the model is held in (default: on a GPU the
+checkpoint's, bf16 if it trained with --bf16; on CPU fp32); a line on stderr names it.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megaloop import runtime  # noqa: E402
+from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: E402
 from megaloop.inference.flags import (add_ckpt_step_flag, add_generation_flags,  # noqa: E402
                                       add_tokenizer_flags, add_transformer_impl_flag)
+from megaloop.inference.precision import PrecisionConfig  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "keeps only its last tokens (default: such a prompt is refused)")
     add_generation_flags(p)
     add_transformer_impl_flag(p, engine=False)
+    add_dataclass_args(p, PrecisionConfig)
     p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0,
                    help="sample from the k most likely tokens (default 0: all)")
@@ -77,7 +82,9 @@ def main(argv=None) -> int:
     from megaloop.inference.loading import (check_generation_flags, check_transformer_impl,
                                             parse_prompt_ids)
 
+    precision = dataclass_from_args(PrecisionConfig, args)
     try:
+        precision.validate()
         check_sampling(args.temperature, args.top_k, args.top_p)
         check_seed(args.seed)
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
@@ -107,7 +114,8 @@ def main(argv=None) -> int:
         try:
             model, tokenizer, run = load_for_generation(args.load, tp, tokenizer=tokenizer_cfg,
                                                         ckpt_step=args.ckpt_step,
-                                                        transformer_impl=impl)
+                                                        transformer_impl=impl,
+                                                        precision=precision)
         except (ValueError, FileNotFoundError) as exc:
             print(f"error: --load {args.load}: {exc}", file=sys.stderr)
             return 2

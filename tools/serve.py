@@ -27,6 +27,8 @@ requests are decoded together by the batching engine (megaloop/inference/engine.
 ``api_key``); serving beyond loopback (``--host 0.0.0.0``) without one prints a warning.
 ``--transformer-impl`` is the layer backend the model is built with: `local`, the one the engine
 runs, whatever the checkpoint was saved with (the weights map by name; a line says so).
+``--bf16`` / ``--fp16`` / ``--fp32``: the precision the model is held in, as tools/generate.py's
+(default: on a GPU the checkpoint's, bf16 if it trained with --bf16; on CPU fp32).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from megaloop.arguments import add_dataclass_args, dataclass_from_args  # noqa: 
 from megaloop.inference.flags import (add_ckpt_step_flag, add_generation_flags,  # noqa: E402
                                       add_transformer_impl_flag)
 from megaloop.inference.limits import RequestLimits  # noqa: E402
+from megaloop.inference.precision import PrecisionConfig  # noqa: E402
 
 
 ENGINE_FLAGS = ("max_batch", "block_size", "num_blocks", "prefill_chunk", "speculate")
@@ -85,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--nproc-per-node; default: that number)")
     add_generation_flags(p)
     add_transformer_impl_flag(p, engine=True)
+    add_dataclass_args(p, PrecisionConfig)
     add_dataclass_args(p, RequestLimits)
     # The engine's knobs; its --max-sequence-length is the model's context.
     add_dataclass_args(p, EngineConfig, only=ENGINE_FLAGS)
@@ -128,8 +132,10 @@ def main(argv=None) -> int:
     from megaloop.inference.speculation import check_speculate
 
     limits = dataclass_from_args(RequestLimits, args)
+    precision = dataclass_from_args(PrecisionConfig, args)
     engine_config = EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
     try:
+        precision.validate()
         limits.check()
         engine_config.validate()
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
@@ -161,7 +167,8 @@ def main(argv=None) -> int:
     try:
         try:
             model, tokenizer, run = load_for_generation(args.load, tp, ckpt_step=args.ckpt_step,
-                                                        transformer_impl=impl, purpose="serving")
+                                                        transformer_impl=impl, purpose="serving",
+                                                        precision=precision)
         except (ValueError, FileNotFoundError) as exc:
             return refuse(f"--load {args.load}: {exc}")
         context = context_length(run)

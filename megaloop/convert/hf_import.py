@@ -390,17 +390,18 @@ def load_sharded(model, tensors: dict) -> None:
 
 
 def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | None = None,
-                  transformer_impl: str | None = None):
+                  transformer_impl: str | None = None, precision: str = "fp32"):
     """(model at TP = ``tp_size``, ModelConfig, LoopConfig, a run-config dict naming them and the
     tokenizer) of a folder written by export-hf (``hf_export.write_hf_folder``): config.json read
     back exactly (``exported_configs``), the tensors through the reverse of the export's names
     (``layout.from_hf``), each rank's TP slice cut from the full tensors; the tokenizer is the
     folder's tokenizer.json, else ``tokenizer``. The layers are ``transformer_impl``'s (an export
     does not record the backend it came from; the generation entry points choose it), None:
-    ModelConfig's default.
+    ModelConfig's default. The model is built for inference in ``precision`` (fp32, bf16 or
+    fp16: megaloop.model.inference_model.build_inference_model), the tensors rounded into it.
     Collective like ``megaloop.checkpoint.load.load_model``: needs megatron-core's parallel state
     at that TP size."""
-    from megaloop.model.looped_gpt import build_model
+    from megaloop.model.inference_model import build_inference_model
 
     cfg = read_hf_config(folder)
     model_cfg, loop = exported_configs(cfg)
@@ -409,7 +410,7 @@ def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | No
     reader = check_folder(folder, cfg)  # sizes against the tensors and memory, before building
     rows = cfg["vocab_size"]
     tok_cfg = exported_tokenizer(folder, rows, tokenizer)
-    model = build_model(model_cfg, loop, rows, tp_size=tp_size)
+    model = build_inference_model(model_cfg, loop, rows, tp_size=tp_size, precision=precision)
     heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
                   model_cfg.kv_channels)
     layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,

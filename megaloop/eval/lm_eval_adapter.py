@@ -12,6 +12,9 @@ Importing this module registers the model (lm-eval registers models by import;
   log-likelihoods read each token at its teacher-forced exit step, generation exits per token;
 - ``kv_policy``: the generation KV cache (``full``, ``last-step``, ``first-step``,
   ``shared-mod-<k>``, ``none``; default ``full``);
+- ``bf16`` / ``fp16`` / ``fp32`` (``bf16=true``): the precision the model is held in, at most one
+  (tools/generate.py's ``--bf16`` / ``--fp16`` / ``--fp32``; default: on a GPU the checkpoint's,
+  bf16 if it trained with --bf16; on CPU fp32);
 - ``max_length``: context length (default: the checkpoint's --seq-length);
 - ``tokenizer_type`` / ``tokenizer_model`` / ``vocab_size``: for an exported folder without
   tokenizer.json.
@@ -47,8 +50,9 @@ class ModelArgsError(ValueError):
 
 # The keys MegaloopLM takes (batch_size also arrives from lm-eval's --batch_size); a refused
 # key's message lists them.
-MODEL_ARGS = ("load", "ckpt_step", "num_loops", "exit", "kv_policy", "max_length", "max_gen_toks",
-              "tokenizer_type", "tokenizer_model", "vocab_size", "seed", "batch_size")
+MODEL_ARGS = ("load", "ckpt_step", "num_loops", "exit", "kv_policy", "bf16", "fp16", "fp32",
+              "max_length", "max_gen_toks", "tokenizer_type", "tokenizer_model", "vocab_size",
+              "seed", "batch_size")
 
 
 def check_model_args(unknown: dict, *, load, max_length, batch_size, max_gen_toks,
@@ -106,6 +110,7 @@ class MegaloopLM(TemplateLM):
     def __init__(self, load: Optional[str] = None, ckpt_step: Optional[int] = None,
                  num_loops: Optional[int] = None,
                  exit: Optional[str] = None, kv_policy: str = "full",
+                 bf16: bool = False, fp16: bool = False, fp32: bool = False,
                  max_length: Optional[int] = None, batch_size=1, max_gen_toks: int = 256,
                  tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
                  vocab_size: Optional[int] = None, seed: int = 1234,
@@ -117,11 +122,14 @@ class MegaloopLM(TemplateLM):
         from megaloop.inference.generate import Generator
         from megaloop.inference.loading import (check_generation_flags, load_for_generation,
                                                 setup_processes)
+        from megaloop.inference.precision import PrecisionConfig
 
         check_model_args(unknown, load=load, max_length=max_length, batch_size=batch_size,
                          max_gen_toks=max_gen_toks, max_batch_size=max_batch_size)
         check_device(device)
+        precision = PrecisionConfig(bf16=bf16, fp16=fp16, fp32=fp32)
         try:
+            precision.validate(spell=str)
             rule = check_generation_flags(load, kv_policy, exit, num_loops, spell=str,
                                           ckpt_step=ckpt_step)
         except ValueError as exc:
@@ -139,7 +147,8 @@ class MegaloopLM(TemplateLM):
                 raise ValueError("the megaloop lm-eval model runs in one process (TP = 1); "
                                  "launch without torchrun")
         self.model, self.tokenizer_, run = load_for_generation(load, 1, tokenizer=tokenizer_cfg,
-                                                               ckpt_step=ckpt_step)
+                                                               ckpt_step=ckpt_step,
+                                                               precision=precision, spell=str)
         self.vocab_size = self.tokenizer_.vocab_size
         self.num_loops = num_loops or self.model.loop.num_loops
         # What this model can run (a depth, the exit rule scored and decoded), named as

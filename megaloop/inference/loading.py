@@ -82,7 +82,7 @@ def check_transformer_impl(value: Optional[str], engine: bool, spell=cli_name) -
 
 def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
                         ckpt_step: Optional[int] = None, transformer_impl: Optional[str] = None,
-                        purpose: str = "generating"):
+                        purpose: str = "generating", precision=None, spell=cli_name):
     """(model in eval mode on this rank's device, tokenizer, run config dict) of ``load_dir``:
     a megaloop checkpoint (its latest iteration, or ``ckpt_step``; the saved run config names the
     model and the tokenizer), or a folder written by export-hf (``is_hf_folder``; config.json
@@ -92,19 +92,25 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
     the checkpoint was saved with: both backends save the same tensor names; where the saved
     backend differs, rank 0 says so in one line on stderr, beginning with ``purpose``. None:
     the backend the checkpoint was saved with (an export: ModelConfig's default), resolved on
-    this machine (megaloop.model.config.use_transformer_engine)."""
+    this machine (megaloop.model.config.use_transformer_engine). The model is held in the
+    precision ``precision`` (a megaloop.inference.precision.PrecisionConfig; None: no flag) asks
+    for, else the default rule's (``resolve_precision``: on a GPU the checkpoint's, on CPU fp32),
+    its flags named as ``spell`` writes them."""
     from megaloop.checkpoint.config import config_from_dict
     from megaloop.data.config import TokenizerConfig
     from megaloop.data.tokenizers import build_tokenizer
     from megaloop.device import current_device
+    from megaloop.inference.precision import resolve_precision, trained_precision
 
+    dtype = resolve_precision(precision, *trained_precision(load_dir, ckpt_step), spell=spell)
     if is_hf_folder(load_dir):
         from megaloop.convert.hf_import import load_exported
 
         model, _, _, run = load_exported(load_dir, tp_size=tp_size, tokenizer=tokenizer,
-                                         transformer_impl=transformer_impl)
+                                         transformer_impl=transformer_impl, precision=dtype)
     else:
-        model, run, saved = _load_checkpoint(load_dir, tp_size, ckpt_step, transformer_impl)
+        model, run, saved = _load_checkpoint(load_dir, tp_size, ckpt_step, transformer_impl,
+                                             dtype)
         if transformer_impl not in (None, _resolved(saved)) and runtime.is_rank_zero():
             print(f"{purpose} with --transformer-impl {transformer_impl}: the checkpoint was "
                   f"saved with {saved}; weights map by name", file=sys.stderr, flush=True)
@@ -126,18 +132,19 @@ def _resolved(saved: str) -> str:
 
 
 def _load_checkpoint(load_dir: str, tp_size: int, iteration: Optional[int],
-                     transformer_impl: Optional[str]):
+                     transformer_impl: Optional[str], precision: str = "fp32"):
     """(model, run config, the transformer_impl the run config was saved with): load_model's
     steps with the layer backend replaced (unless None), since the saved one is what the
     training machine could run (Megatron-LM's default transformer_engine, even for a run on
-    CPU), not what this entry point can."""
+    CPU), not what this entry point can; the model built for inference in ``precision``
+    (megaloop.model.inference_model.build_inference_model)."""
     from megatron.core import dist_checkpointing
 
     from megaloop.checkpoint.config import config_from_dict, read_run_config
     from megaloop.checkpoint.load import load_weights
     from megaloop.checkpoint.tracker import checkpoint_dir, read_tracker
     from megaloop.model.config import LoopConfig, ModelConfig
-    from megaloop.model.looped_gpt import build_model
+    from megaloop.model.inference_model import build_inference_model
 
     run = read_run_config(load_dir, iteration)
     fp8 = run["model"].get("fp8_format")
@@ -145,8 +152,8 @@ def _load_checkpoint(load_dir: str, tp_size: int, iteration: Optional[int],
         # Decoding multiplies rows x 1 tokens; Transformer Engine's FP8 GEMMs need multiples of 16.
         run["model"]["fp8_format"] = None
         if runtime.is_rank_zero():
-            print(f"loading without the checkpoint's --fp8-format {fp8}: inference runs in the "
-                  f"weights' own precision (FP8 GEMMs refuse the token counts of decoding)",
+            print(f"loading without the checkpoint's --fp8-format {fp8}: inference runs in "
+                  f"{precision} (FP8 GEMMs refuse the token counts of decoding)",
                   file=sys.stderr, flush=True)
     saved = run["model"].get("transformer_impl", ModelConfig.transformer_impl)
     run["model"]["transformer_impl"] = transformer_impl or saved
@@ -156,7 +163,7 @@ def _load_checkpoint(load_dir: str, tp_size: int, iteration: Optional[int],
     path = checkpoint_dir(load_dir, read_tracker(load_dir) if iteration is None else iteration)
     rows = dist_checkpointing.load_tensors_metadata(path)[
         "embedding.word_embeddings.weight"].global_shape[0]
-    model = build_model(model_cfg, loop, rows, tp_size=tp_size)
+    model = build_inference_model(model_cfg, loop, rows, tp_size=tp_size, precision=precision)
     load_weights(load_dir, model, iteration=iteration)
     return model, run, saved
 

@@ -595,13 +595,18 @@ def _fused_softmax_available() -> bool:
 def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
                        sequence_parallel: bool = False, bf16: bool = False,
                        recompute: Optional[dict] = None, cuda: Optional[bool] = None,
-                       te: Optional[bool] = None):
+                       te: Optional[bool] = None, fp16: bool = False):
     """The megatron-core TransformerConfig of one block of `num_layers` layers. ``cuda`` / ``te``
     default to this machine's (a GPU is present; megaloop.model.config.use_transformer_engine);
-    tests pass them to check another machine's config."""
+    tests pass them to check another machine's config. ``bf16`` / ``fp16``: the parameters'
+    and activations' dtype (fp16 only for inference: the trainer refuses --fp16, which would need
+    loss scaling)."""
     import torch
     from megatron.core.transformer import TransformerConfig
 
+    if bf16 and fp16:
+        raise ValueError("bf16 and fp16: a model is held in one precision")
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     if cuda is None:
         cuda = torch.cuda.is_available()
     if te is None:
@@ -630,8 +635,9 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         context_parallel_size=_context_parallel_size(),
         sequence_parallel=sequence_parallel,
         bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        fp16=fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         # On CPU and GPU alike, every rank draws its slice of each weight on the host from the
         # seed (megaloop.model.sharded_init: entry (i, j) of a weight is the same number at any
         # TP degree, and a rank draws only its shard; the trainer then moves the module to its
