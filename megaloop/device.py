@@ -25,6 +25,17 @@ def current_device():
     return "cpu"
 
 
+def device_of(t: torch.Tensor):
+    """The device to put tensors that meet ``t`` in an op on: ``t``'s own, or under the CPU shim
+    (where every tensor is on the CPU) its accelerator stand-in, unless ``t`` would live on the
+    host of a GPU machine."""
+    from megaloop import cpu_shim
+
+    if t.device.type == "cpu" and cpu_shim.is_enabled() and not cpu_shim.is_host(t):
+        return current_device()
+    return t.device
+
+
 def to_device(batch: dict) -> dict:
     """A batch dict with every tensor on ``current_device()``. ``non_blocking``: the copy from
     (pinned) host memory overlaps with the GPU work already queued."""

@@ -185,9 +185,10 @@ def main(argv=None) -> int:
             service.follow()
             return 0
         logging.getLogger("megaloop.serve").info(
-            "serving %s (%d loop steps, kv-policy %s, exit %s, TP %d, up to %d rows per step) "
-            "on http://%s:%d", name, service.num_loops, args.kv_policy,
-            rule.text if rule else "none", tp, engine_config.max_batch, args.host, args.port)
+            "serving %s (%d loop steps, kv-policy %s, exit %s, TP %d, up to %d rows per step, "
+            "layers: %s) on http://%s:%d", name, service.num_loops, args.kv_policy,
+            rule.text if rule else "none", tp, engine_config.max_batch,
+            service.runner.lockstep.engine.forward_impl, args.host, args.port)
         try:
             started = serve(service, args.host, args.port, args.log_level.lower(), stop,
                             api_key=api_key)

@@ -44,13 +44,14 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from megaloop.device import current_device
+from megaloop.device import current_device, device_of
 from megaloop.inference import early_exit
 from megaloop.inference.flags import check_num_loops, check_sampling, check_seed
 from megaloop.inference.generate import SamplingParams
 from megaloop.inference.kv_cache import LoopKVCache
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
 from megaloop.inference.sampling import probabilities, sample_rows
+from megaloop.inference.transfer import to_device
 from megaloop.model.layer_forward import unsupported as unsupported_layers
 from megaloop.inference.speculation import (check_speculate, full_depth_forward,
                                              parse_speculate, speculate_round)
@@ -60,6 +61,38 @@ from megaloop.inference.speculation import (check_speculate, full_depth_forward,
 # forwards over the same rows reuse it instead of gathering every cached token again.
 SPARE_COLUMNS = 32
 LAYER_FORWARDS = ("auto", "megatron-core")
+
+
+class _Clock:
+    """Where a step's time goes (``stats``' ``*_s``): host time on a CPU; on a GPU the device's
+    time between two points (CUDA events: the host only queues the work, so its own clock would
+    put a forward's time in the first copy that waits for it). Events are read at the end of
+    the step, after its transfer to the host has waited for all of them."""
+
+    def __init__(self, stats: dict):
+        self.stats, self.cuda = stats, torch.cuda.is_available()
+        self._spans: list = []
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, keys: tuple, start, end) -> None:
+        """Add the time from ``start`` to ``end`` (``now()``s) to each of ``keys``."""
+        if self.cuda:
+            self._spans.append((keys, start, end))
+            return
+        for key in keys:
+            self.stats[key] += end - start
+
+    def settle(self) -> None:
+        for keys, start, end in self._spans:
+            for key in keys:
+                self.stats[key] += start.elapsed_time(end) / 1e3
+        self._spans = []
 
 
 @dataclass
@@ -214,6 +247,8 @@ class InferenceEngine:
                             "used_blocks": 0, "queued": 0, "running": 0, "drafted": 0,
                             "accepted": 0, "prefill_s": 0.0, "kv_bytes": 0}
         self._decode_rows = 0
+        self.stats["layer_forward"] = self.forward_impl
+        self.clock = _Clock(self.stats)
         # The last decode forward's gathered cache of each set of rows (request ids), and the
         # sets this step used (``grouped`` decodes several sets per step; the others are freed).
         self._decode_views: dict = {}
@@ -311,6 +346,7 @@ class InferenceEngine:
                 r.cache.nbytes() for r in self._running if r.cache is not None))
         else:
             self.stats["kv_bytes"] = self.kv.nbytes()
+        self.clock.settle()
         self.stats["steps"] += 1
         self.stats.update(free_blocks=self.allocator.free, used_blocks=self.allocator.used,
                           queued=len(self._queue), running=len(self._running))
@@ -350,7 +386,7 @@ class InferenceEngine:
             groups.setdefault(key(i), []).append(i)
         logits = depth = None
         for rows in groups.values():
-            index = torch.tensor(rows, device=ids.device)
+            index = torch.tensor(rows)
             part = [requests[i] for i in rows]
             if self.layout == "grouped":
                 out, d = self._forward_rows(part, ids[index], positions[index], decode,
@@ -360,9 +396,10 @@ class InferenceEngine:
             if logits is None:
                 logits = out.new_zeros((len(requests),) + tuple(out.shape[1:]))
                 depth = None if d is None else d.new_zeros(len(requests))
+            index = index.to(device_of(out))
             logits[index] = out
             if d is not None:
-                depth[index.to(d.device)] = d
+                depth[index] = d
         return logits, depth
 
     def _run(self, ids, positions, mask, kv, decode: bool):
@@ -392,68 +429,78 @@ class InferenceEngine:
         False: the rows have one cached length, so the view has no padding)."""
         rows = [(r.blocks, r.cached) for r in requests]
         new = ids.size(1)
-        clock = time.perf_counter()
+        clock = self.clock.now()
         key = tuple(r.id for r in requests)
-        kv = None
-        if decode and key in self._decode_views:
-            kv, mask = self.kv.next_decode(self._decode_views[key], rows) or (None, None)
-        if kv is None:
-            kv, mask = self.kv.view(rows, new, spare=SPARE_COLUMNS if decode else 0)
+        old = self._decode_views.get(key) if decode else None
+        reuse = old is not None and self.kv.reusable(old, rows)
+        width = max(r.cached for r in requests) + new + (SPARE_COLUMNS if decode else 0)
+        # The step's integers (ids, positions, cached lengths, the slots to write back and,
+        # for a fresh view, to gather) reach the device in one non-blocking copy.
+        host = [ids, positions, torch.tensor([r.cached for r in requests]),
+                self.kv.write_index(rows, new)]
+        if not reuse:
+            host.append(self.kv.gather_index(rows, width))
+        ids, positions, lengths, dest, *index = to_device(host, current_device())
+        if reuse:
+            kv, mask = self.kv.next_decode(old, rows, lengths)
+        else:
+            kv, mask = self.kv.view(rows, new, width - max(r.cached for r in requests) - new,
+                                    index[0], lengths)
             self.stats["gathers"] += 1
         if decode:
             self._decode_views[key] = kv
             self._views_used.add(key)
-        gathered = time.perf_counter()
+        gathered = self.clock.now()
         logits, depth = self._run(ids, positions, mask if masked else None, kv, decode)
         if kv.entries:
             raise ValueError(f"the batching engine cannot page loop-variant cache entries "
                              f"({', '.join(map(str, kv.entries))})")
-        computed = time.perf_counter()
-        self.kv.write_back(kv, rows, new)
+        computed = self.clock.now()
+        self.kv.write_back(kv, rows, new, dest)
         for r in requests:
             r.cached += new
-        self.stats["gather_s"] += gathered - clock + time.perf_counter() - computed
-        self.stats["forward_s"] += computed - gathered
-        if not decode:
-            self.stats["prefill_s"] += computed - gathered
+        self.clock.add(("gather_s",), clock, gathered)
+        self.clock.add(("gather_s",), computed, self.clock.now())
+        self.clock.add(("forward_s",) if decode else ("forward_s", "prefill_s"), gathered,
+                       computed)
         return logits, depth
 
     def _forward_private(self, request: Request, ids, positions, decode: bool):
         """``_forward`` of one request over its own cache; without one (``kv_policy`` none)
         over its whole sequence, of which the new positions' logits are kept."""
         new = ids.size(1)
-        clock = time.perf_counter()
+        clock = self.clock.now()
+        device = current_device()
         if request.cache is None:
             whole = (request.prompt + request.out)[:request.cached] + ids[0].tolist()
-            ids = torch.tensor([whole], device=ids.device)
-            positions = torch.arange(len(whole), device=ids.device).view(1, -1)
+            ids, positions = to_device([torch.tensor([whole]),
+                                        torch.arange(len(whole)).view(1, -1)], device)
             logits, depth = self._run(ids, positions, None, None, False)
             logits = logits[:, -new:]
         else:
+            ids, positions = to_device([ids, positions], device)
             logits, depth = self._run(ids, positions, None, request.cache, decode)
             request.cache.advance(new)
         request.cached += new
-        spent = time.perf_counter() - clock
-        self.stats["forward_s"] += spent
-        if not decode:
-            self.stats["prefill_s"] += spent
+        self.clock.add(("forward_s",) if decode else ("forward_s", "prefill_s"), clock,
+                       self.clock.now())
         return logits, depth
 
     def _prefill(self, requests: list, n: int, finished: list) -> None:
         """The next ``n`` prompt tokens of each of ``requests`` in one forward; the requests
         whose prompt this completes sample their first token."""
-        device = current_device()
-        ids = torch.tensor([r.prompt[r.cached:r.cached + n] for r in requests], device=device)
-        positions = torch.tensor([list(range(r.cached, r.cached + n)) for r in requests],
-                                 device=device)
+        ids = torch.tensor([r.prompt[r.cached:r.cached + n] for r in requests])
+        positions = torch.tensor([list(range(r.cached, r.cached + n)) for r in requests])
         logits, depth = self._forward(requests, ids, positions, decode=False)
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_tokens"] += n * len(requests)
         read = [i for i, r in enumerate(requests) if r.cached == len(r.prompt)]
         if read:
-            depths = depth.tolist() if depth is not None else [self.num_loops] * len(requests)
-            self._emit([requests[i] for i in read], logits[read, -1],
-                       [depths[i] for i in read], finished)
+            index = torch.tensor(read).to(device_of(logits)) \
+                if len(read) < len(requests) else None
+            pick = (lambda t: t if index is None else t.index_select(0, index))  # noqa: E731
+            self._emit([requests[i] for i in read], pick(logits[:, -1]),
+                       None if depth is None else pick(depth), finished)
 
     def _decode(self, requests: list, finished: list) -> None:
         if self.speculate:
@@ -467,24 +514,22 @@ class InferenceEngine:
             requests = [r for r in requests if room[r.id] < 1]
             if not requests:
                 return
-        device = current_device()
-        ids = torch.tensor([[r.out[-1]] for r in requests], device=device)
-        positions = torch.tensor([[r.cached] for r in requests], device=device)
+        ids = torch.tensor([[r.out[-1]] for r in requests])
+        positions = torch.tensor([[r.cached] for r in requests])
         logits, depth = self._forward(requests, ids, positions, decode=True)
         self.stats["decode_forwards"] += 1
         self._decode_rows += len(requests)
         self.stats["decode_rows_max"] = max(self.stats["decode_rows_max"], len(requests))
         self.stats["decode_rows_mean"] = self._decode_rows / self.stats["decode_forwards"]
-        depths = depth.tolist() if depth is not None else [self.num_loops] * len(requests)
-        self._emit(requests, logits[:, -1], depths, finished)
+        self._emit(requests, logits[:, -1], depth, finished)
 
     def _speculate(self, requests: list, k: int, finished: list) -> None:
         """One self-speculative round (megaloop/inference/speculation.py) for the decoding rows:
         each emits the tokens it kept and the verified one after them."""
-        clock = time.perf_counter()
+        clock = self.clock.now()
         logits, emitted, ok, drafted, accepted = speculate_round(self, requests, k)
         self._decode_views = {}  # the rows grew unevenly: the next decode gathers afresh
-        self.stats["forward_s"] += time.perf_counter() - clock
+        self.clock.add(("forward_s",), clock, self.clock.now())
         self.stats["decode_forwards"] += k + 1
         self.stats["drafted"] += drafted
         self.stats["accepted"] += accepted
@@ -497,19 +542,25 @@ class InferenceEngine:
                     break
                 self._take(request, logits[i, j], token, ok[i], self.num_loops, finished)
 
-    def _emit(self, requests: list, logits: torch.Tensor, depths: list, finished: list) -> None:
+    def _emit(self, requests: list, logits: torch.Tensor, depth: Optional[torch.Tensor],
+              finished: list) -> None:
         """Sample every request's next token from its row of the [n, V] logits in one call,
-        and retire the requests that are done."""
+        and retire the requests that are done. ``depth``: each row's exit step (None: T)."""
         params = [r.params for r in requests]
         tokens, ok, logp = sample_rows(logits, [p.temperature for p in params],
                                        [p.top_k for p in params], [p.top_p for p in params],
                                        [p.seed for p in params], [r.stream for r in requests],
                                        [len(r.out) for r in requests], logprobs=True)
-        # the one transfer to the host (ids are exact in float64)
-        tokens, ok, logp = torch.stack([tokens.double(), ok.double(), logp]).tolist()
+        # the step's one transfer to the host (ids and steps are exact in float64)
+        rows = [tokens.double(), ok.double(), logp]
+        if depth is not None:
+            rows.append(depth.to(logp.device).double())
+        host = torch.stack(rows).tolist()
+        tokens, ok, logp = host[:3]
+        depths = host[3] if depth is not None else [self.num_loops] * len(requests)
         for i, request in enumerate(requests):
-            self._take(request, logits[i], int(tokens[i]), bool(ok[i]), depths[i], finished,
-                       logp[i])
+            self._take(request, logits[i], int(tokens[i]), bool(ok[i]), int(depths[i]),
+                       finished, logp[i])
 
     def _take(self, request: Request, logits: torch.Tensor, token: int, ok: bool, depth: int,
               finished: list, logprob: Optional[float] = None) -> None:

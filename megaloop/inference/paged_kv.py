@@ -31,7 +31,13 @@ from typing import Optional
 
 import torch
 
+from megaloop.device import device_of
 from megaloop.inference.kv_cache import LoopKVCache
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` was handed over already on the device (the engine's staged integers)."""
+    return getattr(t, "_megaloop_staged", False)
 
 
 class BlockAllocator:
@@ -97,60 +103,90 @@ class PagedKV:
         block = table.gather(1, (token // size).clamp(max=width - 1).t()).t()
         return torch.where(real, block * size + token % size, 0)
 
-    def view(self, rows: list[tuple[list[int], int]], new_tokens: int, spare: int = 0):
+    def gather_index(self, rows: list[tuple[list[int], int]], width: int) -> torch.Tensor:
+        """[width * b] host tensor: the flat pool index of every column of a view of ``rows``
+        ``width`` columns wide, column-major: each row's cached tokens end at column L (the
+        longest cached length), the columns after them read slot 0 (overwritten by the forward;
+        padding reads slot 0 too: finite, and masked)."""
+        L, b = max(length for _, length in rows), len(rows)
+        index = torch.zeros(width, b, dtype=torch.long)
+        if L:
+            lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
+            index[:L] = self._slots(rows, lengths - L, L)
+        return index.flatten()
+
+    def write_index(self, rows: list[tuple[list[int], int]], new_tokens: int) -> torch.Tensor:
+        """[new_tokens * b] host tensor: the pool slots of the rows' next ``new_tokens`` tokens
+        (their lengths as given to ``view``), column-major as the buffers are laid out."""
+        lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
+        return self._slots(rows, lengths, new_tokens).flatten()
+
+    def view(self, rows: list[tuple[list[int], int]], new_tokens: int, spare: int = 0,
+             index: Optional[torch.Tensor] = None, lengths: Optional[torch.Tensor] = None):
         """(cache, mask) for a forward of ``new_tokens`` positions per row over ``rows`` ((blocks,
         cached length) each): every row's cached tokens end at column L = the longest cached
         length, the new ones fill columns L..L+new_tokens-1 (``spare`` more columns are
-        allocated for ``next_decode``)."""
-        lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
-        L, b = int(lengths.max()), len(rows)
+        allocated for ``next_decode``). ``index`` (``gather_index``) and ``lengths`` (the rows'
+        cached lengths): already on the device (the engine copies a step's integers in one
+        transfer); None: made here and copied."""
+        L, b = max(length for _, length in rows), len(rows)
         width = L + new_tokens + spare
-        # [width, b] flat pool index of every column: the cached tokens, then slot 0 for the new
-        # columns (overwritten by the forward); padding reads slot 0 too (finite, and masked).
-        index = torch.zeros(width, b, dtype=torch.long)
-        if L:
-            index[:L] = self._slots(rows, lengths - L, L)
-        index = index.flatten().to(self.device)
+        if index is None:
+            index = self.gather_index(rows, width).to(self.device)
         kv = _View(b, width, self.policy, L, self.layer_forward)
         for key, layers in self.pools.items():
             kv.dicts[key] = {
                 n: tuple(pool.index_select(0, index).view(width, b, *pool.shape[1:])
                          for pool in (k, v)) for n, (k, v) in layers.items()}
         kv.layers = self._layers()
-        return kv, self.mask(lengths, L, new_tokens)
+        return kv, self.mask(self._lengths(rows, lengths), L, new_tokens)
 
-    def next_decode(self, kv: _View, rows: list[tuple[list[int], int]]):
-        """(cache, mask) of the decode forward after ``kv``'s for the same rows, each one token
-        longer, reusing ``kv``'s buffers (they hold the last forward's new column already, as
-        written back): None when it has no spare column or the pools changed."""
-        lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
-        L = int(lengths.max())
-        if L != kv.offset + 1 or L + 1 > kv.max_sequence_length or kv.layers != self._layers():
+    def reusable(self, kv: _View, rows: list[tuple[list[int], int]]) -> bool:
+        """Whether the decode forward after ``kv``'s for the same rows, each one token longer,
+        can reuse ``kv``'s buffers (they hold the last forward's new column already, as written
+        back): a spare column is left and the pools did not change."""
+        L = max(length for _, length in rows)
+        return L == kv.offset + 1 and L + 1 <= kv.max_sequence_length and \
+            kv.layers == self._layers()
+
+    def next_decode(self, kv: _View, rows: list[tuple[list[int], int]],
+                    lengths: Optional[torch.Tensor] = None):
+        """(cache, mask) of that next decode forward (``reusable``), or None."""
+        if not self.reusable(kv, rows):
             return None
-        kv.context.sequence_len_offset = L
+        kv.context.sequence_len_offset = max(length for _, length in rows)
         kv._first_written.clear()
-        return kv, self.mask(lengths, L, 1)
+        return kv, self.mask(self._lengths(rows, lengths), kv.offset, 1)
+
+    def _lengths(self, rows, lengths: Optional[torch.Tensor]) -> torch.Tensor:
+        if lengths is not None:
+            return lengths
+        return torch.tensor([length for _, length in rows], dtype=torch.long)
 
     def _layers(self) -> int:
         return sum(len(layers) for layers in self.pools.values())
 
     def mask(self, lengths: torch.Tensor, L: int, new_tokens: int) -> torch.Tensor:
         """[rows, 1, new, L + new] True where a query may not look: a row's left padding (its
-        cached tokens end at column L) and the columns after the query."""
+        cached tokens end at column L) and the columns after the query. Made where ``lengths``
+        is (host lengths: then copied to the device)."""
         width, b = L + new_tokens, len(lengths)
-        column = torch.arange(width)
+        staged = _on_device(lengths)
+        where = {"device": device_of(lengths)} if staged else {}
+        column = torch.arange(width, **where)
         padding = column.view(1, width) < (L - lengths).view(b, 1)
-        after = column.view(1, width) > L + torch.arange(new_tokens).view(new_tokens, 1)
-        return (padding.view(b, 1, 1, width) | after.view(1, 1, new_tokens, width)).to(
-            self.device)
+        after = column.view(1, width) > L + torch.arange(new_tokens, **where).view(new_tokens, 1)
+        mask = padding.view(b, 1, 1, width) | after.view(1, 1, new_tokens, width)
+        return mask if staged else mask.to(self.device)
 
-    def write_back(self, kv: _View, rows: list[tuple[list[int], int]], new_tokens: int) -> None:
+    def write_back(self, kv: _View, rows: list[tuple[list[int], int]], new_tokens: int,
+                   dest: Optional[torch.Tensor] = None) -> None:
         """Scatter the new columns of every cache ``kv`` holds into the rows' blocks (their
-        lengths as given to ``view``; the caller counts the new tokens in)."""
+        lengths as given to ``view``; the caller counts the new tokens in). ``dest``
+        (``write_index``) already on the device, or None: made here and copied."""
         L = kv.offset
-        lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
-        # Column-major [new, b], as the buffers are laid out.
-        dest = self._slots(rows, lengths, new_tokens).flatten().to(self.device)
+        if dest is None:
+            dest = self.write_index(rows, new_tokens).to(self.device)
         size = self.allocator.num_blocks * self.allocator.block_size
         for key, layers in kv.dicts.items():
             pools = self.pools.setdefault(key, {})

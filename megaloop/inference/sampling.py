@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from megaloop.device import device_of
+from megaloop.inference.transfer import to_device
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -56,17 +59,19 @@ def probabilities(logits: torch.Tensor, temperature: list, top_k: list, top_p: l
     [b] bool: rows that cannot be sampled). Greedy rows (temperature 0) are computed at
     temperature 1 (their caller takes the argmax)."""
     b, vocab = logits.shape
-    device = logits.device
-    temp = torch.tensor(temperature, dtype=torch.float32, device=device)
+    device = device_of(logits)
+    # (the settings reach the device in two non-blocking copies: megaloop/inference/transfer.py)
+    k, = to_device([torch.tensor([kk if kk > 0 else vocab for kk in top_k])], device)
+    temp, p = to_device([torch.tensor(temperature, dtype=torch.float64),
+                         torch.tensor(top_p, dtype=torch.float64)], device, torch.float64)
+    temp = temp.float()
     z = logits / torch.where(temp <= 0, torch.ones_like(temp), temp)[:, None]
     # NaN or +inf (a broken row, or logits that overflow at this temperature): not sampleable
     broken = (torch.isnan(z) | torch.isposinf(z)).any(-1)
     z = torch.nan_to_num(z, nan=float("-inf"), posinf=float("-inf"))
     ranked, order = z.sort(-1, descending=True)
     rank = torch.arange(vocab, device=device)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device)
     ranked = ranked.masked_fill(rank[None] >= k[:, None], float("-inf"))
-    p = torch.tensor(top_p, dtype=torch.float64, device=device)
     probs = torch.softmax(ranked.double(), -1)
     # drop a token when the tokens before it already reach p (the first always stays)
     drop = (probs.cumsum(-1) - probs >= p[:, None]) & (rank[None] > 0)
@@ -89,9 +94,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def stream_uniforms(seeds: list, streams: list, counters: list, device) -> torch.Tensor:
     """``uniforms`` of Python lists (seeds of either sign) on ``device``."""
-    return uniforms(torch.tensor([_signed(s) for s in seeds], device=device),
-                    torch.tensor(streams, dtype=torch.long, device=device),
-                    torch.tensor(counters, dtype=torch.long, device=device))
+    return uniforms(*to_device([torch.tensor([_signed(s) for s in seeds]),
+                                torch.tensor(streams, dtype=torch.long),
+                                torch.tensor(counters, dtype=torch.long)], device))
 
 
 def sample_rows(logits: torch.Tensor, temperature: list, top_k: list, top_p: list,
@@ -101,14 +106,15 @@ def sample_rows(logits: torch.Tensor, temperature: list, top_k: list, top_p: lis
     ``logprobs``: also [b] float64, the log-probability of each row's token under the
     distribution it was drawn from (temperature, top-k and top-p applied; 0 for a greedy row,
     whose token is certain)."""
-    greedy = torch.tensor([t <= 0 for t in temperature], device=logits.device)
     tokens = logits.argmax(-1)
     ok = torch.isfinite(logits).any(-1)
-    if bool(greedy.all()):
+    if all(t <= 0 for t in temperature):  # (decided on the host: no wait for the device)
         zero = torch.zeros(tokens.shape, dtype=torch.float64, device=logits.device)
         return (tokens, ok, zero) if logprobs else (tokens, ok)
+    greedy, = to_device([torch.tensor([t <= 0 for t in temperature])], device_of(logits),
+                        torch.bool)
     probs, broken = probabilities(logits, temperature, top_k, top_p)
-    u = stream_uniforms(seeds, streams, counters, logits.device)
+    u = stream_uniforms(seeds, streams, counters, device_of(logits))
     tokens = torch.where(greedy, tokens, draw(probs, u))
     ok = ok & (greedy | ~broken)
     tokens = torch.where(ok, tokens, torch.zeros_like(tokens))
