@@ -195,10 +195,18 @@ def test_chunked_prefill_does_not_stall_decoding():
 def _rows_per_step(rank, world):
     setup_parallel(world)
     model = _model()
-    calls = []  # (tokens, rows) of every call of the shared core (its first layer's input norm,
-    # which megatron-core's layer forward and megaloop's inference forward both call)
-    model.core.layers[0].input_layernorm.register_forward_pre_hook(
-        lambda module, args: calls.append(tuple(args[0].shape[:2])))
+    from megaloop.model import layer_forward
+
+    calls = []  # (tokens, rows) of every call of the shared core (through the one function the
+    # model calls its blocks with, whichever layer forward then computes them)
+    call = layer_forward.call
+
+    def counted(block, hidden_states, *args, **kwargs):
+        if block is model.core:
+            calls.append(tuple(hidden_states.shape[:2]))
+        return call(block, hidden_states, *args, **kwargs)
+
+    layer_forward.call = counted
     engine = _engine(model, "full", "q:0.5", prefill_chunk=256)
     requests = [engine.add(p, 6, _params(i, 0.0)) for i, p in enumerate(PROMPTS)]
     observed, expected = [], []

@@ -33,6 +33,7 @@ ULPS = 8  # float32 units in the last place the two forwards' float32 outputs ma
 
 CASES = {
     "llama": ({}, {}),
+    "gqa": ({"num_query_groups": 2, "group_query_attention": True}, {}),
     "gqa-qknorm": ({"num_query_groups": 2, "group_query_attention": True,
                     "qk_layernorm": True}, {}),
     "gpt-biases": ({"swiglu": False, "position_embedding_type": "learned_absolute",

@@ -51,8 +51,8 @@ class PositionRope:
     per forward, for every layer and step of it)."""
 
     def __init__(self, table: torch.Tensor, position_ids: torch.Tensor, mscale: float = 1.0):
-        # table [S, 1, 1, rot_dim], position_ids [b, s] -> [s, b, 1, rot_dim]
-        freqs = table[:, 0, 0][position_ids.t()].unsqueeze(2)
+        # table [S, 1, 1, rot_dim], position_ids [b, s] -> [s, b, rot_dim]
+        freqs = table[:, 0, 0][position_ids.t()]
         self.cos, self.sin = torch.cos(freqs) * mscale, torch.sin(freqs) * mscale
         self._cast: dict = {}
 
@@ -63,21 +63,30 @@ class PositionRope:
         out._cast = {}
         return out
 
+    def _angles(self, dtype, dims: int):
+        """(cos, sin, sin with its first half negated) in ``dtype``, shaped to broadcast over a
+        [s, b, ..., dim] tensor of ``dims`` dimensions."""
+        if (dtype, dims) not in self._cast:
+            cos, sin = self.cos.to(dtype), self.sin.to(dtype)
+            half = sin.size(-1) // 2
+            signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            shape = cos.shape[:2] + (1,) * (dims - 3) + cos.shape[2:]
+            self._cast[(dtype, dims)] = tuple(a.view(shape) for a in (cos, sin, signed))
+        return self._cast[(dtype, dims)]
+
     def apply(self, t: torch.Tensor, interleaved: bool) -> torch.Tensor:
-        """``t`` [s, b, heads, dim] rotated: megatron-core's ``_apply_rotary_pos_emb_bshd``
-        (the first rot_dim features rotated, halves or interleaved pairs, the rest passed)."""
-        if t.dtype not in self._cast:
-            self._cast[t.dtype] = (self.cos.to(t.dtype), self.sin.to(t.dtype))
-        cos, sin = self._cast[t.dtype]
+        """``t`` [s, b, ..., dim] rotated: megatron-core's ``_apply_rotary_pos_emb_bshd`` (the
+        first rot_dim features rotated, halves or interleaved pairs, the rest passed). Halves:
+        rotate_half(x) = (-x2, x1) is x rolled by rot_dim / 2 with the first half negated,
+        which the sine carries: three tensor calls instead of six."""
+        cos, sin, signed = self._angles(t.dtype, t.dim())
         rot = cos.size(-1)
         x, rest = (t, None) if rot == t.size(-1) else (t[..., :rot], t[..., rot:])
         if interleaved:
             x1, x2 = x[..., ::2], x[..., 1::2]
-            half = torch.stack((-x2, x1), dim=-1).view(x.shape)
+            x = x * cos + torch.stack((-x2, x1), dim=-1).view(x.shape) * sin
         else:
-            x1, x2 = torch.chunk(x, 2, dim=-1)
-            half = torch.cat((-x2, x1), dim=-1)
-        x = x * cos + half * sin
+            x = torch.addcmul(x * cos, torch.roll(x, rot // 2, dims=-1), signed)
         return x if rest is None else torch.cat((x, rest), dim=-1)
 
 
@@ -170,11 +179,12 @@ def block_forward(block, hidden_states, attention_mask, rotary_pos_emb, inferenc
     # Its tensors cannot be written in place outside it, so a cache buffer this forward makes
     # is made outside (``_attention``); the rest of the model reads its output under no_grad.
     with torch.inference_mode():
+        allowed = None if attention_mask is None else ~attention_mask
         h = hidden_states
         for layer in block.layers:
-            h = _layer(layer, h, attention_mask, rotary_pos_emb, inference_context)
+            h = _layer(layer, h, allowed, rotary_pos_emb, inference_context)
         if block.final_layernorm is not None:
-            h = block.final_layernorm(h)
+            h = _norm(block.final_layernorm, h)
         return h
 
 
@@ -193,14 +203,42 @@ def _linear(module, x):
     return (out if bias is None else out + bias), None
 
 
+def _norm(norm, x):
+    """``norm(x)``; PyTorch's RMSNorm module as its formula (fewer host calls, the same value
+    up to rounding; computed in at least float32, as the module does)."""
+    if type(norm) is not torch.nn.RMSNorm:
+        return norm(x)
+    v = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    eps = norm.eps if norm.eps is not None else torch.finfo(v.dtype).eps
+    y = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * norm.weight).to(x.dtype) if norm.weight is not None else y.to(x.dtype)
+
+
+def _bda(bda, out_with_bias, residual):
+    """The layer's bias-dropout-add slot at inference (no dropout): megatron-core's function and
+    megaloop's normed one as their sums, any other module called as TransformerLayer calls it."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    from megaloop.model.specs import NormedBiasDropoutAdd
+
+    out, bias = out_with_bias
+    if bda is get_bias_dropout_add or type(bda) is NormedBiasDropoutAdd:
+        if bias is not None:
+            out = out + bias
+        if bda is get_bias_dropout_add:
+            return residual + out
+        if bda.where == "branch":
+            return residual + _norm(bda.norm, out)
+        return _norm(bda.norm, residual + out)
+    return bda(False, False)(out_with_bias, residual, 0.0)
+
+
 def _layer(layer, x, mask, rope, context):
     c = layer.config
-    residual = x
-    a = _attention(layer.self_attention, layer.input_layernorm(x), mask, rope, context)
-    x = layer.self_attn_bda(False, False)(a, residual, 0.0)
-    residual = x
-    m = _mlp(layer.mlp, layer.pre_mlp_layernorm(x), c)
-    return layer.mlp_bda(False, False)(m, residual, 0.0)
+    a = _attention(layer.self_attention, _norm(layer.input_layernorm, x), mask, rope, context)
+    x = _bda(layer.self_attn_bda, a, x)
+    m = _mlp(layer.mlp, _norm(layer.pre_mlp_layernorm, x), c)
+    return _bda(layer.mlp_bda, m, x)
 
 
 def _mlp(mlp, x, c):
@@ -215,20 +253,36 @@ def _mlp(mlp, x, c):
     return _linear(mlp.linear_fc2, y)
 
 
-def _attention(attn, x, mask, rope, context):
+def _attention(attn, x, allowed, rope, context):
+    """``allowed``: the attention mask inverted (True: a query may look), or None."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
     c = attn.config
     groups, heads = attn.num_query_groups_per_partition, attn.num_attention_heads_per_partition
-    dim = attn.hidden_size_per_attention_head
+    dim, per = attn.hidden_size_per_attention_head, \
+        attn.num_attention_heads_per_partition // attn.num_query_groups_per_partition
     mixed, _ = _linear(attn.linear_qkv, x)
     sq, b = mixed.shape[:2]
-    # [sq, b, groups, (heads / groups + 2) * dim]: each group's queries, its key, its value
-    mixed = mixed.view(sq, b, groups, (heads // groups + 2) * dim)
-    query, key, value = torch.split(mixed, [heads // groups * dim, dim, dim], dim=3)
-    query = query.reshape(sq, b, heads, dim)
-    if attn.q_layernorm is not None:
-        query = attn.q_layernorm(query)
-    if attn.k_layernorm is not None:
-        key = attn.k_layernorm(key)
+    # [sq, b, groups, heads / groups + 2, dim]: each group's queries, its key, its value
+    mixed = mixed.view(sq, b, groups, per + 2, dim)
+    value = mixed[:, :, :, per + 1]
+    if rope is not None and not isinstance(rope, PositionRope):
+        raise ValueError("megaloop's layer forward rotates by position: give "
+                         "recurrence.begin the forward's position ids")
+    q_norm, k_norm = (None if isinstance(n, IdentityOp) else n
+                      for n in (attn.q_layernorm, attn.k_layernorm))
+    if q_norm is None and k_norm is None and rope is not None:
+        qk = rope.apply(mixed[:, :, :, :per + 1], c.rotary_interleaved)  # one call for both
+        query, key = qk[:, :, :, :per].reshape(sq, b, heads, dim), qk[:, :, :, per]
+    else:
+        query, key = mixed[:, :, :, :per].reshape(sq, b, heads, dim), mixed[:, :, :, per]
+        if q_norm is not None:
+            query = q_norm(query)
+        if k_norm is not None:
+            key = k_norm(key)
+        if rope is not None:
+            query = rope.apply(query, c.rotary_interleaved)
+            key = rope.apply(key, c.rotary_interleaved)
     # megatron-core's static cache layout: keys and values at [offset, offset + sq) of the rows
     # [batch offset, + b); attention reads the prefix up to the new tokens. Keys after RoPE.
     start, rows = context.sequence_len_offset, context.batch_size_offset
@@ -240,26 +294,18 @@ def _attention(attn, x, mask, rope, context):
                 torch.empty(size, dtype=key.dtype, device=key.device),
                 torch.empty(size, dtype=value.dtype, device=value.device))
     keys, values = context.key_value_memory_dict[attn.layer_number]
-    if rope is not None:
-        if not isinstance(rope, PositionRope):
-            raise ValueError("megaloop's layer forward rotates by position: give "
-                             "recurrence.begin the forward's position ids")
-        query = rope.apply(query, c.rotary_interleaved)
-        key = rope.apply(key, c.rotary_interleaved)
     keys[start:end, rows:rows + b] = key
     values[start:end, rows:rows + b] = value
-    key, value = keys[:end, rows:rows + b], values[:end, rows:rows + b]
     # [s, b, h, d] -> [b, h, s, d]
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-    if mask is not None:
-        allowed, causal = ~mask, False
-    else:  # megatron-core: causal over a square (a prefill), every key for one query
-        if sq > 1 and sq != end:
-            raise ValueError(f"an unmasked call of {sq} tokens after {start} cached ones: "
-                             f"give an attention mask")
-        allowed, causal = None, sq > 1
+    q = query.permute(1, 2, 0, 3)
+    k = keys[:end, rows:rows + b].permute(1, 2, 0, 3)
+    v = values[:end, rows:rows + b].permute(1, 2, 0, 3)
+    if allowed is None and sq > 1 and sq != end:
+        raise ValueError(f"an unmasked call of {sq} tokens after {start} cached ones: give an "
+                         f"attention mask")
+    # (megatron-core without a mask: causal over a square, a prefill; one query sees every key)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, is_causal=causal,
+        q, k, v, attn_mask=allowed, is_causal=allowed is None and sq > 1,
         scale=attn.core_attention.softmax_scale, enable_gqa=heads != groups)
     out = out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
     return _linear(attn.linear_proj, out)
