@@ -14,11 +14,22 @@
   coda's cache at step d holds the prompt and the kept tokens);
 - a row whose probabilities break mid-round ends in that round, alone, with no token past the
   fault; the others decode on;
-- what speculation cannot do is refused by name.
+- what speculation cannot do is refused by name;
+- tools/generate.py --speculate (the engine's flag, as tools/serve.py's) reaches the engine
+  Generator builds, decodes a trained checkpoint's greedy ids as without it, and a bad value is
+  refused naming the flag;
+- DraftController picks the k of hand-computed E(k) / cost choices, estimates the per-draft
+  acceptance from rounds that stop at their first rejection, probes after a run of plain steps
+  (and notices a recovered acceptance) and after a run of rounds; agreed_k gives rank 0's k on
+  both ranks at TP=2.
 
 The rank bodies run under the CPU shim's placement check.
 """
 
+import contextlib
+import io
+
+import pytest
 import torch
 
 from distributed import run_distributed, setup_parallel
@@ -316,3 +327,188 @@ def test_a_row_whose_probabilities_break_ends_alone_within_the_round():
             assert rows[i][:2] == (alone[i], "length"), (spec, i, rows[i], alone[i])
         assert (len(rows[3][0]), rows[3][1:]) == (FAULT_TOKENS, ("length", "None")), rows[3]
         assert used == 0
+
+
+# --- tools/generate.py --speculate --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny looped model trained two steps (test_training.BASE: 2 layers, T = 3)."""
+    from test_inference import _train_and_save
+
+    path = str(tmp_path_factory.mktemp("speculate") / "ckpt")
+    assert run_distributed(_train_and_save, 1, path) == [0]
+    return path
+
+
+def _generate_engines(rank, world, argvs):
+    """tools/generate.py's main(argv) for each of ``argvs`` in this rank, recording the engines
+    it builds: per argv (exit code, stdout, stderr, per engine (speculate, drafted, accepted))."""
+    check_placement()
+    from megaloop.inference import engine as engine_module
+    from test_inference_precision import _tool
+
+    real, built = engine_module.InferenceEngine, []
+
+    class Recording(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    engine_module.InferenceEngine = Recording  # (Generator imports it from there when it runs)
+    results = []
+    try:
+        for argv in argvs:
+            built.clear()
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = _tool("generate").main(argv)
+            results.append((code, out.getvalue(), err.getvalue(),
+                            [(e.speculate, e.stats["drafted"], e.stats["accepted"])
+                             for e in built]))
+    finally:
+        engine_module.InferenceEngine = real
+    return results
+
+
+def test_generate_speculate_reaches_the_engine_and_keeps_the_greedy_ids(ckpt):
+    """--speculate 1:2 reaches every engine Generator builds (its up-front check and the one
+    that decodes) as the tuple (1, 2), which drafts; the ids printed equal those without it.
+    A draft depth at the model's T (3) is refused after loading, naming the flag."""
+    argv = ["--load", ckpt, "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10",
+            "--max-tokens", "12", "--no-stop-at-eod"]
+    plain, spec, deep = run_distributed(_generate_engines, 1, [
+        argv, argv + ["--speculate", "1:2"], argv + ["--speculate", "3:2"]])[0]
+    assert plain[0] == 0 and [e[0] for e in plain[3]] == [None, None], plain
+    lines = plain[1].strip().split("\n")
+    assert len(lines) == 2 and all(len(line.split(",")) == 12 for line in lines), plain[1]
+    assert spec[0] == 0, spec[2]
+    assert [e[0] for e in spec[3]] == [(1, 2), (1, 2)], spec[3]
+    assert spec[3][-1][1] > 0, spec[3]  # the decoding engine drafted
+    assert spec[1] == plain[1]
+    assert deep[0] == 2 and deep[1] == "", deep
+    assert deep[2].strip().splitlines()[-1].startswith(
+        "error: --speculate 3:2: the draft depth 3 must be below the decoding depth 3"), deep[2]
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--speculate", "2"], "error: --speculate '2': give d:k (draft depth d, k drafted tokens "
+                           "per round), e.g. 2:4"),
+    (["--speculate", "0:2"], "error: --speculate 0:2: the draft depth and the drafted tokens "
+                             "must be >= 1"),
+    (["--speculate", "1:2", "--kv-policy", "last-step"],
+     "error: --speculate 1:2 needs --kv-policy full (a multi-token verify over one-slot or "
+     "mod-k caches differs from token-by-token decoding)"),
+])
+def test_generate_refuses_a_bad_speculate_value_naming_the_flag(ckpt, extra, line, capsys,
+                                                               monkeypatch):
+    """Exit code 2 and one line naming --speculate and what to give, before any process
+    group."""
+    from test_inference_precision import _tool
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert _tool("generate").main(["--load", ckpt, "--prompt-ids", "5,6", "--max-tokens", "4",
+                                   *extra]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert not torch.distributed.is_initialized()
+
+
+# --- DraftController ------------------------------------------------------------------------------
+def _controller(kept, k, draft_s, verify_s, plain_s=1.0, **kw):
+    """A controller that has timed one plain step and one round (decay 1: the last of each)."""
+    from megaloop.inference.speculation import DraftController
+
+    c = DraftController(decay=1.0, **kw)
+    c.record_plain(plain_s)
+    c.record(kept, k, draft_s, verify_s)
+    return c
+
+
+def test_controller_picks_the_k_of_the_most_tokens_per_second():
+    """Rows keeping 4, 3 and 1 of 4 drafts: a = 8 kept / 10 tested = 0.8 (accepted / drafted
+    would say 8/12). c_plain 1 s, c_draft 0.4 s / 4 = 0.1 s, c_verify 1.2 s. By hand,
+    E(k) = (1 - 0.8^(k+1)) / 0.2 and rate(k) = E(k) / (0.1 k + 1.2):
+    k = 1: 1.8 / 1.3 = 1.3846;  2: 2.44 / 1.4 = 1.7429;  3: 2.952 / 1.5 = 1.968;
+    4: 3.3616 / 1.6 = 2.101;  5: 3.68928 / 1.7 = 2.1702;  6: 3.951424 / 1.8 = 2.19524;
+    7: 4.161139 / 1.9 = 2.19007;  8: 4.328911 / 2.0 = 2.16446;  rate(0) = 1 / 1 s.
+    So k = 6 of up to 8, the most allowed below that, and 0 where there is no room."""
+    c = _controller([4, 3, 1], 4, 0.4, 1.2)
+    assert c.acceptance == pytest.approx(0.8)
+    assert [c.rate(k) for k in (0, 1, 4, 6, 8)] == pytest.approx(
+        [1.0, 1.8 / 1.3, 3.3616 / 1.6, 3.951424 / 1.8, 4.328911 / 2.0], rel=1e-6)
+    assert [c.k_for(m) for m in (8, 7, 6, 5, 4, 1, 0)] == [6, 6, 6, 5, 4, 1, 0]
+
+
+def test_controller_decodes_plainly_where_drafts_do_not_pay():
+    """Rows keeping 1, 0, 0, 0 of 4: a = 1 / 5 = 0.2; c_draft 3.6 s / 4 = 0.9 s (a host-bound
+    forward: a draft costs about a full one), c_verify 1.1 s. rate(1) = 1.2 / 2.0 = 0.6,
+    rate(2) = 1.24 / 2.9 = 0.428, below rate(0) = 1: k = 0."""
+    c = _controller([1, 0, 0, 0], 4, 3.6, 1.1)
+    assert c.acceptance == pytest.approx(0.2)
+    assert c.rate(1) == pytest.approx(0.6) and c.rate(2) == pytest.approx(1.24 / 2.9)
+    assert c.k_for(4) == 0
+
+
+def test_controller_measures_first_then_probes_both_ways():
+    """0 until a plain step is timed, then max_k until a round is; after probe_every plain
+    steps in a row the best k >= 1 once (which notices a recovered acceptance), after
+    probe_every rounds in a row 0 once."""
+    from megaloop.inference.speculation import DraftController
+
+    c = DraftController(decay=1.0, probe_every=3)
+    assert c.k_for(4) == 0
+    c.record_plain(1.0)
+    assert c.k_for(4) == 4 and c.k_for(2) == 2
+    c.record([1, 0, 0, 0], 4, 3.6, 1.1)  # the previous test's losing round
+    choices = []
+    for _ in range(3):
+        choices.append(c.k_for(4))
+        c.record_plain(1.0)
+    assert choices == [0, 0, 0] and c.k_for(4) == 1  # the probe: rate(1) is the best k >= 1
+    c.record([1, 1, 1], 1, 0.1, 1.2)  # every draft kept now: a = 1, rate(k) = (k+1)/(0.1k+1.2)
+    assert c.acceptance == 1.0 and c.k_for(4) == 4  # 5 / 1.6 = 3.125 tokens/s
+    c.record([4], 4, 0.4, 1.2)
+    c.record([4], 4, 0.4, 1.2)
+    assert c.k_for(4) == 0  # three rounds in a row: time a plain step again
+    c.record_plain(1.0)
+    assert c.k_for(4) == 4
+
+
+def test_controller_averages_over_rounds_and_refuses_impossible_rounds():
+    """decay 0.5: kept 8 of 10 tested, then 0 of 2 (two rows rejecting their first draft):
+    kept 8 + 0.5 (0 - 8) = 4 over tested 10 + 0.5 (2 - 10) = 6, a = 2/3; c_draft 0.1 then
+    0.3 s: 0.2 s."""
+    from megaloop.inference.speculation import DraftController
+
+    c = DraftController(decay=0.5)
+    assert c.acceptance is None
+    c.record([4, 3, 1], 4, 0.4, 1.2)
+    c.record([0, 0], 4, 1.2, 1.0)
+    assert c.acceptance == pytest.approx(2 / 3)
+    assert (c.c_draft, c.c_verify) == (pytest.approx(0.2), pytest.approx(1.1))
+    for kept, k in (([5], 4), ([1], 0), ([], 2), ([-1], 2)):
+        with pytest.raises(ValueError, match="each row keeps 0..k"):
+            c.record(kept, k, 1.0, 1.0)
+    with pytest.raises(ValueError, match="decay 0: must be in"):
+        DraftController(decay=0)
+    with pytest.raises(ValueError, match="probe_every 0: must be >= 1"):
+        DraftController(probe_every=0)
+
+
+def test_expected_tokens_of_a_round():
+    from megaloop.inference.speculation import expected_tokens
+
+    # a = 0.5, k = 3: 1 + 0.5 + 0.25 + 0.125 (the k-th draft kept with probability a^k)
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+
+
+def _agreed(rank, world):
+    from megaloop.inference.speculation import agreed_k
+
+    setup_parallel(world)
+    return agreed_k(3 if rank == 0 else 1)
+
+
+def test_agreed_k_is_the_first_ranks_under_tensor_parallelism():
+    assert run_distributed(_agreed, 2) == [3, 3]

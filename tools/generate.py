@@ -22,6 +22,8 @@ closer than eps), ``fixed:<n>``; the mean executed depth is printed on stderr.
 otherwise, whatever the checkpoint was saved with (the weights map by name; a line says so).
 ``--bf16`` / ``--fp16`` / ``--fp32``: the precision the model is held in (default: on a GPU the
 checkpoint's, bf16 if it trained with --bf16; on CPU fp32); a line on stderr names it.
+``--speculate d:k``: self-speculative decoding, the batching engine's flag as tools/serve.py's
+(megaloop/inference/speculation.py): greedy output is the same tokens, sooner where drafts pay.
 """
 
 from __future__ import annotations
@@ -40,7 +42,14 @@ from megaloop.inference.flags import (add_ckpt_step_flag, add_generation_flags, 
 from megaloop.inference.precision import PrecisionConfig  # noqa: E402
 
 
+# The batching engine's flags (megaloop/inference/engine.py's EngineConfig) generate takes; the
+# others size a server's batches, which Generator sizes from the prompts.
+GENERATE_ENGINE_FLAGS = ("speculate",)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from megaloop.inference.engine import EngineConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True,
                    help="megaloop checkpoint directory, or a folder written by export-hf")
@@ -58,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_flags(p)
     add_transformer_impl_flag(p, engine=False)
     add_dataclass_args(p, PrecisionConfig)
+    # The engine's flag, as tools/serve.py adds it (its module imports torch, so --help does)
+    add_dataclass_args(p, EngineConfig, only=GENERATE_ENGINE_FLAGS)
     p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0,
                    help="sample from the k most likely tokens (default 0: all)")
@@ -79,16 +90,21 @@ def main(argv=None) -> int:
         return 2
     from megaloop.inference.flags import (check_sampling, check_seed, fit_prompt,
                                           tokenizer_from_flags)
+    from megaloop.inference.engine import EngineConfig
     from megaloop.inference.loading import (check_generation_flags, check_transformer_impl,
                                             parse_prompt_ids)
+    from megaloop.inference.speculation import check_speculate
 
     precision = dataclass_from_args(PrecisionConfig, args)
+    engine_config = dataclass_from_args(EngineConfig, args)  # (its GENERATE_ENGINE_FLAGS)
     try:
         precision.validate()
+        engine_config.validate()
         check_sampling(args.temperature, args.top_k, args.top_p)
         check_seed(args.seed)
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
                                       ckpt_step=args.ckpt_step)
+        check_speculate(engine_config.speculate, rule, args.kv_policy)
         impl = check_transformer_impl(args.transformer_impl, engine=False)
         prompts_ids = [parse_prompt_ids(t) for t in args.prompt_ids] if args.prompt_ids else None
     except ValueError as exc:
@@ -139,7 +155,8 @@ def main(argv=None) -> int:
                        for i, p in enumerate(prompts)]
             gen = Generator(model, tokenizer.vocab_size, num_loops=args.num_loops,
                             kv_policy=args.kv_policy, exit_rule=rule,
-                            eod=None if args.no_stop_at_eod else tokenizer.eod)
+                            eod=None if args.no_stop_at_eod else tokenizer.eod,
+                            speculate=engine_config.speculate)
             params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
             outputs = gen.generate(prompts, args.max_tokens, params)
         except ValueError as exc:  # also a depth the model cannot run (e.g. an exit gate missing)

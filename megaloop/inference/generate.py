@@ -10,6 +10,8 @@ them). A prompt is prefilled in one forward (prompts of one length share it), th
 advances one token per decode forward; a row stops at the end-of-document token or after
 ``max_tokens``. With ``kv_policy`` none the engine recomputes the whole sequence for every new
 token; a KV policy's cache gives the same logits under ``full`` (tests/test_inference.py).
+``speculate`` drafts and verifies several tokens per forward instead (self-speculative decoding,
+megaloop/inference/speculation.py), with the same tokens under greedy decoding.
 """
 
 from __future__ import annotations
@@ -51,22 +53,23 @@ class Generator:
 
     def __init__(self, model, vocab_size: int, num_loops: Optional[int] = None,
                  kv_policy: str = "full", eod: Optional[int] = None, exit_rule=None,
-                 record_logprobs: bool = False):
+                 record_logprobs: bool = False, speculate: str = ""):
+        """``speculate``: the engine's ``EngineConfig.speculate`` (``d:k``; "": off)."""
         from megaloop.inference.engine import EngineConfig, InferenceEngine
 
         check_num_loops(num_loops, spell=str)  # 0 must not silently mean the trained depth
         self.model, self.vocab_size, self.eod = model, vocab_size, eod
         self.num_loops = num_loops or model.loop.num_loops
-        self.kv_policy, self.exit_rule = kv_policy, exit_rule
+        self.kv_policy, self.exit_rule, self.speculate = kv_policy, exit_rule, speculate
         self.depths: list = []  # executed loop steps of every decoded token (early exit)
         # Of the last generate(): seconds of the prefill forwards and of the rest, the decode
-        # forwards, and the KV cache's bytes.
+        # forwards, the KV cache's bytes, and under speculate the drafted and kept tokens.
         self.stats: dict = {}
         self.record_logprobs = record_logprobs  # each token's [V] log-softmax (Request.logprobs)
         self.requests: list = []  # the last generate()'s engine requests, one per prompt
         # Refuse what the engine cannot decode now, not at the first generate().
         InferenceEngine(model, vocab_size, self.num_loops, kv_policy, eod, exit_rule,
-                        EngineConfig(max_sequence_length=1, max_batch=1))
+                        EngineConfig(max_sequence_length=1, max_batch=1, speculate=speculate))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_tokens: int,
@@ -88,7 +91,8 @@ class Generator:
             self.model, self.vocab_size, self.num_loops, self.kv_policy, self.eod,
             self.exit_rule, EngineConfig(max_sequence_length=max(lengths) + max_tokens,
                                          max_batch=len(prompts), prefill_chunk=max(lengths),
-                                         prefill_budget=sum(lengths)))
+                                         prefill_budget=sum(lengths),
+                                         speculate=self.speculate))
         row_of: dict = {}
 
         def call(request, token):
@@ -115,7 +119,8 @@ class Generator:
         elapsed = time.perf_counter() - clock
         s = engine.stats
         self.stats = {"prefill_s": s["prefill_s"], "decode_s": elapsed - s["prefill_s"],
-                      "decode_forwards": s["decode_forwards"], "kv_bytes": s["kv_bytes"]}
+                      "decode_forwards": s["decode_forwards"], "kv_bytes": s["kv_bytes"],
+                      "drafted": s["drafted"], "accepted": s["accepted"]}
         self.requests = requests
         for request in requests:  # (the first token was read at the prefill)
             self.depths.extend(request.depths[1:])
