@@ -28,18 +28,40 @@ on the host and handed to an NCCL collective. With the check on, the shim rememb
 would live on the *host* of a GPU machine and fails where a GPU run would:
 
 - host tensors: made by a factory or ``torch.as_tensor``/``from_numpy`` without a CUDA device,
-  moved with ``.cpu()`` / ``.to("cpu")``, or computed from host tensors only. Everything else is
-  on the accelerator: made with ``device="cuda"`` / ``torch.cuda.current_device()``, moved with
-  ``.cuda()`` / ``.to(cuda)`` (``module.cuda()`` and ``module.to(cuda)`` move its parameters),
-  or computed from any
-  accelerator tensor. Tensors the shim never saw made (autograd's gradients, tensors made before
-  the check started) count as placed, so the check can miss a mistake but not invent one;
+  moved with ``.cpu()`` / ``.to("cpu")`` / ``.to(torch.device("cpu"))``, or computed from host
+  tensors only. Everything else is on the accelerator: made with ``device="cuda"`` /
+  ``torch.cuda.current_device()``, moved with ``.cuda()`` / ``.to(cuda)`` (``module.cuda()`` and
+  ``module.to(cuda)`` move its parameters), or computed from any accelerator tensor. ``x.device``
+  answers a ``torch.device("cpu")`` that the check recognises as x's side, so
+  ``torch.zeros(n, device=x.device)`` and ``y.to(x.device)`` go where x is; a
+  ``torch.device("cpu")`` made elsewhere is taken as placed by factories (``with
+  torch.device(torch.cuda.current_device())`` hands them one). Tensors the shim never saw made
+  (autograd's gradients, tensors made before the check started) count as placed, so the check
+  can miss a mistake but not invent one;
 - an op that mixes accelerator tensors with a host tensor of one or more dimensions (0-d host
   tensors are scalars to CUDA kernels) raises ``PlacementError``: the model's embedding fed a
   batch left on the host is the common case. Indexing and ``copy_`` may mix, as on CUDA;
 - a host tensor passed to a ``torch.distributed`` collective or point-to-point call raises
   ``PlacementError``, unless the group was created with ``backend="gloo"`` (megatron-core's CPU
-  side groups, which take host tensors on a GPU machine too).
+  side groups, which take host tensors on a GPU machine too);
+- ``.numpy()`` / ``numpy.asarray`` of an accelerator tensor raises ``PlacementError`` (numpy reads
+  host memory only); ``pin_memory()`` returns a host copy the check marks as pinned (as does a
+  factory's ``pin_memory=True``), and ``is_pinned()`` answers from that mark.
+
+Transfer counter: ``with count_transfers() as seen:`` (placement check on) lists in ``seen.h2d``
+and ``seen.d2h`` the copies between host and GPU memory a GPU run would make inside the block,
+each a ``Transfer(op, where, blocking, pinned, non_blocking)`` whose ``where`` is the first caller
+outside torch and this module. Host to device: ``torch.tensor``/``as_tensor``/``asarray``/
+``new_tensor`` of host data onto the accelerator, ``.cuda()``/``.to(cuda)``/``copy_`` of a host
+tensor, a host index tensor or python sequence indexing an accelerator tensor; ``blocking`` unless
+the source is pinned and ``non_blocking=True`` was passed. Device to host: ``.tolist()``,
+``.item()``, ``bool``/``int``/``float``/``complex``/``operator.index``, printing,
+``.numpy(force=True)``, ``.cpu()``, ``.to("cpu")``, ``copy_`` into a host tensor, and each
+accelerator tensor inside the list data of ``torch.tensor``; all blocking but a ``non_blocking``
+copy into pinned memory. Empty tensors copy nothing and are not counted, nor are factories that
+make their values on the device (``zeros``, ``arange``, ``full``, ...). Not counted either, though
+they wait on a GPU too: ops that read device values to size their output or to answer python
+(``nonzero``, boolean-mask indexing, ``torch.equal``). The counter runs in the check's mode only.
 
 The marks live in an id-keyed table of weak references (never in the tensors, so nothing of them
 reaches a pickle or a checkpoint); the check costs a table look-up per tensor argument of every op.
@@ -49,6 +71,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -83,11 +106,17 @@ def _record(what: str) -> None:
     _SITES[(where, what)] += 1
 
 
+# Under the placement check ``t.device`` answers one of these two (both ``torch.device("cpu")``
+# to torch), so ``x.to(y.device)`` and ``torch.tensor(data, device=y.device)`` go where ``y`` is.
+_PLACED_DEVICE = torch.device("cpu")
+_HOST_DEVICE = torch.device("cpu")
+
+
 def _is_cuda(device) -> bool:
     if isinstance(device, _AcceleratorName):
         return True
     if isinstance(device, torch.device):
-        return device.type == "cuda"
+        return device.type == "cuda" or device is _PLACED_DEVICE
     if isinstance(device, str):
         return device.startswith("cuda")
     # A bare integer is a CUDA ordinal in torch's API.
@@ -101,11 +130,16 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if kwargs.get("pin_memory"):  # no pinned allocator without CUDA (e.g. rope's CP slice)
+        pinned = kwargs.get("pin_memory")
+        if pinned:  # no pinned allocator without CUDA (e.g. rope's CP slice)
             _record(f"{getattr(func, '__name__', func)}(pin_memory=True)")
             kwargs = dict(kwargs, pin_memory=False)
         if _CHECK:
-            return _checked_call(func, args, kwargs)
+            out = _checked_call(func, args, kwargs)
+            if pinned:  # the check keeps a mark instead: a GPU run would pin it
+                for t in _each_tensor(out):
+                    _mark_pinned(t)
+            return out
         if func is torch.Tensor.cuda:
             _record("Tensor.cuda")
             return args[0]
@@ -342,6 +376,18 @@ _CPU_GROUPS: list = []      # process groups created with backend="gloo"
 _PATCHED = False
 _T = torch.Tensor
 _DATA = torch._C.TensorBase.__dict__["data"]
+_DEVICE = torch._C.TensorBase.__dict__["device"]
+# What reads an accelerator tensor into python (a device-to-host copy and a wait on a GPU).
+_TO_PYTHON = {_T.tolist: "Tensor.tolist", _T.item: "Tensor.item", _T.__bool__: "Tensor.__bool__",
+              _T.__int__: "Tensor.__int__", _T.__float__: "Tensor.__float__",
+              _T.__index__: "Tensor.__index__", _T.__complex__: "Tensor.__complex__",
+              _T.__repr__: "Tensor.__repr__", _T.__format__: "Tensor.__format__"}
+# numpy reads host memory only: .numpy() of a CUDA tensor raises (unless force=True, a copy).
+_TO_NUMPY = {_T.numpy: "Tensor.numpy()", _T.__array__: "numpy.asarray"}
+# Factories that copy their data (Tensor.new_tensor too, which the shim wraps: _count_other).
+_FROM_DATA = {torch._C._VariableFunctions.tensor: "torch.tensor",
+              torch._C._VariableFunctions.as_tensor: "torch.as_tensor",
+              torch._C._VariableFunctions.asarray: "torch.asarray"}
 # Ops that accept host tensors next to CUDA ones: host indices, cross-device copies.
 _MIXING_ALLOWED = frozenset((_T.__getitem__, _T.__setitem__, _T.copy_, _T.set_))
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
@@ -424,48 +470,312 @@ def _describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
 
 
+# --- transfer counter (see the module docstring) -----------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One copy between host and accelerator that a GPU run would make at this point."""
+
+    op: str                     # what made it: "Tensor.to(cuda)", "Tensor.item", "torch.tensor"
+    where: str                  # the first caller outside torch and this module, as file:line
+    blocking: bool              # whether the host waits for the device (see count_transfers)
+    pinned: bool = False        # the host side is (would be) pinned memory
+    non_blocking: bool = False  # non_blocking=True was passed
+
+    def __str__(self) -> str:
+        return f"{'blocking' if self.blocking else 'non-blocking'} {self.op} at {self.where}"
+
+
+@dataclasses.dataclass(eq=False)
+class Transfers:
+    """What ``count_transfers()`` saw, in order: host-to-device and device-to-host copies."""
+
+    h2d: list = dataclasses.field(default_factory=list)
+    d2h: list = dataclasses.field(default_factory=list)
+
+    @property
+    def blocking(self) -> list:
+        """The copies, both ways, that make the host wait for the device."""
+        return [r for r in (*self.h2d, *self.d2h) if r.blocking]
+
+    def __str__(self) -> str:
+        return "\n".join([f"h2d: {r}" for r in self.h2d] + [f"d2h: {r}" for r in self.d2h]) \
+            or "no transfers"
+
+
+_COUNTERS: list = []        # the active count_transfers() blocks, innermost last
+_PINNED: dict = {}          # storage address -> weak reference, for (would-be) pinned host memory
+
+
+@contextlib.contextmanager
+def count_transfers():
+    """Count, inside a ``with`` block, the copies between host and accelerator a GPU run would
+    make, from the placement check's marks: ``with count_transfers() as seen: ...`` then
+    ``seen.h2d``, ``seen.d2h`` (lists of ``Transfer``) and ``seen.blocking``."""
+    if not _CHECK:
+        raise RuntimeError(
+            "count_transfers() reads the placement check's marks: turn the check on first "
+            "(cpu_shim.enable_placement_check() or MEGALOOP_SHIM_CHECK_PLACEMENT=1; the check "
+            "runs under the CPU shim, on a machine without CUDA)")
+    seen = Transfers()
+    _COUNTERS.append(seen)
+    try:
+        yield seen
+    finally:
+        del _COUNTERS[next(i for i, c in enumerate(_COUNTERS) if c is seen)]
+
+
+def _add(kind: str, op: str, pinned: bool = False, non_blocking: bool = False) -> None:
+    # A copy from or into pageable memory waits for the device, whatever non_blocking says.
+    record = Transfer(op, _where(), not (pinned and non_blocking), pinned, non_blocking)
+    for seen in _COUNTERS:
+        getattr(seen, kind).append(record)
+
+
+def _count_h2d(op: str, src: torch.Tensor, non_blocking) -> None:
+    if src.numel():
+        _add("h2d", op, _is_pinned(src), bool(non_blocking))
+
+
+def _count_d2h(op: str, src: torch.Tensor, non_blocking=False, pinned: bool = False) -> None:
+    if src.numel():
+        _add("d2h", op, pinned, bool(non_blocking))
+
+
+def _mark_pinned(t: torch.Tensor) -> None:
+    if t.layout == torch.strided and t.untyped_storage().data_ptr():
+        key = t.untyped_storage().data_ptr()
+        _PINNED[key] = weakref.ref(t, lambda ref, key=key: _PINNED.pop(key, None)
+                                   if _PINNED.get(key) is ref else None)
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or the tensor it views) was pinned under the check. A view that outlives
+    its pinned base counts as pageable: the counter may call a copy blocking, never the reverse."""
+    if t.layout != torch.strided or not _PINNED:
+        return False
+    key = t.untyped_storage().data_ptr()
+    ref = _PINNED.get(key)
+    return ref is not None and ref() is not None
+
+
+def _flag(kwargs, name: str, args=(), index: int = -1) -> bool:
+    """A boolean argument given by keyword or at position ``index``."""
+    if name in kwargs:
+        return bool(kwargs[name])
+    return 0 <= index < len(args) and bool(args[index])
+
+
+def _to_non_blocking(args, kwargs) -> bool:
+    """``non_blocking`` of ``Tensor.to``: by keyword, or the first bool after the target
+    (``to(device, dtype, non_blocking)``, ``to(dtype, non_blocking)``, ``to(other,
+    non_blocking)``)."""
+    if "non_blocking" in kwargs:
+        return bool(kwargs["non_blocking"])
+    return next((a for a in args[2:] if isinstance(a, bool)), False)
+
+
+def _has_elements(data) -> bool:
+    """Whether the data of ``torch.tensor(data)`` (python numbers, nested lists, an array, a
+    tensor) has at least one element: an empty one copies nothing."""
+    if isinstance(data, torch.Tensor):
+        return data.numel() > 0
+    if isinstance(data, (list, tuple)):
+        return any(_has_elements(x) for x in data)
+    size = getattr(data, "size", None)  # a numpy array
+    return size > 0 if isinstance(size, int) else True
+
+
+def _tensors_in(data):
+    """Tensors inside nested lists (``torch.tensor([t0, t1])`` reads each with ``.item()``)."""
+    if isinstance(data, (list, tuple)):
+        for x in data:
+            if isinstance(x, torch.Tensor):
+                yield x
+            else:
+                yield from _tensors_in(x)
+
+
+def _target_of(device):
+    """"accelerator", "host", or None (not given, or a torch.device("cpu") made elsewhere)."""
+    if device is None:
+        return None
+    if _is_cuda(device):
+        return "accelerator"
+    if device is _HOST_DEVICE or isinstance(device, str) and device.startswith("cpu"):
+        return "host"
+    return None
+
+
+def _index_items(index):
+    """The items of an index as torch reads them: a tuple, a short list holding tensors,
+    sequences, slices, None or Ellipsis, or one index (a list of numbers is one index)."""
+    if isinstance(index, tuple):
+        return index
+    if isinstance(index, list) and len(index) < 32 and any(
+            x is None or x is Ellipsis or isinstance(x, (torch.Tensor, list, tuple, slice))
+            for x in index):
+        return index
+    return (index,)
+
+
+def _count_other(func, args, kwargs) -> None:
+    """Transfers of the ops that do not move a tensor by name (.to/.cuda/.cpu are counted in
+    _checked_call): reads into python, torch.tensor & co, copy_, indexing."""
+    name = _TO_PYTHON.get(func)
+    if name is not None:
+        if not is_host(args[0]):
+            _count_d2h(name, args[0])
+        return
+    if func in _TO_NUMPY:  # numpy(force=True): without it an accelerator tensor raised
+        if not is_host(args[0]):
+            _count_d2h(_TO_NUMPY[func], args[0])
+        return
+    new = func is _T.new_tensor
+    name = "Tensor.new_tensor" if new else _FROM_DATA.get(func)
+    if name is not None:
+        data = args[1 if new else 0] if len(args) > (1 if new else 0) \
+            else kwargs.get("data", kwargs.get("obj"))
+        for t in _tensors_in(data):
+            if not is_host(t):
+                _count_d2h(f"{name} (a tensor in its data)", t)
+        target = _target_of(kwargs.get("device"))
+        if target is None and new:
+            target = "host" if is_host(args[0]) else "accelerator"
+        if isinstance(data, torch.Tensor):
+            if target == "accelerator" and is_host(data):
+                _count_h2d(name, data, False)
+            elif target == "host" and not is_host(data):
+                _count_d2h(name, data)
+        elif target == "accelerator" and _has_elements(data):
+            _add("h2d", name)
+        return
+    if func is _T.copy_:
+        dst = args[0]
+        src = args[1] if len(args) > 1 else kwargs.get("src")
+        non_blocking = _flag(kwargs, "non_blocking", args, 2)
+        if is_host(src) and not is_host(dst):
+            _count_h2d("Tensor.copy_", src, non_blocking)
+        elif is_host(dst) and not is_host(src):
+            _count_d2h("Tensor.copy_", src, non_blocking, pinned=_is_pinned(dst))
+        return
+    if func is _T.__getitem__ or func is _T.__setitem__:
+        op = "Tensor.__getitem__" if func is _T.__getitem__ else "Tensor.__setitem__"
+        if not is_host(args[0]):
+            # A host index tensor or a python sequence is copied to the device (a 0-d one is
+            # read as a number); a 0-d value is a fill, an n-d value a copy.
+            for item in _index_items(args[1]):
+                if isinstance(item, torch.Tensor) and item.dim() and is_host(item):
+                    _count_h2d(f"{op} (host index)", item, False)
+                elif isinstance(item, (list, tuple)) and _has_elements(item):
+                    _add("h2d", f"{op} (sequence index)")
+        if func is _T.__setitem__ and isinstance(args[2], torch.Tensor) and args[2].dim():
+            if is_host(args[2]) and not is_host(args[0]):
+                _count_h2d(f"{op} (host value)", args[2], False)
+            elif is_host(args[0]) and not is_host(args[2]):
+                _count_d2h(f"{op} (accelerator value)", args[2])
+
+
+def _is_host_target(target) -> bool:
+    """Whether a ``Tensor.to`` target names the host: "cpu", or a ``torch.device("cpu")`` that
+    is not the accelerator's (``y.device`` of an accelerator tensor ``y``, see _PLACED_DEVICE)."""
+    if isinstance(target, str):
+        return target.startswith("cpu") and not isinstance(target, _AcceleratorName)
+    return isinstance(target, torch.device) and target.type == "cpu" \
+        and target is not _PLACED_DEVICE
+
+
 def _checked_call(func, args, kwargs):
     if func is _T.cuda:
         _record("Tensor.cuda")
+        if _COUNTERS and is_host(args[0]):
+            _count_h2d("Tensor.cuda", args[0], _flag(kwargs, "non_blocking", args, 2))
         return _placed(args[0], args[0])
     if func is _T.cpu:
+        if _COUNTERS and not is_host(args[0]):
+            _count_d2h("Tensor.cpu", args[0])
         return _on_host(func(*args, **kwargs), args[0])
     if func is _T.to:
         target = _move_target(args, kwargs)
         if target is not None and _is_cuda(target):
             _record("Tensor.to(cuda)")
+            if _COUNTERS and is_host(args[0]):
+                _count_h2d("Tensor.to(cuda)", args[0], _to_non_blocking(args, kwargs))
             if "device" in kwargs:
                 kwargs = dict(kwargs, device="cpu")
             else:
                 args = (args[0], "cpu", *args[2:])
             return _placed(func(*args, **kwargs), args[0])
         out = func(*args, **kwargs)
-        if isinstance(target, str) and target.startswith("cpu"):  # an explicit move to the host
+        if _is_host_target(target):  # an explicit move to the host
+            if is_host(args[0]):
+                return _on_host(out, args[0])
+            # A non-blocking copy to the host lands in pinned memory (torch pins the result).
+            non_blocking = _to_non_blocking(args, kwargs)
+            if _COUNTERS:
+                _count_d2h("Tensor.to(cpu)", args[0], non_blocking, pinned=non_blocking)
+            if non_blocking:
+                out = out.clone() if out is args[0] else out  # its own (pinned) storage
+                _mark_pinned(out)
             return _on_host(out, args[0])
-        if out is not args[0]:  # a dtype conversion (or an ambiguous torch.device("cpu"))
+        if out is not args[0]:  # a dtype conversion (or a torch.device made elsewhere)
             (_mark_host if is_host(args[0]) else _unmark)(out)
         return out
+    if func is _T.pin_memory:  # a pinned copy on a GPU; here a host copy marked as pinned
+        if not is_host(args[0]):
+            raise PlacementError(
+                f"placement check: pin_memory() of an accelerator tensor {_describe(args[0])} at "
+                f"{_where()}; only host tensors can be pinned")
+        if _is_pinned(args[0]):
+            return args[0]
+        out = args[0].clone()
+        _mark_host(out)
+        _mark_pinned(out)
+        return out
+    if func is _T.is_pinned:
+        return _is_pinned(args[0])
+    if func in _TO_NUMPY and not is_host(args[0]) and not kwargs.get("force"):
+        raise PlacementError(
+            f"placement check: {_TO_NUMPY[func]} of an accelerator tensor {_describe(args[0])} "
+            f"at {_where()}; on a GPU numpy cannot read CUDA memory: call .cpu() first")
+    if _COUNTERS:
+        _count_other(func, args, kwargs)
     device = kwargs.get("device")
     if device is not None:
         if _is_cuda(device):
             _record(f"{getattr(func, '__name__', func)}(device=cuda)")
             out = func(*args, **dict(kwargs, device="cpu"))
+            if args and out is args[0]:  # torch.as_tensor(host, device=cuda) returned its input
+                return _placed(out, out)
             for t in _each_tensor(out):
                 _unmark(t)
             return out
-        if isinstance(device, str) and device.startswith("cpu"):
+        if device is _HOST_DEVICE or isinstance(device, str) and device.startswith("cpu"):
             out = func(*args, **kwargs)
+            if args and out is args[0]:
+                return _on_host(out, out)
             for t in _each_tensor(out):
                 _mark_host(t)
             return out
-        # A torch.device("cpu") object usually comes from ``x.device`` of an accelerator tensor
-        # (every tensor says cpu here): undecidable, so treated as placed below.
-    if getattr(func, "__self__", None) is _DATA:
+        # Any other torch.device("cpu") is undecidable: ``with torch.device(
+        # torch.cuda.current_device())`` hands one to every factory (megatron-core's YaRN rope),
+        # so it is treated as placed below.
+    owner = getattr(func, "__self__", None)
+    if owner is _DEVICE:  # ``t.device``: the accelerator's or the host's (see _PLACED_DEVICE)
+        out = func(*args, **kwargs)
+        if out.type != "cpu":  # meta tensors
+            return out
+        return _HOST_DEVICE if is_host(args[0]) else _PLACED_DEVICE
+    if owner is _DATA:
         out = func(*args, **kwargs)
         if func.__name__ == "__set__":  # ``t.data = other`` moves t to where other is
             (_mark_host if is_host(args[1]) else _unmark)(args[0])
         elif is_host(args[0]):
             _mark_host(out)
+        return out
+    if device is None and func in _FROM_DATA and args and not isinstance(args[0], torch.Tensor):
+        # Python data (even a list of accelerator tensors, read one by one) lands on the host.
+        out = func(*args, **kwargs)
+        _mark_host(out)
         return out
 
     host_nd, placed = None, None
