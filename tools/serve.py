@@ -50,7 +50,8 @@ from megaloop.inference.limits import RequestLimits  # noqa: E402
 from megaloop.inference.precision import PrecisionConfig  # noqa: E402
 
 
-ENGINE_FLAGS = ("max_batch", "block_size", "num_blocks", "prefill_chunk", "speculate")
+ENGINE_FLAGS = ("max_batch", "block_size", "num_blocks", "prefill_chunk", "speculate",
+                "layer_forward")
 API_KEY_ENV = "MEGALOOP_API_KEY"  # --api-key's default (vLLM's flag reads VLLM_API_KEY so)
 
 
