@@ -123,6 +123,12 @@ def _is_cuda(device) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+def names_accelerator(device) -> bool:
+    """Whether ``device`` names the accelerator: a CUDA device, or the stand-in
+    ``torch.cuda.current_device()`` returns under the placement check."""
+    return _is_cuda(device)
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Under the placement check: every op goes through ``_checked_call`` (which also maps
     ``cuda`` to cpu); with the check turned off again, it maps ``cuda`` to cpu as the level-2

@@ -239,3 +239,59 @@ def test_counter_needs_the_placement_check():
     with pytest.raises(RuntimeError, match="enable_placement_check"):
         with cpu_shim.count_transfers():
             pass
+
+
+# --- the batching engine's decode step ------------------------------------------------------
+
+def _decode_step_transfers(rank, world, temperature, rule):
+    """Transfers of engine steps after the prefill: [(h2d records, d2h records)] per step."""
+    from distributed import setup_parallel
+    from flags import llama_style
+    from megaloop.inference.early_exit import parse_exit
+    from megaloop.inference.engine import EngineConfig, InferenceEngine
+    from megaloop.inference.generate import SamplingParams
+    from megaloop.model.config import LoopConfig
+    from megaloop.model.looped_gpt import build_model
+
+    setup_parallel(world)
+    cpu_shim.enable_placement_check()
+    model = build_model(llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                    max_position_embeddings=64, transformer_impl="local"),
+                        LoopConfig(num_loops=3), 128)
+    model.cuda().eval()
+    engine = InferenceEngine(model, 120, exit_rule=rule and parse_exit(rule),
+                             config=EngineConfig(max_sequence_length=40, max_batch=4,
+                                                 block_size=4))
+    for i, prompt in enumerate(([5, 6, 7], [9, 10, 11, 12, 13])):
+        engine.add(prompt, 6, SamplingParams(temperature=temperature, top_k=5, seed=i),
+                   ignore_eos=True)
+    engine.step()  # the prefill
+    steps = []
+    for _ in range(3):  # the first decode gathers a fresh view, the next ones reuse it
+        steps.append(_count(engine.step))
+    return steps, engine.forward_impl
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_decode_step_copies_once_each_way_without_blocking(temperature):
+    """A decode step (greedy or sampled, fresh view or reused) sends its integers to the device
+    in one non-blocking copy from pinned memory (sampled rows: their settings in non-blocking
+    copies too) and reads the step's results back in one transfer."""
+    steps, impl = run_distributed(_decode_step_transfers, 1, temperature, None)[0]
+    assert impl == "megaloop"
+    for h2d, d2h in steps:
+        shown = f"h2d {h2d}\nd2h {d2h}"
+        assert [r for r in h2d if r[2]] == [], shown  # none blocks
+        assert len(h2d) == (1 if temperature == 0 else 5), shown
+        assert len(d2h) == 1 and d2h[0][0] == "Tensor.tolist", shown
+
+
+def test_early_exit_adds_only_its_row_decisions():
+    """With an exit rule, a step still makes no blocking host-to-device copy; the reads back it
+    adds are early exit's decisions of which rows go on (one or two per loop step)."""
+    steps, _ = run_distributed(_decode_step_transfers, 1, 0.0, "q:0.5")[0]
+    for h2d, d2h in steps:
+        assert [r for r in h2d if r[2]] == [], h2d
+        assert len(h2d) == 1
+        assert sum(op == "Tensor.tolist" for op, *_ in d2h) == 1, d2h
+        assert len(d2h) <= 1 + 2 * 3, d2h

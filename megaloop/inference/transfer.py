@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from megaloop import cpu_shim
+
 
 def to_device(tensors: list, device, dtype=torch.long) -> list:
     """``tensors`` (host, any shapes, values exact in ``dtype``) on ``device`` in one copy,
     each with its own shape; marked as staged (megaloop/inference/paged_kv.py reads the mark)."""
     flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-    if torch.device(device).type != "cpu":  # (the CPU shim's stand-in device counts)
-        flat = flat.pin_memory()
+    if cpu_shim.names_accelerator(device) and (torch.cuda.is_available()
+                                               or cpu_shim.placement_check_enabled()):
+        flat = flat.pin_memory()  # (under the CPU shim's check: marked pinned, for its counter)
     moved = flat.to(device, non_blocking=True)
     out, start = [], 0
     for t in tensors:
