@@ -194,7 +194,7 @@ def _linear(module, x):
     then the bias added (or handed on, where the module skips adding it)."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    out = torch.matmul(x, module.weight.t())
+    out = F.linear(x, module.weight)
     if getattr(module, "input_is_parallel", False) and module.tp_group.size() > 1:
         out = reduce_from_tensor_model_parallel_region(out, group=module.tp_group)
     bias = module.bias if module.bias is not None and module.bias.numel() else None
@@ -208,10 +208,14 @@ def _norm(norm, x):
     up to rounding; computed in at least float32, as the module does)."""
     if type(norm) is not torch.nn.RMSNorm:
         return norm(x)
-    v = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    wide = x.dtype in (torch.float32, torch.float64)
+    v = x if wide else x.float()
     eps = norm.eps if norm.eps is not None else torch.finfo(v.dtype).eps
     y = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * norm.weight).to(x.dtype) if norm.weight is not None else y.to(x.dtype)
+    weight = norm.weight
+    if weight is not None:
+        y = y * weight
+    return y if wide else y.to(x.dtype)
 
 
 def _bda(bda, out_with_bias, residual):
