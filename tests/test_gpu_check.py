@@ -10,6 +10,7 @@ comparison fails on deliberately perturbed logits and ids, and --attention-backe
 parallelism / the interpreter choice behave as on a GPU.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -350,6 +351,56 @@ def test_te_generate_row_fails_when_te_departs_from_the_local_build(tmp_path):
     nan[0][0] = float("nan")
     assert "non-finite logits" in judged(nan, ids)[0].detail
     assert judged([list(r) for r in local[:-1]], ids)[0].status == "FAIL"
+
+
+class _Stop(Exception):
+    """Raised by a stand-in below to end the code under test where the test has seen enough."""
+
+
+def test_te_generate_comparison_is_made_in_fp32(tmp_path, monkeypatch):
+    """The smoke checkpoint trains with --bf16, which generation holds in bf16 on a GPU by
+    default, while the TE generate row's tolerance is derived for fp32: the generate command
+    lines whose ids it compares (and the server's, compared with those ids) pass --fp32, and
+    the worker's probe asks load_for_generation for fp32, which a GPU's default rule then
+    keeps (resolve_precision told a GPU is there)."""
+    import types
+
+    import torch
+
+    from megaloop.gpu_check import probes
+    from megaloop.gpu_check.main import Check
+    from megaloop.gpu_check.user_rows import UserRows
+    from megaloop.inference import loading
+    from megaloop.inference.precision import resolve_precision
+
+    check = Check(str(tmp_path), budget_s=300)
+    check.gpu = True  # the TE command line runs, as on a GPU
+    argvs, commands, asked = [], [], []
+    monkeypatch.setattr(UserRows, "_run_generate", lambda self, name, argv: (
+        argvs.append(argv), ([7, 3], types.SimpleNamespace(log=None, seconds=0.0)))[1])
+    monkeypatch.setattr(check, "in_worker", lambda name, fn, kwargs, cap, *a: asked.append(
+        (fn, kwargs)))  # None: no logits, the TE row ends there
+    monkeypatch.setattr(check, "show_gpu_command", lambda name, command: commands.append(
+        command))
+    monkeypatch.setattr(check, "left", lambda: 0.0)  # the server is shown, then not run
+    try:
+        UserRows(check).generate_and_serve(str(tmp_path / "ckpt"))
+    finally:
+        check.worker.close()
+    assert len(argvs) == 2 and all("--fp32" in argv for argv in argvs), argvs
+    assert argvs[1][-2:] == rows.TE and asked[0][0] == "generation_logits", (argvs, asked)
+    assert any("tools/serve.py" in c and "--fp32" in c.split() for c in commands), commands
+
+    def load(*args, precision=None, **kwargs):
+        asked.append(precision)
+        raise _Stop
+
+    monkeypatch.setattr(probes, "world_of_one", contextlib.nullcontext)
+    monkeypatch.setattr(loading, "load_for_generation", load)
+    with pytest.raises(_Stop):
+        probes.generation_logits("CKPT", ["local"], [5, 6])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_precision(asked[-1], "bf16", "the checkpoint trained in bf16") == "fp32"
 
 
 def test_failing_torchrun_row_shows_the_python_traceback(tmp_path):

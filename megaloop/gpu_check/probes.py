@@ -187,7 +187,7 @@ def grads(argv_a: list, argv_b: list) -> dict:
 
 def generation_logits(load: str, impls: list, ids: list) -> dict:
     """The teacher-forced logits of ``ids`` from the checkpoint ``load``, built once per layer
-    backend in ``impls`` as tools/generate.py builds it (megaloop.inference.loading's
+    backend in ``impls`` as tools/generate.py --fp32 builds it (megaloop.inference.loading's
     load_for_generation: fp32 weights, eval mode), read as its engine reads them: the last loop
     step's logits over the tokenizer's vocabulary, in fp32. {"logits": one [len(ids)][vocabulary]
     list per backend}."""
@@ -195,12 +195,16 @@ def generation_logits(load: str, impls: list, ids: list) -> dict:
 
     from megaloop.device import current_device
     from megaloop.inference.loading import load_for_generation
+    from megaloop.inference.precision import PrecisionConfig
 
     out = []
     with world_of_one():
         for impl in impls:
+            # fp32 whatever the checkpoint trained in: on a GPU load_for_generation holds a
+            # checkpoint trained with --bf16 (the smoke row's) in bf16 unless told otherwise
             model, tokenizer, _ = load_for_generation(load, 1, transformer_impl=impl,
-                                                      purpose="teacher-forced logits")
+                                                      purpose="teacher-forced logits",
+                                                      precision=PrecisionConfig(fp32=True))
             held = sorted({str(p.dtype) for p in model.parameters()})
             if held != ["torch.float32"]:
                 # The verdict's tolerance (rows.TE_LOGITS_TOL) is derived for fp32 weights and

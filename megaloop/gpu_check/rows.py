@@ -24,6 +24,9 @@ TINY = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMS
 TE = ["--transformer-impl", "transformer_engine"]
 LOCAL = ["--transformer-impl", "local"]
 BF16 = ["--bf16"]
+# Inference in fp32 whatever the checkpoint trained in (the TE generate row's comparison: its
+# tolerance, TE_LOGITS_TOL, is derived for fp32; on a GPU a --bf16 checkpoint loads in bf16)
+FP32 = ["--fp32"]
 VARIANTS = {
     "ouro": ["--norm-scheme", "ouro"],
     "ouro+lora": ["--norm-scheme", "ouro", "--lora-rank", "4"],

@@ -65,14 +65,16 @@ def _drop(argv: list, flags: dict) -> list:
     return out
 
 
-def generate_argv(ckpt: str) -> list:
+def generate_argv(ckpt: str, *flags: str) -> list:
     return [os.path.join(ROOT, "tools", "generate.py"), "--load", ckpt, "--prompt-ids",
-            ",".join(map(str, PROMPT)), "--max-tokens", str(NEW_TOKENS)]
+            ",".join(map(str, PROMPT)), "--max-tokens", str(NEW_TOKENS), *flags]
 
 
 def serve_argv(ckpt: str, port: int) -> list:
+    """The server of the smoke checkpoint, in fp32 as the generate rows whose ids its greedy
+    completion must equal (``generate_and_serve``)."""
     return [os.path.join(ROOT, "tools", "serve.py"), "--load", ckpt, "--host", "127.0.0.1",
-            "--port", str(port)]
+            "--port", str(port), *rows.FP32]
 
 
 def rl_argv(d: str) -> list:
@@ -174,10 +176,12 @@ class UserRows:
         build the local layers by default whatever the checkpoint was saved with (the TE
         checkpoint's weights map by name); generate also runs with --transformer-impl
         transformer_engine, the layers the checkpoint was trained with, judged against the
-        local build (``te_generate``)."""
+        local build (``te_generate``). Both generate in fp32 (--fp32; on a GPU the bf16-trained
+        smoke checkpoint would load in bf16): the TE row compares their ids with fp32 logits,
+        and the server, in fp32 too, must answer the local ids."""
         c = self.check
         ids = self._generate("generate: smoke checkpoint (TE) via tools/generate.py",
-                             generate_argv(ckpt))
+                             generate_argv(ckpt, *rows.FP32))
         if ids is None:
             return
         self.te_generate(ckpt, ids)
@@ -235,9 +239,9 @@ class UserRows:
                             f"tools/generate.py's", secs, numbers={"ids": got}, log=log))
 
     def te_generate(self, ckpt: str, ids: list):
-        """tools/generate.py --transformer-impl transformer_engine on the smoke checkpoint,
-        judged against the local build of the same checkpoint (``ids``: the local tool's greedy
-        ids): the teacher-forced fp32 logits of the prompt and ``ids`` from both builds, in the
+        """tools/generate.py --fp32 --transformer-impl transformer_engine on the smoke
+        checkpoint, judged against the local build of the same checkpoint (``ids``: the local
+        tool's greedy ids, --fp32 too): the teacher-forced fp32 logits of the prompt and ``ids`` from both builds, in the
         worker, and TE's greedy ids against them (rows.te_generation_verdict). Without a GPU,
         generation refuses TE: swapped for local, the tool's command line is the previous row's
         (its ids reused) and both logits come from the local build, so the same comparison runs
@@ -245,7 +249,7 @@ class UserRows:
         c = self.check
         name = ("generate: smoke checkpoint (TE) via tools/generate.py --transformer-impl "
                 "transformer_engine")
-        argv = [*generate_argv(ckpt), *rows.TE]
+        argv = [*generate_argv(ckpt, *rows.FP32), *rows.TE]
         if c.gpu:
             ran = self._run_generate(name, argv)
             if ran is None:
