@@ -165,7 +165,12 @@ def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
         # table is asked for the whole sequence and megatron-core's RotaryEmbedding keeps this
         # rank's chunks of it (get_pos_emb_on_this_cp_rank), as GPTModel does.
         length = input_ids.size(1) * model.config.context_parallel_size
-        rope = model.rotary_pos_emb(length + (kv.offset if kv is not None else 0))
+        if kv is not None and kv.layer_forward:
+            # (the cache's whole length, not this forward's: megatron-core memoises the table
+            # by length, and the layer forward indexes it by position)
+            rope = model.rotary_pos_emb(kv.max_sequence_length)
+        else:
+            rope = model.rotary_pos_emb(length + (kv.offset if kv is not None else 0))
     return StepContext(T, mode, input_ids.size(1), attention_mask, rope, labels,
                        read_every_step=read_every_step, kv=kv)
 
