@@ -132,6 +132,7 @@ def decode(model, vocab, prompts, batch, max_tokens, speculate=""):
         group = prompts[start:start + batch]
         engine = InferenceEngine(model, vocab, config=EngineConfig(
             max_sequence_length=max(map(len, group)) + max_tokens, max_batch=len(group),
+            speculate_fixed=True,
             prefill_chunk=max(map(len, group)), speculate=speculate))
         requests = [engine.add(p, max_tokens, SamplingParams()) for p in group]  # (no EOD)
         rounds: list = []

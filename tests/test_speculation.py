@@ -63,7 +63,8 @@ def _model(tp=1):
 def _engine(model, speculate="", **config):
     from megaloop.inference.engine import EngineConfig, InferenceEngine
 
-    config = {"max_sequence_length": 40, "max_batch": 64, "block_size": 4, **config}
+    config = {"max_sequence_length": 40, "max_batch": 64, "block_size": 4,
+              "speculate_fixed": True, **config}
     return InferenceEngine(model, V, config=EngineConfig(speculate=speculate, **config))
 
 
@@ -91,6 +92,26 @@ def _greedy(rank, world):
         results[spec] = (_staggered(engine, 16, SamplingParams()), engine.stats["drafted"],
                          engine.stats["accepted"])
     return plain, results
+
+
+def _adaptive(rank, world):
+    from megaloop.inference.generate import SamplingParams
+    from megaloop.inference.speculation import DraftController
+
+    setup_parallel(world)
+    model = _model()
+    plain = _staggered(_engine(model), 16, SamplingParams())
+    engine = _engine(model, "2:3", speculate_fixed=False)
+    engine.drafts = DraftController(probe_every=2)  # (rounds and plain steps both, in 16 tokens)
+    ks, real = [], engine.drafts.k_for
+    engine.drafts.k_for = lambda m: ks.append(real(m)) or ks[-1]
+    return plain, _staggered(engine, 16, SamplingParams()), ks
+
+
+def test_adaptive_greedy_speculation_decodes_the_full_depth_tokens():
+    plain, adaptive, ks = run_distributed(_adaptive, 1)[0]
+    assert adaptive == plain
+    assert 0 in ks and any(k > 0 for k in ks), ks
 
 
 def test_greedy_speculation_decodes_the_full_depth_tokens():
@@ -135,10 +156,10 @@ def _draft_logits(rank, world, spec):
     gaps, rounds = [], []
     seqs = []  # per row of the round: its tokens up to the position being drafted from
 
-    def round_(engine, requests, k):
+    def round_(engine, requests, k, *times):
         seqs[:] = [r.prompt + r.out for r in requests]
         rounds.append(k)
-        return speculate_round(engine, requests, k)
+        return speculate_round(engine, requests, k, *times)
 
     def logits(model, ids, positions, mask, num_loops, kv, vocab_size, **kwargs):
         out = forward(model, ids, positions, mask, num_loops, kv, vocab_size, **kwargs)

@@ -53,8 +53,9 @@ from megaloop.inference.paged_kv import BlockAllocator, PagedKV
 from megaloop.inference.sampling import probabilities, sample_rows
 from megaloop.inference.transfer import to_device
 from megaloop.model.layer_forward import unsupported as unsupported_layers
-from megaloop.inference.speculation import (check_speculate, full_depth_forward,
-                                             parse_speculate, speculate_round)
+from megaloop.inference.speculation import (DraftController, agreed_k, check_speculate,
+                                             full_depth_forward, parse_speculate,
+                                             speculate_round)
 
 
 # Columns a decode forward's gathered cache keeps free, so that the next SPARE_COLUMNS decode
@@ -118,8 +119,12 @@ class EngineConfig:
     where it can compute them, else with megatron-core's (``InferenceEngine.forward_impl``
     says which, and why); ``megatron-core``: megatron-core's layer forward always."""
     speculate: str = ""
-    """``d:k``: self-speculative decoding, k tokens drafted at loop depth d and verified at the
-    full depth in one forward (lossless; megaloop/inference/speculation.py). Empty: off."""
+    """``d:k``: self-speculative decoding, up to k tokens drafted at loop depth d and verified at
+    the full depth in one forward, each round's number picked from the measured acceptance and
+    costs (0: a plain step; lossless; megaloop/inference/speculation.py). Empty: off."""
+    speculate_fixed: bool = False
+    """With --speculate: every round drafts k (as the rows' room allows) instead of the
+    measured choice; reproducible rounds, for tests and benchmarks."""
 
     def validate(self) -> None:
         for name in ("max_sequence_length", "max_batch", "block_size", "prefill_chunk"):
@@ -218,6 +223,9 @@ class InferenceEngine:
             raise ValueError(reason)
         self.layout = layout(model, kv_policy)
         self.speculate = check_speculate(config.speculate, exit_rule, kv_policy, self.num_loops)
+        # each round's drafts, 0 (a plain step) to k, from the measured acceptance and costs
+        self.drafts = DraftController() if self.speculate and not config.speculate_fixed \
+            else None
         if self.speculate and self.layout != "paged":
             raise ValueError(f"--speculate {config.speculate}: its multi-token verify reads a "
                              f"masked, paged cache, which {LAYOUT_REASONS[self.layout]} rules "
@@ -503,17 +511,24 @@ class InferenceEngine:
                        None if depth is None else pick(depth), finished)
 
     def _decode(self, requests: list, finished: list) -> None:
+        chosen = False  # a plain step the controller chose (k = 0): timed for it
         if self.speculate:
             # Rows with room for a draft speculate, k as large as all of them can take (a
-            # row's blocks end at max_tokens); a row one token short of it decodes plainly.
+            # row's blocks end at max_tokens) or less, as the controller says (0: all rows
+            # decode plainly); a row one token short of max_tokens decodes plainly.
             room = {r.id: r.max_tokens - len(r.out) - 1 for r in requests}
             drafting = [r for r in requests if room[r.id] >= 1]
             if drafting:
                 k = min([self.speculate[1]] + [room[r.id] for r in drafting])
-                self._speculate(drafting, k, finished)
-            requests = [r for r in requests if room[r.id] < 1]
+                if self.drafts is not None:
+                    k = agreed_k(self.drafts.k_for(k))
+                chosen = k == 0
+                if k:
+                    self._speculate(drafting, k, finished)
+                    requests = [r for r in requests if room[r.id] < 1]
             if not requests:
                 return
+        start = time.perf_counter()
         ids = torch.tensor([[r.out[-1]] for r in requests])
         positions = torch.tensor([[r.cached] for r in requests])
         logits, depth = self._forward(requests, ids, positions, decode=True)
@@ -522,12 +537,18 @@ class InferenceEngine:
         self.stats["decode_rows_max"] = max(self.stats["decode_rows_max"], len(requests))
         self.stats["decode_rows_mean"] = self._decode_rows / self.stats["decode_forwards"]
         self._emit(requests, logits[:, -1], depth, finished)
+        if chosen:  # (_emit's transfer to the host waited for the forward)
+            self.drafts.record_plain(time.perf_counter() - start)
 
     def _speculate(self, requests: list, k: int, finished: list) -> None:
         """One self-speculative round (megaloop/inference/speculation.py) for the decoding rows:
         each emits the tokens it kept and the verified one after them."""
         clock = self.clock.now()
-        logits, emitted, ok, drafted, accepted = speculate_round(self, requests, k)
+        times: dict = {}
+        logits, emitted, ok, drafted, accepted = speculate_round(self, requests, k, times)
+        if self.drafts is not None:
+            self.drafts.record([len(row) - 1 for row in emitted], k, times["draft_s"],
+                               times["verify_s"])
         self._decode_views = {}  # the rows grew unevenly: the next decode gathers afresh
         self.clock.add(("forward_s",), clock, self.clock.now())
         self.stats["decode_forwards"] += k + 1
