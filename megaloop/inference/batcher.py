@@ -59,6 +59,7 @@ class Row:
         self.finish: Optional[str] = None  # "stop" | "length" | "cancelled"
         self.cut: Optional[int] = None  # where a stop string cut the text (characters)
         self.sent = ""  # streamed so far
+        self._prompt_text: Optional[str] = None  # the prompt detokenized, once
 
     def on_token(self, request, token: int) -> bool:
         """The engine's per-token hook: True ends the row (its text now holds a stop string)."""
@@ -87,7 +88,11 @@ class Row:
         from megaloop.inference.generate import continuation_text
 
         ids = self.out[:-1] if self.out and self.out[-1] == self.eod else self.out
-        return continuation_text(self.tokenizer, self.prompt, ids) if ids else ""
+        if not ids:
+            return ""
+        if self._prompt_text is None:  # (once per row, not once per token)
+            self._prompt_text = self.tokenizer.detokenize(self.prompt)
+        return continuation_text(self.tokenizer, self.prompt, ids, self._prompt_text)
 
     def _stream(self, text: str, ended: bool) -> None:
         if self.emit is None:

@@ -38,12 +38,14 @@ class SamplingParams:
     """Seed of the rows' random streams (the same on every rank)."""
 
 
-def continuation_text(tokenizer, prompt: list[int], out: list[int]) -> str:
+def continuation_text(tokenizer, prompt: list[int], out: list[int],
+                      before: Optional[str] = None) -> str:
     """The text ``out`` adds after ``prompt``: decoded with the prompt, so that a word boundary's
     space lands where the tokenizer puts it (decoding ``out`` alone drops a sentencepiece
     continuation's leading space; joining two decodings with a space adds one before
     punctuation)."""
-    before = tokenizer.detokenize(prompt)
+    if before is None:  # (a caller that asks token by token passes the prompt's text once)
+        before = tokenizer.detokenize(prompt)
     whole = tokenizer.detokenize(list(prompt) + list(out))
     return whole[len(before):] if whole.startswith(before) else tokenizer.detokenize(out)
 
