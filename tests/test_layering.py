@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BELOW_TRAINING = ("megaloop/checkpoint", "megaloop/convert", "megaloop/inference", "megaloop/eval")
 # Standard library only at import: flag parsing and --help of the tools read these before torch.
 LIGHT = ("megaloop/checkpoint/errors.py", "megaloop/checkpoint/tracker.py",
-         "megaloop/checkpoint/config.py", "megaloop/inference/flags.py")
+         "megaloop/checkpoint/config.py", "megaloop/inference/flags.py",
+         "megaloop/inference/engine_config.py")
 
 
 def imported_modules(path: str) -> list:

@@ -48,7 +48,7 @@ GENERATE_ENGINE_FLAGS = ("speculate",)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megaloop.inference.engine import EngineConfig
+    from megaloop.inference.engine_config import EngineConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True,
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         return 2
     from megaloop.inference.flags import (check_sampling, check_seed, fit_prompt,
                                           tokenizer_from_flags)
-    from megaloop.inference.engine import EngineConfig
+    from megaloop.inference.engine_config import EngineConfig
     from megaloop.inference.loading import (check_generation_flags, check_transformer_impl,
                                             parse_prompt_ids)
     from megaloop.inference.speculation import check_speculate

@@ -69,7 +69,7 @@ def is_loopback(host: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megaloop.inference.engine import EngineConfig
+    from megaloop.inference.engine_config import EngineConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True,
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         return refuse("the server needs FastAPI and uvicorn: pip install -e '.[serve]'")
-    from megaloop.inference.engine import EngineConfig
+    from megaloop.inference.engine_config import EngineConfig
     from megaloop.inference.loading import check_generation_flags, check_transformer_impl
     from megaloop.inference.speculation import check_speculate
 

@@ -154,3 +154,22 @@ def fit_prompt(ids: list, max_tokens: int, context: Optional[int], keep_tail: bo
     raise ValueError(f"{what} has {len(ids)} tokens and {spell('max_tokens')} is {max_tokens}: "
                      f"{len(ids) + max_tokens} tokens exceed the model's context of {context}; "
                      f"shorten the prompt or lower {spell('max_tokens')}{hint}")
+
+
+def parse_speculate(text: str, num_loops: int = 0):
+    """``d:k`` -> (d, k), or None for ""; ValueError naming --speculate otherwise (d < T when
+    ``num_loops`` T is given)."""
+    if not text:
+        return None
+    try:
+        d, k = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--speculate {text!r}: give d:k (draft depth d, k drafted tokens per "
+                         f"round), e.g. 2:4") from None
+    if d < 1 or k < 1:
+        raise ValueError(f"--speculate {text}: the draft depth and the drafted tokens must be "
+                         f">= 1")
+    if num_loops and d >= num_loops:
+        raise ValueError(f"--speculate {text}: the draft depth {d} must be below the decoding "
+                         f"depth {num_loops} (--num-loops)")
+    return d, k

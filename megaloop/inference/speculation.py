@@ -45,29 +45,13 @@ from typing import Optional, Sequence
 import torch
 
 from megaloop.device import current_device
+from megaloop.inference.flags import parse_speculate  # noqa: F401  (its home: the light flags)
 from megaloop.inference.sampling import draw, probabilities, stream_uniforms
 from megaloop.model import recurrence
 
 DRAFT, ACCEPT, FINAL = 0, 1, 2
 
 
-def parse_speculate(text: str, num_loops: int = 0):
-    """``d:k`` -> (d, k), or None for ""; ValueError naming --speculate otherwise (d < T when
-    ``num_loops`` T is given)."""
-    if not text:
-        return None
-    try:
-        d, k = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise ValueError(f"--speculate {text!r}: give d:k (draft depth d, k drafted tokens per "
-                         f"round), e.g. 2:4") from None
-    if d < 1 or k < 1:
-        raise ValueError(f"--speculate {text}: the draft depth and the drafted tokens must be "
-                         f">= 1")
-    if num_loops and d >= num_loops:
-        raise ValueError(f"--speculate {text}: the draft depth {d} must be below the decoding "
-                         f"depth {num_loops} (--num-loops)")
-    return d, k
 
 
 def check_speculate(text: str, exit_rule, kv_policy: str, num_loops: int = 0):
