@@ -29,6 +29,8 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
+from megaloop.model.layer_forward import ROWS
+
 POLICIES = ("full", "last-step", "first-step", "shared-mod-k")
 
 
@@ -100,7 +102,10 @@ class LoopKVCache:
         full = None
         # (An empty dict here is a block without attention layers, e.g. no coda: the prefill of
         # an early-exit decode reads out every step, so every cache a step uses exists.)
-        if self._rows is not None and kv_dict:
+        # megaloop's layer forward reads and writes the running rows in place (``ROWS``);
+        # megatron-core's layers get a compact copy of them, written back after the call.
+        setattr(self.context, ROWS, self._rows if self.layer_forward else None)
+        if self._rows is not None and kv_dict and not self.layer_forward:
             # Compact only the caches this call reads: a copy of the running rows, written back.
             full = dict(kv_dict)
             kv_dict = {n: (k.index_select(1, self._rows), v.index_select(1, self._rows))

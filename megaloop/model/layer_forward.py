@@ -43,6 +43,9 @@ import torch.nn.functional as F
 
 MARK = "megaloop_layer_forward"
 """The attribute a ``StaticInferenceContext`` carries (True) when its blocks run this forward."""
+ROWS = "megaloop_rows"
+"""The attribute that holds the batch rows a call runs on (a LongTensor; None: all): early exit's
+rows still in the loop, read and written in place in the cache instead of a compacted copy."""
 
 
 class PositionRope:
@@ -298,12 +301,18 @@ def _attention(attn, x, allowed, rope, context):
                 torch.empty(size, dtype=key.dtype, device=key.device),
                 torch.empty(size, dtype=value.dtype, device=value.device))
     keys, values = context.key_value_memory_dict[attn.layer_number]
-    keys[start:end, rows:rows + b] = key
-    values[start:end, rows:rows + b] = value
+    subset = getattr(context, ROWS, None)
+    if subset is None:
+        keys[start:end, rows:rows + b] = key
+        values[start:end, rows:rows + b] = value
+        k, v = keys[:end, rows:rows + b], values[:end, rows:rows + b]
+    else:  # early exit's rows still going: only their prefix is read, their new column written
+        keys[start:end].index_copy_(1, subset, key)
+        values[start:end].index_copy_(1, subset, value)
+        k, v = keys[:end].index_select(1, subset), values[:end].index_select(1, subset)
     # [s, b, h, d] -> [b, h, s, d]
     q = query.permute(1, 2, 0, 3)
-    k = keys[:end, rows:rows + b].permute(1, 2, 0, 3)
-    v = values[:end, rows:rows + b].permute(1, 2, 0, 3)
+    k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
     if allowed is None and sq > 1 and sq != end:
         raise ValueError(f"an unmasked call of {sq} tokens after {start} cached ones: give an "
                          f"attention mask")
