@@ -51,7 +51,7 @@ from megaloop.inference.precision import PrecisionConfig  # noqa: E402
 
 
 ENGINE_FLAGS = ("max_batch", "block_size", "num_blocks", "prefill_chunk", "speculate",
-                "layer_forward")
+                "layer_forward", "cuda_graphs")
 API_KEY_ENV = "MEGALOOP_API_KEY"  # --api-key's default (vLLM's flag reads VLLM_API_KEY so)
 
 
@@ -102,6 +102,16 @@ def _ignore(signum, frame):
     forward that rank 0 and the others are inside)."""
 
 
+def _graphs_note(engine_config) -> str:
+    """The start line's words on --cuda-graphs."""
+    import torch
+
+    if not engine_config.cuda_graphs:
+        return ""
+    return (", CUDA graphs" if torch.cuda.is_available() else
+            ", static decode forwards (no GPU: no graph captured)")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -130,6 +140,7 @@ def main(argv=None) -> int:
         return refuse("the server needs FastAPI and uvicorn: pip install -e '.[serve]'")
     from megaloop.inference.engine_config import EngineConfig
     from megaloop.inference.loading import check_generation_flags, check_transformer_impl
+    from megaloop.inference.cuda_graphs import check_cuda_graphs
     from megaloop.inference.speculation import check_speculate
 
     limits = dataclass_from_args(RequestLimits, args)
@@ -143,6 +154,8 @@ def main(argv=None) -> int:
                                       ckpt_step=args.ckpt_step)
         impl = check_transformer_impl(args.transformer_impl, engine=True)
         check_speculate(args.speculate, rule, args.kv_policy)
+        # (what needs the model, its TP size and layers, is checked when it is loaded)
+        check_cuda_graphs(args.cuda_graphs, rule, args.speculate, args.kv_policy, 1, True)
     except ValueError as exc:
         return refuse(str(exc))
 
@@ -187,9 +200,10 @@ def main(argv=None) -> int:
             return 0
         logging.getLogger("megaloop.serve").info(
             "serving %s (%d loop steps, kv-policy %s, exit %s, TP %d, up to %d rows per step, "
-            "layers: %s) on http://%s:%d", name, service.num_loops, args.kv_policy,
+            "layers: %s%s) on http://%s:%d", name, service.num_loops, args.kv_policy,
             rule.text if rule else "none", tp, engine_config.max_batch,
-            service.runner.lockstep.engine.forward_impl, args.host, args.port)
+            service.runner.lockstep.engine.forward_impl, _graphs_note(engine_config),
+            args.host, args.port)
         try:
             started = serve(service, args.host, args.port, args.log_level.lower(), stop,
                             api_key=api_key)

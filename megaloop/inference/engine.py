@@ -47,13 +47,14 @@ import torch.nn.functional as F
 from megaloop.device import current_device, device_of
 from megaloop.inference import early_exit
 from megaloop.inference.flags import check_num_loops, check_sampling, check_seed
+from megaloop.inference.cuda_graphs import DecodeGraphs, check_cuda_graphs
 from megaloop.inference.engine_config import LAYER_FORWARDS, EngineConfig  # noqa: F401
 from megaloop.inference.generate import SamplingParams
 from megaloop.inference.kv_cache import LoopKVCache
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
 from megaloop.inference.sampling import probabilities, sample_rows
 from megaloop.inference.transfer import to_device
-from megaloop.model.layer_forward import unsupported as unsupported_layers
+from megaloop.model.layer_forward import STATIC, unsupported as unsupported_layers
 from megaloop.inference.speculation import (DraftController, agreed_k, check_speculate,
                                              full_depth_forward, speculate_round)
 
@@ -198,6 +199,9 @@ class InferenceEngine:
         self.layer_forward = why is None
         self.forward_impl = "megaloop" if why is None else f"megatron-core ({why})"
         self.kv = PagedKV(self.allocator, kv_policy, current_device(), self.layer_forward)
+        check_cuda_graphs(config.cuda_graphs, exit_rule, self.speculate, kv_policy,
+                          model.config.tensor_model_parallel_size, self.layer_forward)
+        self.graphs = DecodeGraphs() if config.cuda_graphs else None
         self._lock = threading.Lock()  # add / cancel may come from other threads than step()
         self._queue: list[Request] = []
         self._running: list[Request] = []
@@ -385,6 +389,15 @@ class InferenceEngine:
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         return logits[..., :self.vocab_size].float(), depth
 
+    def _run_static(self, kv, ids, positions, mask, column):
+        """A decode forward of static shapes (``EngineConfig.cuda_graphs``): ``_run``'s logits."""
+        from megatron.core import tensor_parallel
+
+        setattr(kv.context, STATIC, column)
+        logits = self.model(ids, positions, mask, num_loops=self.num_loops, kv_cache=kv)
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits[..., :self.vocab_size].float()
+
     def _forward_rows(self, requests: list, ids, positions, decode: bool, masked: bool = True):
         """``_forward`` over the paged cache, the rows gathered into one view (``masked``
         False: the rows have one cached length, so the view has no padding)."""
@@ -401,18 +414,30 @@ class InferenceEngine:
                 self.kv.write_index(rows, new)]
         if not reuse:
             host.append(self.kv.gather_index(rows, width))
-        ids, positions, lengths, dest, *index = to_device(host, current_device())
+        static = decode and self.graphs is not None
+        if static:  # (the column the new K/V go to, for a static forward: cuda_graphs.py)
+            L = max(r.cached for r in requests)
+            host.append(torch.tensor([L]))
+        ids, positions, lengths, dest, *rest = to_device(host, current_device())
         if reuse:
             kv, mask = self.kv.next_decode(old, rows, lengths)
         else:
             kv, mask = self.kv.view(rows, new, width - max(r.cached for r in requests) - new,
-                                    index[0], lengths)
+                                    rest[0], lengths)
             self.stats["gathers"] += 1
         if decode:
             self._decode_views[key] = kv
             self._views_used.add(key)
         gathered = self.clock.now()
-        logits, depth = self._run(ids, positions, mask if masked else None, kv, decode)
+        if static:
+            # The view's whole width under a mask, the column in a device tensor: the same
+            # shapes at every step of the view, so a GPU replays one captured graph.
+            mask = self.kv.static_mask(lengths, L, kv.max_sequence_length)
+            inputs = {"ids": ids, "positions": positions, "mask": mask, "column": rest[-1]}
+            logits = self.graphs.run(kv, inputs, lambda **a: self._run_static(kv, **a))
+            depth = None
+        else:
+            logits, depth = self._run(ids, positions, mask if masked else None, kv, decode)
         if kv.entries:
             raise ValueError(f"the batching engine cannot page loop-variant cache entries "
                              f"({', '.join(map(str, kv.entries))})")

@@ -33,6 +33,11 @@ class EngineConfig:
     (megaloop/model/layer_forward.py: the same modules and weights, less host work per token)
     where it can compute them, else with megatron-core's (``InferenceEngine.forward_impl``
     says which, and why); ``megatron-core``: megatron-core's layer forward always."""
+    cuda_graphs: bool = False
+    """Decode forwards with static shapes, each gathered view's captured as a CUDA graph once
+    and replayed (megaloop/inference/cuda_graphs.py); on a CPU the same static forwards run
+    eagerly. Not with --exit, --speculate, a KV policy other than full, TP > 1 or
+    megatron-core's layer forward."""
     speculate: str = ""
     """``d:k``: self-speculative decoding, up to k tokens drafted at loop depth d and verified at
     the full depth in one forward, each round's number picked from the measured acceptance and

@@ -179,6 +179,17 @@ class PagedKV:
         mask = padding.view(b, 1, 1, width) | after.view(1, 1, new_tokens, width)
         return mask if staged else mask.to(self.device)
 
+    def static_mask(self, lengths: torch.Tensor, L: int, width: int) -> torch.Tensor:
+        """[rows, 1, 1, width]: ``mask`` of a one-token forward at column L over a view's whole
+        ``width`` (the columns after L hidden too), so its shape does not change while the
+        view serves (megaloop/inference/cuda_graphs.py)."""
+        b = len(lengths)
+        where = {"device": device_of(lengths)} if _on_device(lengths) else {}
+        column = torch.arange(width, **where).view(1, width)
+        mask = (column < (L - lengths).view(b, 1)) | (column > L)
+        mask = mask.view(b, 1, 1, width)
+        return mask if where else mask.to(self.device)
+
     def write_back(self, kv: _View, rows: list[tuple[list[int], int]], new_tokens: int,
                    dest: Optional[torch.Tensor] = None) -> None:
         """Scatter the new columns of every cache ``kv`` holds into the rows' blocks (their

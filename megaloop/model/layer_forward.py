@@ -43,6 +43,10 @@ import torch.nn.functional as F
 
 MARK = "megaloop_layer_forward"
 """The attribute a ``StaticInferenceContext`` carries (True) when its blocks run this forward."""
+STATIC = "megaloop_static"
+"""The attribute that holds, for a decode forward of static shapes, the column (a LongTensor
+[1]) its new K/V go to; attention then reads the cache's whole width under the caller's mask
+(megaloop/inference/cuda_graphs.py)."""
 ROWS = "megaloop_rows"
 """The attribute that holds the batch rows a call runs on (a LongTensor; None: all): early exit's
 rows still in the loop, read and written in place in the cache instead of a compacted copy."""
@@ -301,8 +305,15 @@ def _attention(attn, x, allowed, rope, context):
                 torch.empty(size, dtype=key.dtype, device=key.device),
                 torch.empty(size, dtype=value.dtype, device=value.device))
     keys, values = context.key_value_memory_dict[attn.layer_number]
-    subset = getattr(context, ROWS, None)
-    if subset is None:
+    subset, column = getattr(context, ROWS, None), getattr(context, STATIC, None)
+    if column is not None:  # static shapes: the column from a tensor, the whole width read
+        if subset is not None or sq != 1 or rows != 0 or b != keys.size(1):
+            raise ValueError("a static decode forward takes one token of every row of its "
+                             "cache (no early exit)")
+        keys.index_copy_(0, column, key)
+        values.index_copy_(0, column, value)
+        k, v = keys, values
+    elif subset is None:
         keys[start:end, rows:rows + b] = key
         values[start:end, rows:rows + b] = value
         k, v = keys[:end, rows:rows + b], values[:end, rows:rows + b]
