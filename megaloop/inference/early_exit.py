@@ -136,7 +136,7 @@ def exit_log_probs(model, ids, position_ids, num_loops: int, rule: Optional[Exit
     """Teacher-forced next-token log-probabilities [b, s, vocab_size] (fp32, full vocabulary,
     the padded rows dropped) of every position at its exit step under ``rule`` (None: step T),
     and the exit step [b, s]."""
-    from megatron.core import tensor_parallel
+    from megaloop.model.readout import gather_logits
 
     ctx = recurrence.context(model, ids, attention_mask, None, num_loops,
                              read_every_step=rule is not None)
@@ -146,7 +146,7 @@ def exit_log_probs(model, ids, position_ids, num_loops: int, rule: Optional[Exit
         nonlocal result
         if not out.exits.any():
             return
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(out.logits)
+        logits = gather_logits(out.logits)
         logp = F.log_softmax(logits[..., :vocab_size].float(), dim=-1).transpose(0, 1)
         if result is None:
             result = torch.zeros_like(logp)

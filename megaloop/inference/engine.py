@@ -370,7 +370,7 @@ class InferenceEngine:
     def _run(self, ids, positions, mask, kv, decode: bool):
         """The model's logits (gathered over tensor-parallel ranks, fp32, the real vocabulary)
         and exit steps, as the exit rule decodes (None: all T steps)."""
-        from megatron.core import tensor_parallel
+        from megaloop.model.readout import gather_logits
 
         depth = None
         if self.exit_rule is not None and decode:
@@ -386,16 +386,16 @@ class InferenceEngine:
                                         self.speculate[0])
         else:
             logits = self.model(ids, positions, mask, num_loops=self.num_loops, kv_cache=kv)
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        logits = gather_logits(logits)
         return logits[..., :self.vocab_size].float(), depth
 
     def _run_static(self, kv, ids, positions, mask, column):
         """A decode forward of static shapes (``EngineConfig.cuda_graphs``): ``_run``'s logits."""
-        from megatron.core import tensor_parallel
+        from megaloop.model.readout import gather_logits
 
         setattr(kv.context, STATIC, column)
         logits = self.model(ids, positions, mask, num_loops=self.num_loops, kv_cache=kv)
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        logits = gather_logits(logits)
         return logits[..., :self.vocab_size].float()
 
     def _forward_rows(self, requests: list, ids, positions, decode: bool, masked: bool = True):

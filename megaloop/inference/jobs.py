@@ -330,7 +330,7 @@ class ModelService:
     def prompt_log_probs(self, ids: list[int]) -> torch.Tensor:
         """Teacher-forced log-probs [len(ids) - 1, V]: row j is the distribution of token j + 1
         given tokens 0..j, from the full forward's last loop step (no cache)."""
-        from megatron.core import tensor_parallel
+        from megaloop.model.readout import gather_logits
 
         from megaloop.device import current_device
 
@@ -339,7 +339,7 @@ class ModelService:
         x = torch.tensor([ids], dtype=torch.long, device=device)
         pos = torch.arange(len(ids), device=device).unsqueeze(0)
         logits = self.model(x, pos, None, num_loops=self.num_loops)
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        logits = gather_logits(logits)
         return torch.log_softmax(logits[0, :-1, :self.vocab_size].float(), -1).cpu()
 
     # --- job result -> response (event-loop thread) -------------------------------------------

@@ -86,13 +86,13 @@ def full_depth_forward(model, ids, positions, mask, num_loops, kv, draft_depth: 
 
 
 def _logits(model, ids, positions, mask, num_loops, kv, vocab_size, draft_depth=None):
-    from megatron.core import tensor_parallel
+    from megaloop.model.readout import gather_logits
 
     if draft_depth is None:  # a draft
         logits = model(ids, positions, mask, num_loops=num_loops, kv_cache=kv)
     else:
         logits = full_depth_forward(model, ids, positions, mask, num_loops, kv, draft_depth)
-    logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    logits = gather_logits(logits)
     return logits[..., :vocab_size].float()
 
 

@@ -89,7 +89,7 @@ def successive_kl(logp: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
 
 def full_vocab_log_probs(logits: torch.Tensor) -> torch.Tensor:
     """Vocab-parallel logits [..., v/tp] -> full log-probabilities [..., V] (fp32)."""
-    from megatron.core import tensor_parallel
+    from megaloop.model.readout import gather_logits
 
     return F.log_softmax(
-        tensor_parallel.gather_from_tensor_model_parallel_region(logits).float(), dim=-1)
+        gather_logits(logits).float(), dim=-1)

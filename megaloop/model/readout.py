@@ -140,3 +140,12 @@ def chunked_language_model_loss(output_layer, hidden, weight, labels, chunk: int
     target = labels.transpose(0, 1).reshape(s * b)  # the row order of x.view(s * b, h)
     loss = LinearCrossEntropy.apply(x.reshape(s * b, h), weight, target, chunk, group)
     return loss.view(s, b).transpose(0, 1).contiguous()
+
+
+def gather_logits(logits):
+    """Vocab-parallel logits gathered over the tensor-parallel ranks (the last dimension whole).
+    The group is named: without it megatron-core warns on every call, a cost per decode step."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    return tensor_parallel.gather_from_tensor_model_parallel_region(
+        logits, group=parallel_state.get_tensor_model_parallel_group())
