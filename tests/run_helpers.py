@@ -56,3 +56,16 @@ def trained_records(rank, world, argv) -> list:
     code, trainer = train(argv)
     assert code == 0, code
     return records(trainer.cfg.logging.log_jsonl) if rank == 0 else None
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (its main(argv) callable in this process)."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(f"{name}_tool",
+                                                  os.path.join(root, "tools", f"{name}.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool

@@ -12,7 +12,6 @@ through megaloop/inference/precision.py into megaloop/model/inference_model.py.
 """
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -23,6 +22,7 @@ import torch
 from distributed import run_distributed, setup_parallel
 from test_inference import _train_and_save
 from test_placement import check_placement
+from run_helpers import load_tool as _tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,15 +53,6 @@ def bf16_ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("precision") / "bf16")
     assert run_distributed(_train_bf16, 1, path) == [0]
     return path
-
-
-def _tool(name: str):
-    """tools/<name>.py as a module (its main() callable in this process)."""
-    spec = importlib.util.spec_from_file_location(f"{name}_tool",
-                                                  os.path.join(ROOT, "tools", f"{name}.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
 
 
 def _dtypes(model) -> set:

@@ -14,7 +14,6 @@ modules themselves in tests/test_te_mapping.py.
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import os
 import sys
@@ -24,6 +23,7 @@ import torch
 
 from distributed import run_distributed, setup_parallel
 from flags import llama_style
+from run_helpers import load_tool as _tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TABLE = 256  # embedding rows (a multiple of 128: no padding)
@@ -94,14 +94,6 @@ def saved(tmp_path_factory):
     """(checkpoint directory, the greedy continuations of the model as saved)."""
     path = str(tmp_path_factory.mktemp("te_config") / "ckpt")
     return path, run_distributed(_save, 1, path)[0]
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_tool",
-                                                  os.path.join(ROOT, "tools", f"{name}.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
 
 
 def _run_tool(rank, world, name, argv):

@@ -37,20 +37,15 @@ def build_inference_model(model_cfg: ModelConfig, loop: LoopConfig, vocab_size: 
     the cast of a loaded fp32 model would."""
     from megatron.core.transformer.module import Float16Module
 
-    from megaloop.model.config import padded_vocab_size, transformer_config, use_transformer_engine
-    from megaloop.model.looped_gpt import LoopedGPTModel
+    from megaloop.model.looped_gpt import build_model
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     model_cfg = inference_model_config(model_cfg)
-    # build_model's steps with fp16 possible as well (build_model takes bf16 only: the trainer
-    # has no fp16). The TransformerConfig must say the precision before the layers are built:
-    # the attention's softmax reads it at construction (input_in_bf16/fp16: softmax in fp32).
-    config = transformer_config(model_cfg, model_cfg.num_layers, tp_size=tp_size,
-                                bf16=precision == "bf16", fp16=precision == "fp16")
-    padded = padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by, tp_size)
-    model = LoopedGPTModel(config, model_cfg, loop, padded,
-                           use_te=use_transformer_engine(model_cfg))
+    # The TransformerConfig must say the precision before the layers are built: the attention's
+    # softmax reads it at construction (input_in_bf16/fp16: softmax in fp32).
+    model = build_model(model_cfg, loop, vocab_size, tp_size=tp_size,
+                        bf16=precision == "bf16", fp16=precision == "fp16")
     if precision != "fp32":
         # Cast as an RL run with --bf16 casts its policy and reference (megaloop/rl/trainer.py,
         # megaloop/training/trainer.py): megatron-core's Float16Module casts every weight, the
@@ -60,5 +55,5 @@ def build_inference_model(model_cfg: ModelConfig, loop: LoopConfig, vocab_size: 
         # engine), not a mix of bf16 matmuls and fp32 norms. The wrapper's own forward (casting
         # inputs, fp32 outputs) is not kept: the engine and the recurrence call the module's
         # methods directly, as rollouts do, and take their logits in fp32 (``.float()``).
-        model = Float16Module(config, model).module
+        model = Float16Module(model.config, model).module
     return model

@@ -245,13 +245,14 @@ class LoopedGPTModel(LanguageModule):
 
 
 def build_model(model_cfg: ModelConfig, loop: LoopConfig, vocab_size: int, *, tp_size: int = 1,
-                sequence_parallel: bool = False, bf16: bool = False,
+                sequence_parallel: bool = False, bf16: bool = False, fp16: bool = False,
                 recompute: Optional[dict] = None) -> LoopedGPTModel:
-    """Build the model for the current rank (parallel state must be initialised)."""
+    """Build the model for the current rank (parallel state must be initialised). ``fp16``:
+    inference only (the trainer refuses --fp16)."""
     from megaloop.model.config import padded_vocab_size, transformer_config, use_transformer_engine
 
     config = transformer_config(model_cfg, model_cfg.num_layers, tp_size=tp_size,
-                                sequence_parallel=sequence_parallel, bf16=bf16,
+                                sequence_parallel=sequence_parallel, bf16=bf16, fp16=fp16,
                                 recompute=recompute)
     padded = padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by, tp_size)
     return LoopedGPTModel(config, model_cfg, loop, padded, use_te=use_transformer_engine(model_cfg))
