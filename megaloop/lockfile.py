@@ -35,13 +35,22 @@ class Outcome:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host. A zombie has ended: it holds nothing and only
+    waits to be reaped, which may never happen (an orphan whose init does not reap, as in some
+    containers; a parent that was itself killed mid-wait). A reused pid reads as alive: a lock
+    or file is then kept, never another run's taken."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: it exists
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The state follows the command name, which is in parentheses and may hold any byte.
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (not Linux): it exists
+        return True
 
 
 def describe(holder: Optional[dict]) -> str:

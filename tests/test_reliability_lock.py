@@ -157,3 +157,34 @@ def test_sigterm_releases_the_lock(tmp_path):
     holder.send_signal(signal.SIGTERM)
     assert holder.wait(timeout=30) == -signal.SIGTERM  # still dies of the signal
     assert os.listdir(ckpt) == []
+
+
+def test_a_zombie_holder_is_taken_over(tmp_path):
+    """A holder that has ended but was never reaped (a zombie: an orphan under an init that does
+    not reap, or a child of a killed launcher) holds nothing; its lock is taken over. The zombie is
+    made here by not waiting for an ended child, and told apart from a live one."""
+    from megaloop import lockfile
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # /proc reads Z once it has exited, before any wait()
+            with open(f"/proc/{ended.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.05)
+        assert lockfile.pid_alive(live.pid) and not lockfile.pid_alive(ended.pid)
+        path = str(tmp_path / LOCK)
+        for holder, taken in ((live, False), (ended, True)):
+            with open(path, "w") as f:
+                json.dump({"host": socket.gethostname(), "pid": holder.pid, "token": "x"}, f)
+            got = lockfile.take(path, 60.0, "--save-lock-timeout 60")
+            assert (got.token is not None) == taken, got
+            if taken:
+                assert len(got.notes) == 1 and f"process {ended.pid} no longer runs" in got.notes[0]
+            os.remove(path)
+    finally:
+        live.kill()
+        live.wait()
+        ended.wait()

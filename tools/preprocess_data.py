@@ -181,7 +181,7 @@ def remove_stale_partition_folders(out_dir: str) -> list[str]:
     import shutil
     import socket
 
-    from megaloop.data.preprocess import process_ended
+    from megaloop.lockfile import pid_alive
 
     if not os.path.isdir(out_dir):
         return []
@@ -189,7 +189,7 @@ def remove_stale_partition_folders(out_dir: str) -> list[str]:
     removed = []
     for name in sorted(os.listdir(out_dir)):
         match = pattern.fullmatch(name)
-        if match and process_ended(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
             removed.append(name)
     return removed

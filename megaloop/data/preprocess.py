@@ -362,22 +362,6 @@ def temporary_suffix() -> str:
     return f".tmp{os.getpid()}_{socket.gethostname()}"
 
 
-def process_ended(pid: int) -> bool:
-    """Whether no process ``pid`` runs on this host (a zombie has ended). A reused pid reads
-    as running: the files are then kept, never another run's removed."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):  # no /proc: it runs
-        return False
-
-
 def remove_stale_temporaries(prefixes: list[str]) -> dict[int, list[str]]:
     """Remove the temporary files of ``prefixes``' datasets (``<prefix>.bin.tmp<pid>_<host>``,
     its parts ``.<k>``, and the ``.idx``'s) left by ended runs on this host: a killed run
@@ -390,7 +374,7 @@ def remove_stale_temporaries(prefixes: list[str]) -> dict[int, list[str]]:
                              + re.escape(host) + r"(?:\.\d+)?")
         for name in sorted(os.listdir(folder)):
             match = pattern.fullmatch(name)
-            if match and process_ended(int(match.group(1))):
+            if match and not lockfile.pid_alive(int(match.group(1))):
                 with contextlib.suppress(FileNotFoundError):  # another run removed it first
                     os.remove(os.path.join(folder, name))
                     removed.setdefault(int(match.group(1)), []).append(name)
