@@ -23,6 +23,13 @@ from megaloop.data.preprocess import preprocess
 from megaloop.data.tokenizers import train_sentencepiece
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A command as a terminal starts it in the foreground, Ctrl-C raising KeyboardInterrupt: a suite
+# started in the background (`cmd &`, nohup, some CI runners) passes SIGINT on ignored, and Python
+# keeps an ignored SIGINT ignored, so a Ctrl-C test would wait for nothing. Use as
+# [sys.executable, "-c", FOREGROUND, script, *args].
+FOREGROUND = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 WORDS = ("alpha beta gamma delta river stone seven eleven a=3; b=a+4; c=b*2; c=? answer: 14 "
          "x->y, y->z. follow two arrows").split()
 

@@ -24,7 +24,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
 
 HOLDER = """
-import sys
+import faulthandler, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's (see FOREGROUND)
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks, should it hang
 sys.path.insert(0, {repo!r})
 from megaloop.data.config import TokenizerConfig
 from megaloop.data.preprocess import preprocess
@@ -121,7 +123,13 @@ def test_an_interrupted_run_releases_the_lock(tmp_path, sp_model, signum):
     out = tmp_path / "out"
     holder, _ = _holder(tmp_path, str(out / "o"), sp_model)
     holder.send_signal(signum)
-    _, stderr = holder.communicate(timeout=60)
+    try:
+        _, stderr = holder.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        holder.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        holder.kill()
+        raise AssertionError(f"still running 60 s after the signal:\n{holder.communicate()[1]}")
     assert holder.returncode != 0 and ("KeyboardInterrupt" in stderr or
                                        "Terminated" in stderr), stderr
     assert os.listdir(out) == []  # neither the lock nor a temporary file

@@ -23,7 +23,7 @@ from megaloop.data.jsonl import BadInputError
 from megaloop.data.jsonl import byte_ranges, read_batches
 from megaloop.data.preprocess import preprocess
 from megaloop.data.tokenizers import train_sentencepiece
-from test_data_preprocess import corpus, write_jsonl
+from test_data_preprocess import FOREGROUND, corpus, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "preprocess_data.py")
@@ -155,7 +155,8 @@ def test_ctrl_c_and_sigterm_at_random_moments_stop_fast_and_leave_nothing(tmp_pa
     rows = [{"text": t} for t in corpus(6000, seed=9)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out_dir = tmp_path / "out"
-    cmd = [sys.executable, TOOL, "--input", src, "--output-prefix", str(out_dir / "o"),
+    cmd = [sys.executable, "-c", FOREGROUND, TOOL, "--input", src, "--output-prefix",
+           str(out_dir / "o"),
            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
            "--workers", "2", "--batch-bytes", "20000", "--append-eod", "--no-progress"]
     runs = []
