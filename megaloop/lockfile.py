@@ -4,9 +4,11 @@ second may take one.
 
 The file is created with ``O_CREAT | O_EXCL`` (atomic, also on NFS) and holds who took it:
 host, pid, SLURM job id, start time and a random token. Someone else's lock is taken over, with
-a note, when its holder is gone: on this host when its pid no longer runs, on another host when
-the holder has not refreshed it (its modification time) for ``timeout_min`` minutes, and at
-once when it names this SLURM job (requeued after its node failed). The users and their
+a note, when its holder is gone: at once when it names this SLURM job (requeued after its node
+failed) or a SLURM job that SLURM says has ended (``squeue``; a job cancelled with its launcher
+leaves the lock behind, on whichever node its rank 0 ran), on this host when its pid no longer
+runs, on another host when the holder has not refreshed it (its modification time) for
+``timeout_min`` minutes. The users and their
 messages: megaloop.training.save_lock (--save) and megaloop.data.preprocess (--output-prefix).
 """
 
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -70,6 +74,39 @@ def read_holder(path: str) -> Optional[dict]:
     return holder if isinstance(holder, dict) else None
 
 
+# squeue's states of a job that has ended (its processes are gone); every other state (PENDING,
+# RUNNING, COMPLETING, SUSPENDED, REQUEUED, ...) may still have a process holding the lock.
+SLURM_ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+               "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "TIMEOUT"}
+
+
+def slurm_job_ended(holder: dict) -> Optional[str]:
+    """What SLURM says of the holder's job when it has ended (its state, or that SLURM no longer
+    lists it: ended jobs are forgotten after MinJobAge); None while it may run, or when this
+    process cannot tell: not in a job of the holder's cluster (a folder shared by two clusters:
+    this one's squeue knows nothing of the other's jobs), no squeue, no answer. A job missing
+    from the list counts only when it was this user's (PrivateData hides other users' jobs)."""
+    job_id, cluster = holder.get("slurm_job_id"), os.environ.get("SLURM_CLUSTER_NAME")
+    squeue = shutil.which("squeue")
+    if not job_id or not cluster or holder.get("slurm_cluster") != cluster or squeue is None:
+        return None
+    forgotten = "SLURM no longer lists it" if holder.get("uid") == os.getuid() else None
+    try:
+        done = subprocess.run([squeue, "--noheader", f"--jobs={job_id}", "--format=%T"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    states = set(done.stdout.split())
+    if done.returncode == 0:
+        if not states:
+            return forgotten
+        if states <= SLURM_ENDED:
+            return f"its state is {'/'.join(sorted(states))}"
+        return None
+    # Older SLURM refuses a job id it has forgotten; any other failure answers nothing.
+    return forgotten if "Invalid job id" in done.stderr else None
+
+
 def stale_reason(holder: Optional[dict], age_s: float, timeout_min: float,
                  timeout_text: str) -> Optional[str]:
     """Why the lock of ``holder`` (last refreshed ``age_s`` seconds ago) may be taken over, or
@@ -80,6 +117,11 @@ def stale_reason(holder: Optional[dict], age_s: float, timeout_min: float,
         # A requeued SLURM job keeps its id and may restart on another node after the first
         # died without releasing (node failure): the same job, not a second run.
         return f"it was taken by this SLURM job ({job}) before it was requeued"
+    if holder and not (holder.get("host") == socket.gethostname() and
+                       holder.get("pid") == os.getpid()):
+        ended = slurm_job_ended(holder)
+        if ended:
+            return f"its SLURM job {holder['slurm_job_id']} has ended ({ended})"
     if holder and holder.get("host") == socket.gethostname():
         pid = int(holder.get("pid", -1))
         if pid == os.getpid():
@@ -98,6 +140,7 @@ def take(path: str, timeout_min: float, timeout_text: str) -> Outcome:
     token = uuid.uuid4().hex
     me = {"host": socket.gethostname(), "pid": os.getpid(),
           "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+          "slurm_cluster": os.environ.get("SLURM_CLUSTER_NAME"), "uid": os.getuid(),
           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": token}
     notes = []
     for _ in range(3):  # a takeover raced by another run: look again

@@ -188,3 +188,57 @@ def test_a_zombie_holder_is_taken_over(tmp_path):
         live.kill()
         live.wait()
         ended.wait()
+
+
+FAKE_SQUEUE = """#!/bin/sh
+echo "$@" >> "$FAKE_SQUEUE_CALLS"
+printf '%b' "$FAKE_SQUEUE_OUT"
+printf '%b' "$FAKE_SQUEUE_ERR" >&2
+exit "$FAKE_SQUEUE_RC"
+"""
+
+
+@pytest.mark.parametrize("out,err,rc,same,taken", [
+    ("RUNNING\\n", "", 0, {}, None),
+    ("COMPLETING\\n", "", 0, {}, None),  # its processes may still be there
+    ("PENDING\\n", "", 0, {}, None),
+    ("FAILED\\n", "", 0, {}, "its state is FAILED"),
+    ("CANCELLED\\n", "", 0, {}, "its state is CANCELLED"),
+    ("", "", 0, {}, "SLURM no longer lists it"),
+    ("", "slurm_load_jobs error: Invalid job id specified\\n", 1, {},
+     "SLURM no longer lists it"),
+    ("", "slurm_load_jobs error: Unable to contact slurm controller\\n", 1, {}, None),
+    ("", "", 0, {"uid": -1}, None),  # another user's job may be hidden (PrivateData)
+    ("FAILED\\n", "", 0, {"uid": -1}, "its state is FAILED"),
+    ("FAILED\\n", "", 0, {"slurm_cluster": "other"}, None),  # not this squeue's to tell
+])
+def test_a_lock_of_an_ended_slurm_job_is_stale_at_once(tmp_path, monkeypatch, out, err, rc, same,
+                                                       taken):
+    """A job cancelled with its launcher (scancel --full) leaves its rank 0's lock behind, on
+    whichever node that rank ran: the next job's rank 0 may be on another host, where only the
+    refresh timeout (an hour) would free it. The holder's SLURM job is asked after (squeue, here
+    a script on PATH answering as SLURM 22.05 does): ended or forgotten, the lock is stale."""
+    from megaloop import lockfile
+
+    (tmp_path / "bin").mkdir()
+    squeue = tmp_path / "bin" / "squeue"
+    squeue.write_text(FAKE_SQUEUE)
+    squeue.chmod(0o755)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    for key, value in (("OUT", out), ("ERR", err), ("RC", str(rc)), ("CALLS", str(calls))):
+        monkeypatch.setenv(f"FAKE_SQUEUE_{key}", value)
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "here")
+    holder = {"host": "node-elsewhere", "pid": 1, "slurm_job_id": "77", "slurm_cluster": "here",
+              "uid": os.getuid(), **same}
+    why = lockfile.stale_reason(holder, 0.0, 60.0, "--save-lock-timeout 60")
+    if taken is None:
+        assert why is None
+    else:
+        assert why == f"its SLURM job 77 has ended ({taken})"
+    asked = calls.read_text().split() if calls.exists() else []
+    assert asked == ([] if same.get("slurm_cluster") else
+                     ["--noheader", "--jobs=77", "--format=%T"])
+    monkeypatch.setenv("PATH", "/nonexistent")  # no squeue: nothing to conclude
+    assert lockfile.stale_reason(holder, 0.0, 60.0, "--save-lock-timeout 60") is None

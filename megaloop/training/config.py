@@ -547,7 +547,8 @@ class CheckpointConfig(LoadConfig):
     save_lock_timeout: float = 60.0
     """Minutes after which the lock file of --save (megaloop_run.lock: one run per folder) that a
     run on another host took counts as stale and is taken over: its holder refreshes it about
-    once a minute while it trains. On this host a lock is stale as soon as its pid is gone."""
+    once a minute while it trains. On this host a lock is stale as soon as its pid is gone, and
+    anywhere as soon as squeue says the SLURM job that took it has ended."""
 
     def validate(self) -> None:
         super().validate()

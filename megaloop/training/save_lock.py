@@ -5,10 +5,11 @@ one's in-progress ``iter_*.tmp`` save, and later each overwrites the other's che
 before anything in --save is removed or written, rank 0 creates ``megaloop_run.lock`` there with
 ``O_CREAT | O_EXCL`` (atomic, also on NFS) holding who took it: host, pid, SLURM job id, start
 time. A second run finds the file and refuses to start, naming the holder (exit code 2). A lock
-whose holder is gone is taken over with a message: on this host when its pid no longer runs, on
+whose holder is gone is taken over with a message: at once when it names this SLURM job
+(requeued after its node failed) or a SLURM job that squeue says has ended (cancelled with its
+launcher, its rank 0 on any node), on this host when its pid no longer runs (or is a zombie), on
 another host when the holder has not refreshed it (its modification time, touched about once a
-minute while the run trains) for --save-lock-timeout minutes, and at once when it names this
-SLURM job (requeued after its node failed). --load needs no lock: reading a
+minute while the run trains) for --save-lock-timeout minutes. --load needs no lock: reading a
 folder another run writes is safe (``latest`` only ever names complete checkpoints). The lock
 file itself (creation, staleness, takeover) is megaloop.lockfile's, shared with preprocessing.
 
