@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from test_training import _compare, _one_step
+from test_training import _compare, _one_step, assert_after_second_step_close
 from test_training import one_rank_step as _reference  # the single-rank run, cached
 
 MB2 = ["--micro-batch-size", "2"]
@@ -346,7 +346,7 @@ def _checkpoint_roundtrip(rank, world, extra, save_dir, save):
     from megaloop.training.checkpointing import load_checkpoint, save_checkpoint
     from megaloop.training.run_config import parse_args
     from megaloop.training.trainer import Trainer
-    from reference import full_params
+    from reference import full_grads, full_params
     from test_training import BASE
 
     cfg = parse_args(BASE + extra)
@@ -364,7 +364,7 @@ def _checkpoint_roundtrip(rank, world, extra, save_dir, save):
         for _ in range(trainer.num_microbatches):
             next(trainer.train_iter)
     stats, grad_norm, _ = trainer.train_step()
-    return params, stats, float(grad_norm), full_params(trainer.model)
+    return params, stats, float(grad_norm), full_params(trainer.model), full_grads(trainer.model)
 
 
 @pytest.mark.parametrize("variant,pp_only", [
@@ -378,8 +378,8 @@ def test_pp2_checkpoint_loads_at_pp1(tmp_path, variant, pp_only):
     saved = run_distributed(_checkpoint_roundtrip, 2, MB2 + PP2 + variant + pp_only,
                             str(tmp_path), True)
     loaded = run_distributed(_checkpoint_roundtrip, 1, MB2 + variant, str(tmp_path), False)[0]
-    params_pp, stats_pp, gn_pp, after_pp = saved[0]
-    params_1, stats_1, gn_1, after_1 = loaded
+    params_pp, stats_pp, gn_pp, after_pp, _ = saved[0]
+    params_1, stats_1, gn_1, after_1, grads_1 = loaded
     # One key per parameter, core layers by global number: the single-stage model gets them all.
     assert params_pp.keys() == params_1.keys()
     for k in params_pp:
@@ -387,8 +387,7 @@ def test_pp2_checkpoint_loads_at_pp1(tmp_path, variant, pp_only):
     # Optimizer state and LR schedule came along: the next step is the same step.
     assert abs(stats_pp["loss"] - stats_1["loss"]) < 2e-5
     assert abs(gn_pp - gn_1) < 1e-4 * max(1.0, gn_1)
-    for k in after_pp:
-        assert torch.allclose(after_pp[k], after_1[k], atol=1e-6, rtol=1e-4), k
+    assert_after_second_step_close(after_pp, after_1, grads_1)
 
 
 def test_tp2_pp2_and_pp2_dp2_spiralformer_mesh_equal_one_rank():

@@ -57,6 +57,39 @@ def _update_slack(g1, gn1, g2, gn2):
     return LR * slope * (GRAD_ATOL + GRAD_RTOL * g1.abs())
 
 
+ADAM_BETA1, ADAM_BETA2 = 0.9, 0.999  # megaloop's (Megatron-LM's) defaults, which BASE keeps
+
+
+def second_step_slack(grad):
+    """How far two layouts' weights may be apart after Adam's *second* step from one restored
+    checkpoint (the same moments m1 = (1 - b1) g1, v1 = (1 - b2) g1^2 of a first step on both sides)
+    because their second gradients ``grad`` differ by rounding (GRAD_ATOL, GRAD_RTOL).
+
+    The update is u(g) = m_hat / (s + eps), with m_hat = (b1 g1 + g) / (1 + b1) and
+    s = sqrt((b2 g1^2 + g^2) / (1 + b2)) after bias correction. Its slope is
+    1 / ((1 + b1)(s + eps)) - m_hat g / ((1 + b2) s (s + eps)^2); Cauchy-Schwarz gives
+    |m_hat| <= sqrt(b1^2 / b2 + 1) sqrt(1 + b2) / (1 + b1) s and |g| <= sqrt(1 + b2) s, so the
+    slope is at most C / (s + eps) with C below, and s >= |g| / sqrt(1 + b2) whatever g1 was.
+    Along the way from one gradient to the other |g| stays above |grad| - tolerance."""
+    b1, b2 = ADAM_BETA1, ADAM_BETA2
+    m_over_s = (b1 * b1 / b2 + 1) ** 0.5 * (1 + b2) ** 0.5 / (1 + b1)
+    c = 1 / (1 + b1) + m_over_s * (1 + b2) ** 0.5 / (1 + b2)
+    tol = GRAD_ATOL + GRAD_RTOL * grad.abs()
+    s_min = (grad.abs() - tol).clamp(min=0) / (1 + b2) ** 0.5
+    return LR * c / (s_min + ADAM_EPS) * tol
+
+
+def assert_after_second_step_close(p1: dict, p2: dict, grads: dict):
+    """The weights two layouts reach with Adam's second step from one checkpoint, as close as the
+    rounding of their gradients (one side's, ``grads``) lets them be (second_step_slack), plus
+    rounding of the update itself."""
+    assert p1.keys() == p2.keys()
+    for k in p1:
+        gap = (p1[k] - p2[k]).abs()
+        bound = 1e-6 + 1e-4 * p1[k].abs() + 1.01 * second_step_slack(grads[k])
+        assert (gap <= bound).all(), (k, float((gap - bound).max()))
+
+
 def _compare(ref, other, tol=2e-5):
     stats1, gn1, g1, p1, next1 = ref
     stats2, gn2, g2, p2, next2 = other
@@ -159,3 +192,39 @@ def test_compare_allows_what_adams_first_step_makes_of_gradient_rounding():
         _compare(ref, (stats, gn, g2, wrong, 1.0))
     with pytest.raises(AssertionError):
         _compare(ref, (stats, gn, None, wrong, 1.0))
+
+
+def test_second_step_bound_allows_gradient_rounding_and_catches_lost_moments():
+    """torch's Adam (the update megatron-core's optimizer makes on CPU) takes a first step, then a
+    second from the same state with two gradients that differ by the full gradient tolerance,
+    with elements from 0 to 1e-1 (near 0 the update is most sensitive): the weights pass
+    assert_after_second_step_close. A second step whose moments were lost (a fresh optimizer, as
+    a checkpoint that did not restore them) fails it, as does one weight with a large gradient off
+    by a thousandth of the LR."""
+    gen = torch.Generator().manual_seed(0)
+    scale = 10 ** (-6 * torch.rand(4096, generator=gen) - 1)  # magnitudes 1e-7 .. 1e-1
+    g1 = torch.randn(4096, generator=gen) * scale
+    g2 = torch.randn(4096, generator=gen) * scale
+    g2[:8] = 0.0
+    sign = torch.randint(0, 2, (4096,), generator=gen) * 2 - 1
+    g2_other = g2 + sign * (GRAD_ATOL + GRAD_RTOL * g2.abs())
+    p0 = torch.randn(4096, generator=gen) * 0.02
+
+    def second_step(grad, restored=True):
+        p = torch.nn.Parameter(p0.clone())
+        opt = torch.optim.Adam([p], lr=LR, betas=(ADAM_BETA1, ADAM_BETA2), eps=ADAM_EPS)
+        if restored:
+            p.grad = g1.clone()
+            opt.step()
+            p.data.copy_(p0)  # both sides start the second step from one restored checkpoint
+        p.grad = grad.clone()
+        opt.step()
+        return {"w": p.detach().clone()}
+
+    ref = second_step(g2)
+    assert_after_second_step_close(ref, second_step(g2_other), {"w": g2})
+    with pytest.raises(AssertionError):
+        assert_after_second_step_close(ref, second_step(g2, restored=False), {"w": g2})
+    off = {"w": ref["w"] + LR * 1e-3 * (torch.arange(4096) == g2.abs().argmax())}
+    with pytest.raises(AssertionError):
+        assert_after_second_step_close(ref, off, {"w": g2})
