@@ -387,3 +387,20 @@ def test_the_checks_catch_misspellings():
     wrong = path_problems("README.md", page) + flag_problems("README.md", page)
     lines = sorted(int(w.split(":")[1]) for w in wrong)
     assert lines == [1, 1, 3, 4, 5, 7, 7, 8, 8], "\n".join(wrong)
+
+
+def test_readme_first_screen():
+    """The README stays at most 200 lines, and its first screen (before the first section) gives
+    the two commands (.ci/run's test command among them), says what the demo will not do, and
+    says plainly that no GPU has run it; dated figures live in docs/benchmarks.md."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert readme.count("\n") <= 200
+    first = readme.split("\n## ", 1)[0]
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        test_command = re.search(r"^bash tools/setup_venv.sh && (.*pytest tests -q)$", f.read(),
+                                 re.M).group(1)
+    assert "bash examples/demo_cpu.sh" in first and test_command in first
+    assert "No GPU has ever run it" in first and "tools/gpu_check.sh" in first
+    assert "not of its content" in first  # what to expect of the toy model
+    assert not re.search(r"20\d\d-\d\d-\d\d", first), "dated figures belong to docs/benchmarks.md"
