@@ -202,3 +202,22 @@ def test_plan_writes_the_choice_into_the_flags_and_keeps_given_steps():
     given.validate(world_size=2)
     view = plan(given, vocab, 8)
     assert (view.layers, view.first_readouts) == ((2, 2), (2,))
+
+
+def test_the_cost_model_reads_the_flop_model_from_below():
+    """balance.py (megaloop/parallel) counts with megaloop/model/flops.py, the formulas the
+    throughput line counts with too (metrics.py re-exports the same functions): no import of
+    megaloop.training, a higher layer, at the top or inside a function."""
+    import os
+
+    from test_layering import ROOT, imported_modules
+
+    from megaloop.model import flops
+    from megaloop.training import metrics
+
+    found = imported_modules(os.path.join(ROOT, "megaloop/parallel/balance.py"))
+    assert not [m for _, m in found if m.split(".")[:2] == ["megaloop", "training"]], found
+    assert ("megaloop.model.flops" in [m for _, m in found])
+    for name in ("flops_per_iteration", "layer_flops_per_token", "core_flops_per_token",
+                 "core_step_flops_per_token", "readouts_per_forward"):
+        assert getattr(metrics, name) is getattr(flops, name), name

@@ -13,8 +13,8 @@ stage costs its core layers; on top of that
   gate, LM head; in ``last`` mode only at T), or only the gate when the first stage takes the
   step's LM loss.
 
-Costs are forward matmul FLOPs per token (megaloop.training.metrics, where the throughput line
-counts them); a chunk's backward costs twice its forward, as it does for every matmul.
+Costs are forward matmul FLOPs per token (megaloop.model.flops, with which the throughput line
+counts them too); a chunk's backward costs twice its forward, as it does for every matmul.
 ``simulate`` replays megatron-core's schedule on these costs: each stage's order of forward and
 backward chunks (warm-up, 1F1B steady state, cool-down; ``get_schedule_table``'s order of
 micro-batches and chunks), each waiting for the chunk it depends on on the neighbouring stage,
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from megaloop.model.config import LoopConfig, ModelConfig
+from megaloop.model.flops import core_flops_per_token, layer_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,6 @@ def chunk_costs(model: ModelConfig, loop: LoopConfig, vocab_size: int, seq_lengt
                 layers: tuple, first_readouts: Sequence[int] = ()) -> list:
     """Forward FLOPs per token of chunk c (loop step c + 1) of each stage holding ``layers``:
     [stage][chunk], with the LM loss of the steps in ``first_readouts`` on the first stage."""
-    from megaloop.training.metrics import core_flops_per_token, layer_flops_per_token
-
     T, K = loop.num_loops, sum(layers)
     per_layer = layer_flops_per_token(model, seq_length)
     core_layer = core_flops_per_token(model, loop, seq_length) / (T * K)  # mean over steps
