@@ -230,9 +230,11 @@ def _blend_spike(rank, world, tmp):
         base = 100 if name == a else 300
         expected.append((os.path.basename(name), [t - base for t in tokens]))
     diag, printer = _diagnostics([])
-    for it in range(1, 17):
+    # 40 quiet iterations: a spike waits for the window (15) and 20 losses after it, which
+    # measure the run's loss noise (megaloop/training/diagnostics.py, LossSpikeCounter)
+    for it in range(1, 41):
         diag.after_step({"loss": 3.0, "exit_probs": [], "tokens": 8}, it)
-    diag.after_step({"loss": 9.0, "exit_probs": [], "tokens": 8}, 17,
+    diag.after_step({"loss": 9.0, "exit_probs": [], "tokens": 8}, 41,
                     describe_batch=lambda: describe_samples(train, first, count))
     return text, expected, printer.lines
 
@@ -244,7 +246,7 @@ def test_loss_spike_names_the_iteration_and_the_data(tmp_path):
              for name, _, docs in re.findall(r"(\w+)\[(\d+)\]: (\[[^\]]*\])", text)]
     assert named == expected, text  # every sample: its dataset and exactly its documents
     spike = [line for line in lines if "loss spike" in line]
-    assert len(spike) == 1 and "iteration 17" in spike[0] and "samples 8..11" in spike[0]
+    assert len(spike) == 1 and "iteration 41" in spike[0] and "samples 8..11" in spike[0]
 
 
 # --- the command line ---------------------------------------------------------------------------

@@ -41,6 +41,8 @@ NOT_DRAWN = {
     "tflops_per_gpu": "proportional to tokens_per_sec at a fixed depth",
     "depth": "the loop count of the step (constant unless random depth is on)",
     "startup_s": "start-up seconds of a process (its first record): printed in the log",
+    "elapsed_s": "wall time of the process's training so far: printed in the log",
+    "eta_s": "estimated time left to --train-iters: printed in the log",
 }
 
 

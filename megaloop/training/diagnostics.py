@@ -6,12 +6,12 @@ Effective in Looped Language Models?" (arXiv 2609.36636) App. C.4): what the LM 
   on validation batches. Both are measurement-only loop variants in megaloop/model/instruments.py
   (evaluation measures the geometry too).
 - ``LossSpikeCounter`` and ``GateCollapseMonitor``: the stability counters of Closing the Loop
-  (spike = loss more than 0.5 above the rolling median of the previous 15 iterations; collapse = p0
-  above 0.95
-  for many iterations in a row). A spike's warning names the iteration and the data of its batch
-  (``describe_samples``: sample range, dataset of a blend, documents), so a spike that hits every
-  run at the same iteration is recognisable as data. The collapse alarm watches only runs with an
-  exit gate (a dense run's p0 is 1 by definition).
+  (spike = loss more than 0.5 above the rolling median of the previous 15 iterations, and more
+  than 6 x the run's own loss noise, so a small run's batch-to-batch scatter is not a spike;
+  collapse = p0 above 0.95 for many iterations in a row). A spike's warning names the iteration
+  and the data of its batch (``describe_samples``: sample range, dataset of a blend, documents),
+  so a spike that hits every run at the same iteration is recognisable as data. The collapse
+  alarm watches only runs with an exit gate (a dense run's p0 is 1 by definition).
 - ``NonFiniteGuard``: --check-for-nan-in-loss-and-grad, the step-level guard: a step whose loss
   or gradients are not finite on any rank is skipped on every rank, and too many in a row stop the
   run.
@@ -38,27 +38,61 @@ from megaloop.model.instruments import (GEOMETRY_KEYS, LoopGeometry,  # noqa: F4
 
 class LossSpikeCounter:
     """Counts loss spikes (Closing the Loop App. A, Table 6): an iteration whose loss exceeds the
-    median of the previous ``window`` iterations by more than ``threshold``. A run of such
-    iterations counts once (a spike is one excursion, however many iterations it lasts)."""
+    median of the previous ``window`` iterations by more than ``threshold`` *and* by more than
+    ``NOISE_SIGMAS`` times this run's own iteration-to-iteration noise. A run of such iterations
+    counts once (a spike is one excursion, however many iterations it lasts); a non-finite loss
+    is always one.
+
+    Why the noise term: the paper's fixed 0.5 assumes large batches, whose loss scatters far
+    less than that. A small run's does not: the demo model on the demo corpus (prose mixed with
+    problems) scatters by about 0.17 from one iteration to the next at 16 x 128 tokens per
+    iteration and 0.35 at 1 x 128, where 0.5 is under 1.5 standard deviations and a normal
+    100-iteration run warned three times (its losses are in tests/test_diagnostics.py). The
+    noise is measured robustly: 1.4826 x the median absolute deviation (the
+    standard deviation of Gaussian data) of the last ``NOISE_HISTORY`` excesses over the rolling
+    median, spikes left out. Where that noise is small (the paper's setting) the rule is the
+    paper's. Warm-up: no spike is declared before the window is full and ``NOISE_MIN`` excesses
+    have measured the noise."""
+
+    NOISE_SIGMAS = 6.0
+    """A Gaussian excess goes beyond 6 sigma once in 1e9 iterations; mixed-text batches have
+    heavier tails than that, and the MAD of 20 values has a standard error of ~25% (4.5 sigma
+    when it is one standard error low). A spike of 1.5 x the loss at 0.1 noise is over 10 sigma;
+    at the ~0.4 noise of one 128-token sequence per iteration (loss ~4.5) it takes 1.6 x."""
+    NOISE_HISTORY = 100
+    NOISE_MIN = 20
 
     def __init__(self, threshold: float = 0.5, window: int = 15):
         self.threshold = threshold
         self.history = deque(maxlen=window)
+        self.excesses = deque(maxlen=self.NOISE_HISTORY)
         self.count = 0
         self.in_spike = False
+        self.median = self.limit = None  # of the latest iteration, for the warning
+
+    def noise(self) -> Optional[float]:
+        """The run's loss noise around its rolling median (robust sigma); None in the warm-up."""
+        if len(self.excesses) < self.NOISE_MIN:
+            return None
+        centre = statistics.median(self.excesses)
+        return 1.4826 * statistics.median(abs(e - centre) for e in self.excesses)
 
     def update(self, loss: float) -> bool:
         """Feed one iteration's loss; True if a new spike starts here."""
-        new = False
+        spiking, noise = False, None
         if not math.isfinite(loss):
             spiking = True
         elif len(self.history) == self.history.maxlen:
-            spiking = loss - statistics.median(self.history) > self.threshold
-        else:
-            spiking = False
-        if spiking and not self.in_spike:
-            self.count += 1
-            new = True
+            self.median = statistics.median(self.history)
+            excess = loss - self.median
+            noise = self.noise()
+            if noise is not None:
+                self.limit = max(self.threshold, self.NOISE_SIGMAS * noise)
+                spiking = excess > self.limit
+            if not spiking:  # a spike is not noise: it stays out of the noise estimate
+                self.excesses.append(excess)
+        new = spiking and not self.in_spike
+        self.count += new
         self.in_spike = spiking
         if math.isfinite(loss):
             self.history.append(loss)
@@ -205,10 +239,8 @@ class LoopDiagnostics:
                     data = f"; its batch: {describe_batch()}"
                 except Exception as exc:  # a diagnostic must not end the run: say it instead
                     data = f"; its data could not be identified ({type(exc).__name__}: {exc})"
-            self.logger.print(f" WARNING: loss spike at iteration {iteration}: loss "
-                              f"{stats['loss']:.4f} is more than {self.spikes.threshold} above "
-                              f"the median of the previous {self.spikes.history.maxlen} "
-                              f"iterations{data}")
+            self.logger.print(f" WARNING: loss spike at iteration {iteration}: "
+                              f"{self._spike_reason(stats['loss'])}{data}")
         probs = stats["exit_probs"]
         if self.collapse is not None and self.collapse.update(probs[0] if probs else None):
             self.logger.print(
@@ -220,6 +252,15 @@ class LoopDiagnostics:
         # None without a gate: nothing is watched (the log line then omits it).
         out["p0_collapse_iters"] = self.collapse.run if self.collapse is not None else None
         return out
+
+    def _spike_reason(self, loss: float) -> str:
+        c = self.spikes
+        if not math.isfinite(loss):
+            return f"loss {loss}"
+        return (f"loss {loss:.4f} is {loss - c.median:.3f} above the median of the previous "
+                f"{c.history.maxlen} iterations ({c.median:.4f}), more than {c.limit:.3f} "
+                f"(the larger of --loss-spike-threshold {c.threshold} and "
+                f"{c.NOISE_SIGMAS:g} x this run's loss noise {c.noise():.3f})")
 
     def eval_start(self) -> None:
         if self.geometry is not None:

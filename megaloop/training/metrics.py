@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 
@@ -100,11 +101,61 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+class RunClock:
+    """Wall time of this process's training and an estimate of the time left to --train-iters.
+
+    The estimate is the mean wall time per iteration of the iterations this process ran *after
+    its first* times the iterations left: the first step carries one-time costs (compilation,
+    CUDA graph capture, allocator and data-loader warm-up) that would otherwise dominate a short
+    run's mean. Between two iteration ends lies whatever the loop does there (validation, saves),
+    so those recurring costs are in the mean too. ``clock`` is injectable for tests."""
+
+    def __init__(self, train_iters: int, clock: Callable[[], float] = time.monotonic):
+        self.train_iters, self.clock = train_iters, clock
+        self.start = clock()
+        self.first = None  # (iteration, time) at the end of this process's first iteration
+        self.last = None   # (iteration, time) at the end of the latest one
+
+    def step_done(self, iteration: int) -> None:
+        """After iteration ``iteration`` (1-based, counted over the whole run) has run."""
+        now = self.clock()
+        self.last = (iteration, now)
+        if self.first is None:
+            self.first = self.last
+
+    def elapsed_s(self) -> float:
+        return self.clock() - self.start
+
+    def eta_s(self) -> Optional[float]:
+        """Seconds left to --train-iters; None until a second iteration has run."""
+        if self.last is None or self.last[0] == self.first[0]:
+            return None
+        per_iteration = (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+        return per_iteration * max(self.train_iters - self.last[0], 0)
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """h:mm:ss (hours unbounded), '-' when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def format_step_losses(values) -> str:
+    """Per-step losses; a step that was not scored (NaN: e.g. SpiralFormer's --exit-loss last
+    reads out only the final step) shows as '-', so it does not read as divergence. The JSONL
+    keeps such a value as null (``_clean``). A diverged step shows as '-' too, but then the
+    objective (`loss`) beside it is not finite and prints as nan."""
+    return " ".join("-" if v is None or not math.isfinite(v) else f"{v:.4f}" for v in values)
+
+
 def format_train_line(r: dict) -> str:
-    steps = " ".join("-" if v is None or not math.isfinite(v) else f"{v:.4f}"
-                     for v in r["step_losses"])
+    steps = format_step_losses(r["step_losses"])
     probs = " ".join(f"{v:.3f}" for v in r["exit_probs"]) if r["exit_probs"] else "-"
-    return (f" iteration {r['iteration']:6d}/{r['train_iters']:6d} | consumed samples "
+    timing = (f"elapsed {format_duration(r['elapsed_s'])} | eta {format_duration(r['eta_s'])} | "
+              if "elapsed_s" in r else "")
+    return (f" iteration {r['iteration']:6d}/{r['train_iters']:6d} | {timing}consumed samples "
             f"{r['consumed_samples']:9d} | {r['ms_per_iter']:8.1f} ms/iter | "
             f"{r['tokens_per_sec']:9.0f} tok/s | {r['tflops_per_gpu']:7.3f} TFLOP/s/GPU | "
             f"lr {r['lr']:.3e} | loss {r['loss']:.5f} | step losses [{steps}] | "
@@ -114,11 +165,19 @@ def format_train_line(r: dict) -> str:
             + f"skipped {r['skipped_iters']} | mem {r['mem_gib']:.2f} GiB" + _format_diagnostics(r))
 
 
+def format_valid_line(r: dict) -> str:
+    """The validation line: loss, per-step losses ('-' for a step not scored), geometry."""
+    return (f" validation at iteration {r['iteration']} | loss {r['loss']:.5f} "
+            f"| step losses [{format_step_losses(r['step_losses'])}]{format_geometry(r)}")
+
+
 def _format_diagnostics(r: dict) -> str:
     text = ""
     if "loss_spikes" in r:
         text += f" | loss spikes {r['loss_spikes']}"
-        if r.get("p0_collapse_iters") is not None:  # None: no exit gate, nothing to watch
+        # None: no exit gate, nothing to watch; 0: nothing to report (the warning comes at
+        # --p0-collapse-iters in a row, this count shows an episode building up to it)
+        if r.get("p0_collapse_iters"):
             text += f" | p0 high for {r['p0_collapse_iters']} it"
     if r.get("grad_norm_per_step"):
         rows = "  ".join(f"L{i} [" + " ".join(f"{x:.2e}" for x in row) + "]"

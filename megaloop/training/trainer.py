@@ -49,8 +49,8 @@ from megaloop.training.diagnostics import (GEOMETRY_KEYS, LoopDiagnostics, NonFi
                                            describe_samples)
 from megaloop.training.async_checkpointing import AsyncSaver, checkpoint_save_strategy
 from megaloop.training.startup import StartupTimer
-from megaloop.training.metrics import (MetricsLogger, flops_per_iteration, format_geometry,
-                                       format_train_line, peak_memory_gib)
+from megaloop.training.metrics import (MetricsLogger, RunClock, flops_per_iteration,
+                                       format_train_line, format_valid_line, peak_memory_gib)
 from megaloop.runtime import print_rank_0
 from megaloop.training.save_lock import SaveLock
 from megaloop.training.step_hooks import StepHooks, params_norm
@@ -426,13 +426,10 @@ class Trainer:
             return
         with self.hooks.around_eval():
             r = self.evaluate()
-        steps = " ".join(f"{v:.4f}" for v in r["step_losses"])
         geometry = {k: r[k] for k in GEOMETRY_KEYS if k in r}
-        self.logger.log({"iteration": self.iteration, "split": "valid", "loss": r["loss"],
-                         "step_losses": r["step_losses"], "exit_probs": r["exit_probs"],
-                         **geometry},
-                        line=f" validation at iteration {self.iteration} | loss {r['loss']:.5f} "
-                             f"| step losses [{steps}]{format_geometry(geometry)}")
+        record = {"iteration": self.iteration, "split": "valid", "loss": r["loss"],
+                  "step_losses": r["step_losses"], "exit_probs": r["exit_probs"], **geometry}
+        self.logger.log(record, line=format_valid_line(record))
 
     def train(self) -> Optional[str]:
         """Train to --train-iters; returns why it stopped early (a save was made), else None.
@@ -520,6 +517,7 @@ class Trainer:
         world = torch.distributed.get_world_size()
         self.describe()
         window_start, window_iters, window_flops, window_samples = time.time(), 0, 0.0, 0
+        clock = RunClock(tr.train_iters)  # elapsed and ETA of this process's training
         startup = None
         reason = exits.before_training(self.iteration)
         if reason is not None:
@@ -536,6 +534,7 @@ class Trainer:
                 startup = self.startup.finish("first step")
                 self.logger.print(self.startup.line())
             self.iteration += 1
+            clock.step_done(self.iteration)
             self.hooks.after_step(self.iteration)
             self.save_lock.refresh()
             gbs = self.step_gbs
@@ -564,6 +563,7 @@ class Trainer:
                     "tflops_per_gpu": window_flops / window_iters / elapsed / world / 1e12,
                     "skipped_iters": self.skipped, "mem_gib": peak_memory_gib(),
                     "depth": stats["depth"],
+                    "elapsed_s": clock.elapsed_s(), "eta_s": clock.eta_s(),
                     **diagnostics,
                 }
                 if startup is not None:  # the first record of this process carries start-up
