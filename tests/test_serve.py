@@ -328,6 +328,28 @@ def test_out_of_range_requests_are_refused_as_generate_refuses_them(server):
         assert r.json()["error"]["message"].startswith(start), r.text
 
 
+def test_the_suggested_max_tokens_counts_the_prompt(server, ckpt):
+    """A request past the model's context gets the bound that the prompt leaves: that value
+    is answered, one more is refused (the numbers from the checkpoint's context and the prompt's
+    length; tools/generate.py's side: tests/test_generate_bounds.py)."""
+    from megaloop.checkpoint.config import read_run_config
+    from megaloop.inference.loading import context_length
+
+    client, _ = server
+    context = context_length(read_run_config(ckpt))
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    bound = context - len(prompt)
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": context + 8})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"lower max_tokens {context + 8} to at most {bound} " in message, message
+    body = {"prompt": prompt, "max_tokens": bound, "temperature": 0, "ignore_eos": True}
+    answer = _complete(client, **body)
+    assert answer["usage"]["completion_tokens"] == bound
+    r = client.post("/v1/completions", json={**body, "max_tokens": bound + 1})
+    assert r.status_code == 400 and f"at most {bound} " in r.json()["error"]["message"], r.text
+
+
 def test_startup_log_holds_no_megatron_noise(server):
     """The server's log is its own: megatron-core's Megatron-FSDP INFO lines (three at import)
     are filtered as the other entry points filter megatron-core's noise."""

@@ -141,19 +141,39 @@ def fit_prompt(ids: list, max_tokens: int, context: Optional[int], keep_tail: bo
     """``ids``, or its last ``context - max_tokens`` tokens with ``keep_tail``, so that the prompt
     and the tokens to generate fit the model's context (positions past it were never trained:
     the output would be garbage). ``context`` None: unknown, nothing is checked. ``tail_flag``:
-    how the caller asks for ``keep_tail`` (named in the refusal)."""
-    if context is None or len(ids) + max_tokens <= context:
+    how the caller asks for ``keep_tail`` (named in the refusal).
+
+    A refusal names the prompt's length, ``max_tokens`` and the context, and a bound that is
+    accepted when given back: the prompt takes its tokens of the context first, so the bound on
+    ``max_tokens`` is ``context - len(ids)`` (``context - 1`` only where ``keep_tail`` cuts the
+    prompt to what is left, down to one token)."""
+    n = len(ids)
+    if context is None or n + max_tokens <= context:
         return ids
-    room = context - max_tokens
-    if room < 1:
-        raise ValueError(f"{spell('max_tokens')} {max_tokens}: the model's context is {context} "
-                         f"tokens, which must hold the prompt too: use at most {context - 1}")
+    room = context - max_tokens  # the prompt tokens that fit beside max_tokens
+    mt = spell("max_tokens")
+    over = (f"{what} has {_tokens(n)} and {mt} is {max_tokens}: {n + max_tokens} tokens exceed "
+            f"the model's context of {context}")
     if keep_tail:
-        return ids[-room:]
-    hint = f", or pass {tail_flag} to keep its last {room} tokens" if tail_flag else ""
-    raise ValueError(f"{what} has {len(ids)} tokens and {spell('max_tokens')} is {max_tokens}: "
-                     f"{len(ids) + max_tokens} tokens exceed the model's context of {context}; "
-                     f"shorten the prompt or lower {spell('max_tokens')}{hint}")
+        if room >= 1:
+            return ids[-room:]
+        # Even one prompt token leaves no room: the tail kept can shrink to one token, no less.
+        raise ValueError(f"{over}, and {tail_flag or 'keeping the tail'} keeps at least the "
+                         f"prompt's last token: use {mt} {context - 1} at most")
+    hint = f", or pass {tail_flag} to keep its last {room} tokens" if tail_flag and room >= 1 \
+        else ""
+    if n >= context:
+        # The prompt alone fills the context: no max_tokens of at least 1 fits beside it.
+        fix = f"shorten it to at most {room} tokens{hint}" if room >= 1 else \
+            f"shorten it and lower {mt} so that the two add up to at most {context}"
+        raise ValueError(f"{over}; the prompt alone ({_tokens(n)}) fills the context, "
+                         f"leaving no room for {mt}: {fix}")
+    raise ValueError(f"{over}; lower {mt} {max_tokens} to at most {context - n} (the context "
+                     f"less the prompt's {_tokens(n)}), or shorten the prompt{hint}")
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 def parse_speculate(text: str, num_loops: int = 0):
