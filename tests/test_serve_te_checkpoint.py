@@ -2,8 +2,10 @@
 default, so every checkpoint trained without the flag, on CPU too) is generated from and served
 on a GPU node with Transformer Engine installed: tools/generate.py and tools/serve.py build the
 local layers (``--transformer-impl`` defaults to them; the server runs nothing else),
-say so in one line, and give the greedy tokens of the model as saved, decoded independently by
-full forwards of the in-memory model. Forcing what an entry point cannot run is refused by name.
+say so in one line that names the saved flag (not the layers its run built, which are not
+recorded; on CPU, where the flag builds the local layers too, nothing is said), and give the
+greedy tokens of the model as saved, decoded independently by full forwards of the in-memory
+model. Forcing what an entry point cannot run is refused by name.
 
 "A GPU node with TE" is the answer ``megaloop.model.config.use_transformer_engine`` gives there
 (every backend but `local` is Transformer Engine's); nothing else of the machine is imitated,
@@ -30,8 +32,12 @@ TABLE = 256  # embedding rows (a multiple of 128: no padding)
 V = 200  # the null tokenizer's ids before EOD; EOD = V
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
 MAX_TOKENS = 8
-NOTE = "with --transformer-impl local: the checkpoint was saved with transformer_engine; " \
-       "weights map by name"
+# The line names the saved flag, never the layers the saving run built: it does not record them
+# (this checkpoint's were local, trained as on CPU).
+NOTE = "with --transformer-impl local: the checkpoint's run config says --transformer-impl " \
+       "transformer_engine, which builds Transformer Engine's layers on a GPU and the local " \
+       "ones on CPU (which its run built is not recorded); either's weights map onto local's " \
+       "by name"
 # Run a tool as on a GPU node with Transformer Engine installed: the layer-backend decision
 # answers as it does there, then the tool runs as __main__ with the rest of the command line.
 GPU_NODE = ("import runpy, sys; import megaloop.model.config as c; "
@@ -123,6 +129,23 @@ def test_generate_on_a_gpu_node_builds_the_local_layers(saved, monkeypatch):
     code, out, err = run_distributed(_run_tool, 1, "generate", argv)[0]
     assert code == 0, err
     assert [f"generating {NOTE}"] == [x for x in err.splitlines() if NOTE in x]
+    assert [[int(t) for t in line.split(",")] for line in out.strip().splitlines()] == want
+
+
+def test_generate_on_cpu_claims_no_transformer_engine_layers(saved):
+    """On this machine (no GPU) the saved flag builds the local layers too, which the tool
+    builds: the checkpoint's generation prints no line about the backend, and nothing that says
+    it was saved with Transformer Engine's layers (it was trained on CPU: its layers were
+    local)."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the saved flag builds Transformer Engine's layers: the line is due")
+    path, want = saved
+    argv = ["--load", path, "--max-tokens", str(MAX_TOKENS)]
+    for p in PROMPTS:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    code, out, err = run_distributed(_run_tool, 1, "generate", argv)[0]
+    assert code == 0, err
+    assert "transformer" not in err.lower() and "saved with" not in err, err
     assert [[int(t) for t in line.split(",")] for line in out.strip().splitlines()] == want
 
 

@@ -19,7 +19,8 @@ continuation decoded together (the prompt as the model read it: its last tokens 
 cumulative exit probability), ``kl:<eps>`` (Huginn: successive steps' next-token distributions
 closer than eps), ``fixed:<n>``; the mean executed depth is printed on stderr.
 ``--transformer-impl``: the layer backend the model is built with, `local` unless told
-otherwise, whatever the checkpoint was saved with (the weights map by name; a line says so).
+otherwise, whatever the checkpoint was saved with (the weights map by name; a line says so where
+the checkpoint's flag would build other layers on this machine).
 ``--bf16`` / ``--fp16`` / ``--fp32``: the precision the model is held in (default: on a GPU the
 checkpoint's, bf16 if it trained with --bf16; on CPU fp32); a line on stderr names it.
 ``--speculate d:k``: self-speculative decoding, the batching engine's flag as tools/serve.py's

@@ -26,7 +26,8 @@ requests are decoded together by the batching engine (megaloop/inference/engine.
 /health`` must send ``Authorization: Bearer KEY`` (HTTP 401 otherwise; the ``openai`` client's
 ``api_key``); serving beyond loopback (``--host 0.0.0.0``) without one prints a warning.
 ``--transformer-impl`` is the layer backend the model is built with: `local`, the one the engine
-runs, whatever the checkpoint was saved with (the weights map by name; a line says so).
+runs, whatever the checkpoint was saved with (the weights map by name; a line says so where the
+checkpoint's flag would build other layers on this machine).
 ``--bf16`` / ``--fp16`` / ``--fp32``: the precision the model is held in, as tools/generate.py's
 (default: on a GPU the checkpoint's, bf16 if it trained with --bf16; on CPU fp32).
 """

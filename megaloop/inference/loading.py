@@ -90,7 +90,9 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
     TokenizerConfig, is used: it is ignored for checkpoints and for folders that have their
     own). The layers are ``transformer_impl``'s (checked by ``check_transformer_impl``), whatever
     the checkpoint was saved with: both backends save the same tensor names; where the saved
-    backend differs, rank 0 says so in one line on stderr, beginning with ``purpose``. None:
+    flag would build other layers on this machine, rank 0 says so in one line on stderr,
+    beginning with ``purpose`` (``_backend_note``: the flag's value, not a claim about the
+    layers its run built). None:
     the backend the checkpoint was saved with (an export: ModelConfig's default), resolved on
     this machine (megaloop.model.config.use_transformer_engine). The model is held in the
     precision ``precision`` (a megaloop.inference.precision.PrecisionConfig; None: no flag) asks
@@ -111,24 +113,38 @@ def load_for_generation(load_dir: str, tp_size: int = 1, tokenizer=None,
     else:
         model, run, saved = _load_checkpoint(load_dir, tp_size, ckpt_step, transformer_impl,
                                              dtype)
-        if transformer_impl not in (None, _resolved(saved)) and runtime.is_rank_zero():
-            print(f"{purpose} with --transformer-impl {transformer_impl}: the checkpoint was "
-                  f"saved with {saved}; weights map by name", file=sys.stderr, flush=True)
+        note = _backend_note(transformer_impl, saved)
+        if note and runtime.is_rank_zero():
+            print(f"{purpose} with --transformer-impl {transformer_impl}: {note}",
+                  file=sys.stderr, flush=True)
     model.to(current_device()).eval()
     tokenizer = build_tokenizer(config_from_dict(TokenizerConfig, run.get("tokenizer", {})))
     return model, tokenizer, run
 
 
-def _resolved(saved: str) -> str:
-    """The backend a saved transformer_impl names: ``auto`` is whichever this machine would build
-    (megaloop.model.config.use_transformer_engine), so loading an ``auto`` checkpoint into the
-    same layers is no change worth a line."""
-    if saved != "auto":
-        return saved
+def _backend_note(impl: Optional[str], saved: str) -> Optional[str]:
+    """The line's text when the layers loaded (``impl``; None: the saved flag's) are not those
+    the checkpoint's flag ``saved`` builds on this machine, else None: there is then nothing to
+    say (on CPU every flag builds the local layers).
+
+    The run config records the flag's value, not the layers its run built: Megatron-LM's
+    default ``transformer_engine`` (and ``auto``) built Transformer Engine's layers on a GPU
+    but the local ones on CPU, and which machine trained is not recorded. So the line names
+    the flag and claims a backend only for ``local``, which builds the local layers anywhere."""
     from megaloop.model.config import ModelConfig, use_transformer_engine
 
-    return "transformer_engine" if use_transformer_engine(
-        ModelConfig(transformer_impl="auto")) else "local"
+    if impl is None:
+        return None
+    here = "transformer_engine" if use_transformer_engine(
+        ModelConfig(transformer_impl=saved)) else "local"
+    if impl == here:
+        return None
+    if saved == "local":
+        return "the checkpoint was trained with the local layers; the weights map by name"
+    where = "on a GPU with Transformer Engine installed" if saved == "auto" else "on a GPU"
+    return (f"the checkpoint's run config says --transformer-impl {saved}, which builds "
+            f"Transformer Engine's layers {where} and the local ones on CPU (which its run "
+            f"built is not recorded); either's weights map onto {impl}'s by name")
 
 
 def _load_checkpoint(load_dir: str, tp_size: int, iteration: Optional[int],
