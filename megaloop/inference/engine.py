@@ -49,10 +49,9 @@ from megaloop.inference import early_exit
 from megaloop.inference.flags import check_num_loops, check_sampling, check_seed
 from megaloop.inference.cuda_graphs import DecodeGraphs, check_cuda_graphs
 from megaloop.inference.engine_config import LAYER_FORWARDS, EngineConfig  # noqa: F401
-from megaloop.inference.generate import SamplingParams
 from megaloop.inference.kv_cache import LoopKVCache
 from megaloop.inference.paged_kv import BlockAllocator, PagedKV
-from megaloop.inference.sampling import probabilities, sample_rows
+from megaloop.inference.sampling import SamplingParams, probabilities, sample_rows
 from megaloop.inference.transfer import to_device
 from megaloop.model.layer_forward import STATIC, unsupported as unsupported_layers
 from megaloop.inference.speculation import (DraftController, agreed_k, check_speculate,

@@ -17,25 +17,14 @@ megaloop/inference/speculation.py), with the same tokens under greedy decoding.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from megaloop.inference.engine import EngineConfig, InferenceEngine
 from megaloop.inference.flags import check_num_loops, check_sampling
-
-@dataclass
-class SamplingParams:
-    """How the next token is chosen from the logits."""
-
-    temperature: float = 0.0
-    """0: greedy (argmax); > 0: sample from softmax(logits / temperature)."""
-    top_k: int = 0
-    """Keep only the k most likely tokens (0: all)."""
-    top_p: float = 1.0
-    """Keep the smallest set of most likely tokens whose probability reaches p (1: all)."""
-    seed: int = 0
-    """Seed of the rows' random streams (the same on every rank)."""
+# (defined below the engine, which takes it too; imported from here by the tools and tests)
+from megaloop.inference.sampling import SamplingParams  # noqa: F401
 
 
 def continuation_text(tokenizer, prompt: list[int], out: list[int],
@@ -57,8 +46,6 @@ class Generator:
                  kv_policy: str = "full", eod: Optional[int] = None, exit_rule=None,
                  record_logprobs: bool = False, speculate: str = ""):
         """``speculate``: the engine's ``EngineConfig.speculate`` (``d:k``; "": off)."""
-        from megaloop.inference.engine import EngineConfig, InferenceEngine
-
         check_num_loops(num_loops, spell=str)  # 0 must not silently mean the trained depth
         self.model, self.vocab_size, self.eod = model, vocab_size, eod
         self.num_loops = num_loops or model.loop.num_loops
@@ -83,8 +70,6 @@ class Generator:
         so that a caller can stream it); True stops that row there (e.g. its text now holds a
         stop string). An exception it raises ends the whole call (e.g. the client left), as
         does a row whose logits cannot be sampled (ValueError naming the row)."""
-        from megaloop.inference.engine import EngineConfig, InferenceEngine
-
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         check_sampling(params.temperature, params.top_k, params.top_p, spell=str)

@@ -242,7 +242,7 @@ class ModelService:
 
     def _job(self, req, prompts: list, max_tokens: int, logprobs=None, echo=False) -> Job:
         from megaloop.inference.flags import check_sampling, fit_prompt
-        from megaloop.inference.generate import SamplingParams
+        from megaloop.inference.sampling import SamplingParams
 
         n, lim = req.n or 1, self.limits
         self._check_prompt_count(len(prompts))

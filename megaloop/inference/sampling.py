@@ -17,10 +17,30 @@ that row alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megaloop.device import device_of
 from megaloop.inference.transfer import to_device
+
+
+# Here, below both the engine (megaloop/inference/engine.py, whose requests carry it) and its
+# synchronous face Generator (megaloop/inference/generate.py, which re-exports it under its old
+# import path): defined in generate.py, it made the two modules import each other.
+@dataclass
+class SamplingParams:
+    """How the next token is chosen from the logits."""
+
+    temperature: float = 0.0
+    """0: greedy (argmax); > 0: sample from softmax(logits / temperature)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches p (1: all)."""
+    seed: int = 0
+    """Seed of the rows' random streams (the same on every rank)."""
+
 
 _MASK64 = (1 << 64) - 1
 
