@@ -297,6 +297,37 @@ def _task_accuracy_vs_greedy(rank, world, ckpt):
     return acc
 
 
+def _files(folder) -> list:
+    return sorted(os.path.relpath(os.path.join(d, n), folder)
+                  for d, _, names in os.walk(folder) for n in names)
+
+
+def test_the_index_cache_goes_where_the_outputs_go(run, tmp_path):
+    """The validation split's index cache is written under --output-dir (or --data-cache-path),
+    never next to the data: for the demo, whose corpus lives in the checkout's demo/, that was
+    the checkout's demo/cache. Here a copy of the data in its own folder stands for the
+    checkout: after the sweep it holds the data files and nothing else."""
+    import shutil
+
+    prefix = run[1]
+    home = tmp_path / "checkout" / "demo"  # (no cache of the training run beside this copy)
+    home.mkdir(parents=True)
+    for ext in (".bin", ".idx"):
+        shutil.copy(prefix + ext, home / ("corpus_text_document" + ext))
+    before = _files(home)
+    data = ["--data-path", str(home / "corpus_text_document"), "--split", "70,30,0",
+            "--num-loops", "3", "--plots", "false", "--exit-rules", "none"]
+    _, out, _ = _sweep(tmp_path, run[0], 1, *data)
+    assert _files(home) == before
+    assert any(f.startswith(os.path.join("cache", "megaloop-")) for f in _files(out)), \
+        _files(out)
+    elsewhere = tmp_path / "index_cache"
+    (tmp_path / "given").mkdir()
+    _sweep(tmp_path / "given", run[0], 1, *data, "--data-cache-path", str(elsewhere))
+    assert _files(home) == before and _files(elsewhere)
+    assert not any(f.startswith("cache") for f in _files(tmp_path / "given" / "sweep1"))
+
+
 def test_task_accuracy_equals_greedy_decoding(run):
     acc = run_distributed(_task_accuracy_vs_greedy, 1, run[0])[0]
     assert acc["overall"] == 0.5

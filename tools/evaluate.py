@@ -16,7 +16,8 @@ tokenizer flags default to the checkpoint's. ``--ckpt-step N`` loads iteration N
 latest. ``--bf16`` / ``--fp16`` / ``--fp32``: the precision the model is held in, as
 tools/generate.py's (default: on a GPU the checkpoint's; on CPU fp32).
 Writes ``depth_sweep.md``, ``depth_sweep.json``, ``loss_vs_depth.png`` and
-``exit_distribution.png`` (gated models) into ``--output-dir``.
+``exit_distribution.png`` (gated models) into ``--output-dir``, and the validation split's index
+cache into its ``cache`` folder (``--data-cache-path`` to put it elsewhere).
 """
 
 from __future__ import annotations

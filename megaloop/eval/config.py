@@ -49,6 +49,12 @@ class EvalConfig:
     split: Optional[str] = None
     """Train/valid/test split of --data-path (default: the checkpoint's)."""
 
+    data_cache_path: Optional[str] = None
+    """Folder for the validation split's sample-index cache (the trainer's flag, Megatron-LM's
+    name; default: ``cache`` in --output-dir, where everything else goes: the trainer's
+    default, a ``cache`` folder next to the data, is the checkout's ``demo/cache`` for the
+    demo)."""
+
     mock_data: bool = False
     """Score megatron-core's mock dataset (synthetic tokens) instead of --data-path."""
 

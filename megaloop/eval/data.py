@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Optional
 
 import torch
@@ -69,7 +70,11 @@ def data_config(cfg: EvalConfig, run: dict):
                                    test_data_path=None)
     if cfg.split:
         data = dataclasses.replace(data, split=cfg.split)
-    data = dataclasses.replace(data, num_workers=0)
+    # The index cache goes where this evaluation's outputs go, not where the checkpoint's run
+    # kept its own (a path of the training machine) nor next to the data (for the demo, into
+    # the checkout): an evaluation writes only where its user pointed it.
+    cache = cfg.data_cache_path or os.path.join(cfg.output_dir, "cache")
+    data = dataclasses.replace(data, num_workers=0, data_cache_path=cache)
     if not (data.mock_data or data.data_path or data.valid_data_path):
         raise ValueError("no held-out data: pass --data-path PREFIX, --input-file FILE or "
                          "--mock-data (the checkpoint names no validation data)")
