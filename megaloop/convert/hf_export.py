@@ -30,20 +30,16 @@ import shutil
 import torch
 
 from megaloop.convert.hf_families import LLAMA3_FIXED
+# The looped config.json's form is hf_looped's (the reader's): what the modeling file implements
+# (check_exportable, re-exported here, where the tools and tests have always imported it) and the
+# exit rule's keys. The export builds on it; hf_looped never imports this module.
+from megaloop.convert.hf_looped import check_exportable, threshold_keys  # noqa: F401
 from megaloop.convert.layout import Heads, local_names, to_hf
 from megaloop.data.config import TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
 
 MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_modeling")
 MODELING_FILES = ("modeling_megaloop.py", "configuration_megaloop.py")
-
-
-def check_exportable(model: ModelConfig, loop: LoopConfig | None = None) -> None:
-    """Refuse what the modeling file does not implement, naming the flag (the rules are
-    ``LoopConfig.supports(export="hf")``'s; without ``loop`` only the architecture's)."""
-    reason = (loop or LoopConfig()).supports(export="hf", model=model)
-    if reason:
-        raise ValueError(reason)
 
 
 def is_ouro_style(model: ModelConfig, loop: LoopConfig) -> bool:
@@ -118,7 +114,6 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
     an export is often written by one account and served or uploaded by another."""
     from safetensors.torch import save_file
 
-    from megaloop.convert.hf_looped import threshold_keys
     from megaloop.convert.hf_tokenizer import special_token_ids, write_tokenizer_files
     from megaloop.data.tokenizers import build_tokenizer
 

@@ -16,6 +16,10 @@ read at; they become the model's default exit rule (``default_exit``): the run c
 
 Huginn (``RavenForCausalLM``) is refused by name, with what megaloop does not compute
 (``HUGINN_GAPS``).
+
+This module is the form both directions share: ``hf_export`` writes it and imports from here
+what the modeling file implements (``check_exportable``) and the exit rule's keys
+(``threshold_keys``, the inverse of ``default_exit``); nothing here imports ``hf_export``.
 """
 
 from __future__ import annotations
@@ -116,6 +120,16 @@ INERT = {
 }
 
 
+def check_exportable(model: ModelConfig, loop: LoopConfig | None = None) -> None:
+    """Refuse what the modeling file (``hf_modeling/``) does not implement, naming the flag (the
+    rules are ``LoopConfig.supports(export="hf")``'s; without ``loop`` only the architecture's).
+    export-hf refuses such a model before writing; ``looped_configs`` refuses a config.json that
+    describes one, so a folder this module reads is one the export could have written."""
+    reason = (loop or LoopConfig()).supports(export="hf", model=model)
+    if reason:
+        raise ValueError(reason)
+
+
 def is_looped_config(cfg: dict) -> bool:
     """Whether config.json describes a looped model this module reads (or Huginn, which it
     refuses by name)."""
@@ -161,8 +175,6 @@ def looped_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
     result writes the same keys and values). The table is built with exactly ``vocab_size``
     rows (--make-vocab-size-divisible-by 1); import-hf chooses the divisor a training run
     pads to."""
-    from megaloop.convert.hf_export import check_exportable
-
     check_fields(cfg)
     c = {**EXPORT_DEFAULTS, **cfg}
     heads = c["num_attention_heads"]
