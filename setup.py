@@ -27,6 +27,9 @@ setup(
         # protobuf: export-hf converts a sentencepiece model to tokenizer.json (transformers reads
         # the model's protobuf).
         "hf": ["transformers", "safetensors", "tokenizers", "protobuf"],
+        # --tensorboard-dir (tools/setup_venv.sh installs it: examples/slurm's default) and
+        # --wandb-project (wandb is large, with a service binary: only on request).
+        "tensorboard": ["tensorboard"],
         "log": ["tensorboard", "wandb"],
         # Plots (tools/evaluate.py, tools/plot_run.py, tools/attention_probes.py) and
         # lm-evaluation-harness (tools/run_lm_eval.py; the adapter follows its 0.4 model API).

@@ -353,6 +353,19 @@ class OptimConfig:
                                  f"must be > 0")
 
 
+def _require_backend(flag: str, module: str, package: str) -> None:
+    """ValueError (one line) unless ``module`` imports: what to pip install for ``flag``."""
+    try:
+        __import__(module)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"{flag} needs the {package} package, which is not installed ({exc}): "
+                         f"pip install {package}") from exc
+    except Exception as exc:  # installed but broken (a version clash): say how it fails
+        why = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"{flag} needs the {package} package, which does not import "
+                         f"({type(exc).__name__}: {why}): pip install --upgrade {package}") from exc
+
+
 @dataclass
 class LoggingConfig:
     """What is logged where."""
@@ -443,18 +456,14 @@ class LoggingConfig:
         if self.p0_collapse_iters < 1 or not 0.0 <= self.p0_collapse_threshold < 1.0:
             raise ValueError(f"--p0-collapse-iters ({self.p0_collapse_iters}) must be >= 1 and "
                              f"--p0-collapse-threshold ({self.p0_collapse_threshold}) in [0, 1)")
+        # The logging backends are optional packages: import them here, before any process
+        # group, so a missing one is one line naming the install instead of a traceback from
+        # every rank at the first log line. tools/setup_venv.sh installs TensorBoard; wandb
+        # (large, with a service binary of its own) only on request.
         if self.tensorboard_dir:
-            try:
-                import torch.utils.tensorboard  # noqa: F401
-            except Exception as exc:
-                raise ValueError(f"--tensorboard-dir needs tensorboard ({exc}); "
-                                 "pip install -e '.[log]'") from exc
+            _require_backend("--tensorboard-dir", "torch.utils.tensorboard", "tensorboard")
         if self.wandb_project:
-            try:
-                import wandb  # noqa: F401
-            except Exception as exc:
-                raise ValueError(f"--wandb-project needs wandb ({exc}); pip install -e '.[log]'") \
-                    from exc
+            _require_backend("--wandb-project", "wandb", "wandb")
 
 
 @dataclass
