@@ -404,3 +404,30 @@ def test_readme_first_screen():
     assert "No GPU has ever run it" in first and "tools/gpu_check.sh" in first
     assert "not of its content" in first  # what to expect of the toy model
     assert not re.search(r"20\d\d-\d\d-\d\d", first), "dated figures belong to docs/benchmarks.md"
+
+
+def _bullets(text: str):
+    """A page's list items, each with its continuation lines joined."""
+    item = None
+    for line in text.splitlines() + [""]:
+        if line.startswith("- "):
+            if item is not None:
+                yield item
+            item = line
+        elif item is not None and line.startswith("  "):
+            item += " " + line.strip()
+        else:
+            if item is not None:
+                yield item
+            item = None
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.startswith("docs/")])
+def test_every_verified_claim_names_its_evidence(page):
+    """A docs page's "*Verified:*" claim names the test, benchmark or example that shows it (whose
+    existence test_named_paths_exist checks), so a claim cannot go stale without a file to blame."""
+    with open(os.path.join(ROOT, page)) as f:
+        text = f.read()
+    bare = [item[:120] for item in _bullets(text) if "*Verified:*" in item
+            and not re.search(r"`(tests|benchmarks|examples)/", item.split("*Verified:*", 1)[1])]
+    assert not bare, bare

@@ -431,8 +431,9 @@ class LoggingConfig:
 
     loss_spike_threshold: float = 0.5
     """A loss spike: an iteration's loss more than this above the median of the previous
-    --loss-spike-window iterations (Closing the Loop App. A); a run of such iterations counts
-    once."""
+    --loss-spike-window iterations (Closing the Loop App. A) and more than 6 x the run's own
+    loss noise (small batches scatter further than the paper's); a run of such iterations counts
+    once, and none is counted before the window and 20 measured excesses have filled."""
 
     loss_spike_window: int = 15
     """Iterations in the rolling median of the loss-spike counter."""
