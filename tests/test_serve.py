@@ -80,7 +80,8 @@ def serving(load: str, extra: list, log_path: str, launcher: tuple = (), procs: 
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    with serving(ckpt, LIMITS, str(tmp_path_factory.mktemp("serve_log") / "server.log")) as s:
+    with serving(ckpt, [*LIMITS, "--served-model-name", "tiny"],
+                 str(tmp_path_factory.mktemp("serve_log") / "server.log")) as s:
         yield s
 
 
@@ -97,7 +98,35 @@ def _ids(text: str) -> list[int]:
 def test_models(server):
     client, _ = server
     body = client.get("/v1/models").json()
-    assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["ckpt"]
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["tiny"]
+
+
+def test_the_default_model_id_skips_a_generic_folder_name(ckpt, tmp_path):
+    """Without --served-model-name a checkpoint at demo/checkpoint serves as "demo" (the folder
+    name "checkpoint" says nothing of the model), in /v1/models and in the start line."""
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    os.symlink(ckpt, demo / "checkpoint")  # the path's names are read, not the link's target
+    with serving(str(demo / "checkpoint"), [], str(tmp_path / "server.log")) as (client, log):
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["demo"]
+        assert "serving model id 'demo'" in open(log).read()
+
+
+def test_default_model_id_and_the_name_flags():
+    """The default id climbs over generic folder names only; --model-name is an alias of
+    vLLM's --served-model-name (one argument, one destination)."""
+    tool = _serve_tool()
+    assert tool.default_model_id("runs/demo/checkpoint") == "demo"
+    assert tool.default_model_id("runs/demo/checkpoints/") == "demo"
+    assert tool.default_model_id("runs/big/ckpt/iter_0000100") == "big"
+    assert tool.default_model_id("runs/mymodel") == "mymodel"
+    assert tool.default_model_id("runs/iter_0000100_notes") == "iter_0000100_notes"
+    parser = tool.build_parser()
+    for flag in ("--served-model-name", "--model-name"):
+        assert parser.parse_args(["--load", "x", flag, "named"]).model_name == "named"
+    (action,) = [a for a in parser._actions if "--served-model-name" in a.option_strings]
+    assert action.option_strings == ["--served-model-name", "--model-name"]
+    assert "vLLM" in action.help
 
 
 def test_greedy_ids_equal_generate_tool(server, ckpt, tmp_path):
@@ -109,9 +138,9 @@ def test_greedy_ids_equal_generate_tool(server, ckpt, tmp_path):
                             "--max-tokens", "12"], str(tmp_path / "gen"))[0]
     assert code == 0
     want = [[int(i) for i in line.split(",")] for line in printed.strip().split("\n")]
-    one = _complete(client, model="ckpt", prompt=[5, 6, 7, 8], max_tokens=12, temperature=0)
+    one = _complete(client, model="tiny", prompt=[5, 6, 7, 8], max_tokens=12, temperature=0)
     batch = _complete(client, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=12, temperature=0)
-    assert one["object"] == "text_completion" and one["model"] == "ckpt"
+    assert one["object"] == "text_completion" and one["model"] == "tiny"
     assert one["usage"] == {"prompt_tokens": 4, "completion_tokens": len(want[0]),
                             "total_tokens": 4 + len(want[0])}
     for choice, ids in zip([one["choices"][0]] + batch["choices"], [want[0]] + want):
@@ -376,7 +405,7 @@ def _events(client, body) -> list:
 def test_health_and_model_by_id(server):
     client, _ = server
     assert client.get("/health").json()["status"] == "ok"
-    assert client.get("/v1/models/ckpt").json()["id"] == "ckpt"
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
     r = client.get("/v1/models/another")
     assert r.status_code == 404 and "another" in r.json()["error"]["message"]
 

@@ -20,7 +20,7 @@ KEY = "sk-test-7f3a"
 
 @pytest.fixture(scope="module")
 def keyed(ckpt, tmp_path_factory):  # noqa: F811
-    with serving(ckpt, ["--api-key", KEY],
+    with serving(ckpt, ["--api-key", KEY, "--served-model-name", "tiny"],
                  str(tmp_path_factory.mktemp("serve_auth") / "server.log")) as s:
         yield s
 
@@ -49,7 +49,7 @@ def test_requests_need_the_key_health_does_not(keyed):
     r = client.post("/v1/completions", json=body, headers=auth)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 3
-    assert client.get("/v1/models", headers=auth).json()["data"][0]["id"] == "ckpt"
+    assert client.get("/v1/models", headers=auth).json()["data"][0]["id"] == "tiny"
     assert client.post("/tokenize", json={"prompt": "5 6"}, headers=auth).json()["tokens"] == [5, 6]
     log = open(log_path).read()
     assert "POST /v1/completions 401" in log and "POST /v1/completions 200" in log, log

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -69,6 +70,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Folder names that say what a folder is, not which model it holds: the model id is then the
+# parent folder's name (demo/checkpoint serves as "demo", run/ckpt/iter_0000100 as "run").
+GENERIC_FOLDER_NAMES = frozenset({"checkpoint", "checkpoints", "ckpt"})
+
+
+def default_model_id(load: str) -> str:
+    """The model id of a checkpoint at ``load`` when --served-model-name is not given: the
+    folder's name, skipping generic names (GENERIC_FOLDER_NAMES, iter_NNNNNNN) upwards."""
+    path = os.path.abspath(load)
+    name = os.path.basename(path)
+    while (name in GENERIC_FOLDER_NAMES or re.fullmatch(r"iter_\d+", name)) \
+            and os.path.dirname(path) != path:
+        parent = os.path.dirname(path)
+        if not os.path.basename(parent):  # the filesystem root: keep the generic name
+            break
+        path, name = parent, os.path.basename(parent)
+    return name
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megaloop.inference.engine_config import EngineConfig
 
@@ -83,8 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "KEY; without it HTTP 401), except GET /health. Default: the "
                         f"{API_KEY_ENV} environment variable (which keeps the key out of the "
                         "process list), else no key")
-    p.add_argument("--model-name", default=None,
-                   help="the model id /v1/models reports (default: the --load folder's name)")
+    p.add_argument("--served-model-name", "--model-name", dest="model_name", default=None,
+                   help="the model id /v1/models reports and requests may name (vLLM's "
+                        "--served-model-name; --model-name is accepted too). Default: the --load "
+                        "folder's name, or its parent folder's when that name is a generic one "
+                        "(checkpoint, checkpoints, ckpt, iter_NNNNNNN): demo/checkpoint -> demo")
     p.add_argument("--tensor-model-parallel-size", type=int, default=None,
                    help="tensor-parallel size; must equal the launch's ranks (torchrun "
                         "--nproc-per-node; default: that number)")
@@ -189,7 +212,7 @@ def main(argv=None) -> int:
         context = context_length(run)
         if context is not None:
             engine_config.max_sequence_length = context
-        name = args.model_name or os.path.basename(os.path.normpath(args.load))
+        name = args.model_name or default_model_id(args.load)
         try:
             service = ModelService(model, tokenizer, name, num_loops=args.num_loops,
                                    kv_policy=args.kv_policy, exit_rule=rule, max_length=context,
@@ -200,8 +223,8 @@ def main(argv=None) -> int:
             service.follow()
             return 0
         logging.getLogger("megaloop.serve").info(
-            "serving %s (%d loop steps, kv-policy %s, exit %s, TP %d, up to %d rows per step, "
-            "layers: %s%s) on http://%s:%d", name, service.num_loops, args.kv_policy,
+            "serving model id %r (%d loop steps, kv-policy %s, exit %s, TP %d, up to %d rows "
+            "per step, layers: %s%s) on http://%s:%d", name, service.num_loops, args.kv_policy,
             rule.text if rule else "none", tp, engine_config.max_batch,
             service.runner.lockstep.engine.forward_impl, _graphs_note(engine_config),
             args.host, args.port)
