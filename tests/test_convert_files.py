@@ -1,7 +1,7 @@
 """tools/convert_checkpoint.py and the files it is pointed at: each mistake is one line naming the
 file and exit code 2, and nothing that is already there is overwritten.
 
-- export-hf --out: an existing file, a path under a file, a folder that holds files;
+- export-hf --output-dir (or its old spelling --out): an existing file, a path under a file, a folder that holds files;
 - import-hf --hf-dir: a shard cut short (an interrupted download), a shard the index names that is
   missing;
 - import-hf --save: a folder that holds a training run's checkpoints, or whose lock a live run
@@ -42,15 +42,15 @@ def test_export_refuses_a_file_and_a_folder_that_holds_files(hf_and_ckpt, tmp_pa
     log = str(tmp_path / "log")
     a_file = tmp_path / "weights.bin"
     a_file.write_bytes(b"keep me")
-    assert _run_tool(["export-hf", "--load", ckpt, "--out", str(a_file)], log) == 2
-    assert f"--out {a_file} is a file, not a folder" in _error(log)
+    assert _run_tool(["export-hf", "--load", ckpt, "--output-dir", str(a_file)], log) == 2
+    assert f"--output-dir {a_file} is a file, not a folder" in _error(log)
     assert _run_tool(["export-hf", "--load", ckpt, "--out", str(a_file / "hf")], log) == 2
     assert f"is under the file {a_file}" in _error(log)
     full = tmp_path / "full"
     full.mkdir()
     (full / "config.json").write_text("{}")
-    assert _run_tool(["export-hf", "--load", ckpt, "--out", str(full)], log) == 2
-    assert f"--out {full} is not empty (it holds config.json)" in _error(log)
+    assert _run_tool(["export-hf", "--load", ckpt, "--output-dir", str(full)], log) == 2
+    assert f"--output-dir {full} is not empty (it holds config.json)" in _error(log)
     assert a_file.read_bytes() == b"keep me" and os.listdir(full) == ["config.json"] and \
         (full / "config.json").read_text() == "{}"
     # An empty folder is written.

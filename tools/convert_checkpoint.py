@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--load", required=True,
                      help="checkpoint directory (its latest iteration, or --ckpt-step's)")
     add_ckpt_step_flag(exp)
-    exp.add_argument("--out", required=True, help="folder to write (new or empty)")
+    exp.add_argument("--output-dir", "--out", dest="out", required=True,
+                     help="folder to write (new or empty); --out is accepted too")
     exp.add_argument("--vocab-size", type=int, default=None,
                      help="trim the padded embedding table to the tokenizer's real vocabulary")
     exp.add_argument("--names", choices=["auto", "ouro", "megaloop"], default="auto",

@@ -83,8 +83,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True,
                    help="folder holding the .bin/.idx datasets to merge (merged in name order)")
-    p.add_argument("--output-prefix", required=True,
-                   help="writes <prefix>.bin and <prefix>.idx (e.g. data/corpus_text_document)")
+    p.add_argument("--output-prefix", "--output", dest="output_prefix", required=True,
+                   help="writes <prefix>.bin and <prefix>.idx (e.g. data/corpus_text_document); "
+                        "Megatron-LM's name, as tools/preprocess_data.py's; --output is accepted "
+                        "too")
     p.add_argument("--multimodal", action="store_true",
                    help="Megatron-LM's multimodal datasets: not supported (megaloop's datasets "
                         "are text)")

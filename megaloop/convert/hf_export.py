@@ -174,7 +174,7 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
 
 
 def check_out_dir(out_dir: str) -> None:
-    """--out is a new or empty folder (ValueError otherwise): an export into a folder that holds
+    """--output-dir (or --out) is a new or empty folder (ValueError otherwise): an export into a folder that holds
     files would mix them with its own (another model's shards or tokenizer beside this one's
     config.json) or overwrite them without a word."""
     probe = os.path.abspath(out_dir)
@@ -182,13 +182,14 @@ def check_out_dir(out_dir: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         where = "is a file" if probe == os.path.abspath(out_dir) else f"is under the file {probe}"
-        raise ValueError(f"--out {out_dir} {where}, not a folder: choose a folder path (a new "
+        raise ValueError(f"--output-dir {out_dir} {where}, not a folder: choose a folder path (a new "
                          f"folder is created)")
     if probe == os.path.abspath(out_dir) and os.listdir(out_dir):
         names = sorted(os.listdir(out_dir))
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        raise ValueError(f"--out {out_dir} is not empty (it holds {shown}): export-hf writes a "
-                         f"new or empty folder; choose another --out, or empty this one")
+        raise ValueError(f"--output-dir {out_dir} is not empty (it holds {shown}): export-hf "
+                         f"writes a new or empty folder; choose another --output-dir, or empty "
+                         f"this one")
 
 
 def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
