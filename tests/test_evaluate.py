@@ -57,7 +57,8 @@ def _train(rank, world, argv):
 
 
 def _tool(rank, world, name, argv, out_path):
-    """Run tools/<name>.py's main in this rank; (exit code, its stdout)."""
+    """Run tools/<name>.py's main in this rank; (exit code, its stdout). Its stderr goes to
+    ``out_path.<rank>.err`` (the progress bar's)."""
     check_placement()
     import contextlib
     import importlib.util
@@ -65,7 +66,8 @@ def _tool(rank, world, name, argv, out_path):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    with open(f"{out_path}.{rank}", "w") as f, contextlib.redirect_stdout(f):
+    with open(f"{out_path}.{rank}", "w") as f, contextlib.redirect_stdout(f), \
+            open(f"{out_path}.{rank}.err", "w") as err, contextlib.redirect_stderr(err):
         code = tool.main(argv)
     return code, open(f"{out_path}.{rank}").read()
 
@@ -135,6 +137,35 @@ def test_training_depth_equals_trainer_validation(run, tmp_path):
     for png in ("loss_vs_depth.png", "exit_distribution.png"):
         with open(os.path.join(out, png), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _bar_counts(text: str) -> list[tuple[int, int]]:
+    """Every ``n/total`` a tqdm bar printed (it redraws with carriage returns)."""
+    import re
+
+    return [(int(a), int(b)) for a, b in re.findall(r"(\d+)/(\d+) \[", text)]
+
+
+def test_progress_bar_counts_every_batch_pass(run, tmp_path):
+    """The bar on stderr (rank 0 only) counts depths x batches x (1 + exit rules) batch passes
+    and reaches that total; per-depth lines stay on stdout; --no-progress prints no bar."""
+    ckpt = run[0]
+    # The run's split: --eval-iters 2 x --global-batch-size 4 / --micro-batch-size 2 = 4
+    # micro-batches, at 3 depths, each scored by the forward and by 2 rules: 4 x 3 x 3 = 36.
+    flags = ["--num-loops", "1,2,3", "--exit-rules", "q:0.5,kl:0", "--plots", "false"]
+    _, _, stdout = _sweep(tmp_path, ckpt, 2, *flags)
+    err = [open(str(tmp_path / f"stdout.{rank}.err")).read() for rank in (0, 1)]
+    counts = _bar_counts(err[0])
+    assert counts and counts[-1] == (36, 36), err[0][-2000:]
+    assert {total for _, total in counts} == {36}
+    assert "depth sweep" in err[0] and "depth sweep" not in stdout
+    assert _bar_counts(err[1]) == []  # rank 1 draws no second bar
+    assert "depth   3 (training horizon): loss" in stdout
+    (tmp_path / "quiet").mkdir()
+    _, _, stdout = _sweep(tmp_path / "quiet", ckpt, 1, *flags, "--no-progress")
+    quiet = open(str(tmp_path / "quiet" / "stdout.0.err")).read()
+    assert _bar_counts(quiet) == [] and "depth sweep" not in quiet, quiet[-2000:]
+    assert "depth   3 (training horizon): loss" in stdout
 
 
 def test_tensor_parallel_sweep_equals_one_rank(run, tmp_path):

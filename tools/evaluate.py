@@ -17,7 +17,9 @@ latest. ``--bf16`` / ``--fp16`` / ``--fp32``: the precision the model is held in
 tools/generate.py's (default: on a GPU the checkpoint's; on CPU fp32).
 Writes ``depth_sweep.md``, ``depth_sweep.json``, ``loss_vs_depth.png`` and
 ``exit_distribution.png`` (gated models) into ``--output-dir``, and the validation split's index
-cache into its ``cache`` folder (``--data-cache-path`` to put it elsewhere).
+cache into its ``cache`` folder (``--data-cache-path`` to put it elsewhere). A progress bar over
+the sweep's batch passes goes to stderr on rank 0 (``--no-progress``: none, as
+tools/preprocess_data.py's flag).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_ckpt_step_flag(p)
     add_tokenizer_flags(p)
     add_dataclass_args(p, PrecisionConfig)
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on stderr (default: one on rank 0, over every depth's "
+                        "batches and exit rules)")
     return p
 
 
@@ -71,7 +76,7 @@ def main(argv=None) -> int:
     from megaloop.data.tokenizers import build_tokenizer
     from megaloop.eval import report
     from megaloop.eval.data import held_out_batches
-    from megaloop.eval.sweep import default_rules, sweep
+    from megaloop.eval.sweep import default_rules, sweep, work_count
     from megaloop.inference.loading import is_hf_folder, load_for_generation, setup_processes
     from megaloop.training.checkpointing import read_tracker
     from megaloop.parallel import initialize
@@ -109,12 +114,24 @@ def main(argv=None) -> int:
             f"> evaluating {cfg.load} (trained T = {trained}, TP {tp}) at depths "
             f"{','.join(map(str, depths))}; exit rules {','.join(rules) or 'none'}\n"
             f"> data: {data}")
+        from tqdm import tqdm
+
+        bar = tqdm(total=work_count(batches, depths, rules), desc="depth sweep", unit="batch",
+                   disable=args.no_progress or not runtime.is_rank_zero(), dynamic_ncols=True)
+
+        def depth_done(line: str) -> None:
+            if runtime.is_rank_zero():  # tqdm.write: the line (stdout) does not cut the bar
+                tqdm.write(line, file=sys.stdout)
+                sys.stdout.flush()
+
         try:
-            results = sweep(model, batches, depths, rules, progress=runtime.print_rank_0,
-                            tasks=tasks)
+            results = sweep(model, batches, depths, rules, tasks=tasks, bar=bar,
+                            progress=depth_done)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        finally:
+            bar.close()
         meta = {"load": cfg.load, "data": data, "trained_loops": trained,
                 "seq_length": shape.seq_length, "exit_rules": rules}
         if runtime.is_rank_zero():

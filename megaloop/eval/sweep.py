@@ -74,8 +74,9 @@ def check_depths(model, depths: list[int]) -> None:
             raise ValueError(reason)
 
 
-def _forward_stats(model, batches, depth: int) -> dict:
-    """The trainer's reduced statistics of ``batches`` at ``depth`` steps, every step read out."""
+def _forward_stats(model, batches, depth: int, done: Callable[[], None]) -> dict:
+    """The trainer's reduced statistics of ``batches`` at ``depth`` steps, every step read out;
+    ``done()`` after each batch."""
     from megaloop.model import recurrence
     from megaloop.model.loss import loss_func, reduce_stats
 
@@ -86,10 +87,11 @@ def _forward_stats(model, batches, depth: int) -> dict:
         out = recurrence.fold(model, recurrence.begin(model, b["tokens"], b["position_ids"], ctx),
                               ctx)
         reports.append(loss_func(b["loss_mask"], depth, out)[2])
+        done()
     return reduce_stats(reports, depth)
 
 
-def _rule_stats(model, batches, depth: int, rule) -> dict:
+def _rule_stats(model, batches, depth: int, rule, done: Callable[[], None]) -> dict:
     from megaloop.inference.early_exit import score
 
     loss_sum = depth_sum = tokens = 0.0
@@ -100,18 +102,27 @@ def _rule_stats(model, batches, depth: int, rule) -> dict:
         loss_sum += (loss.double() * mask).sum().item()
         depth_sum += (steps.double() * mask).sum().item()
         tokens += mask.sum().item()
+        done()
     tokens = max(tokens, 1.0)
     mean = loss_sum / tokens
     return {"loss": mean, "perplexity": math.exp(min(mean, 700)),
             "mean_depth": depth_sum / tokens}
 
 
+def work_count(batches: list, depths: list[int], rules: list[str]) -> int:
+    """Batch passes of a sweep: at every depth one forward of each batch, and one more per exit
+    rule (``sweep``'s ``bar`` advances by one after each)."""
+    return len(depths) * len(batches) * (1 + len(rules))
+
+
 @torch.no_grad()
 def sweep(model, batches: list[dict], depths: list[int], rules: list[str],
           progress: Optional[Callable[[str], None]] = None,
-          tasks: Optional[tuple] = None) -> list[DepthResult]:
+          tasks: Optional[tuple] = None, bar=None) -> list[DepthResult]:
     """Score ``batches`` at every depth of ``depths`` (ascending), under every exit rule;
-    ``tasks``: (items, encoded, vocab_size) of held-out problems scored at every depth too."""
+    ``tasks``: (items, encoded, vocab_size) of held-out problems scored at every depth too;
+    ``bar``: a tqdm bar of ``work_count`` batch passes, advanced after each (a deep sweep of the
+    demo takes minutes, and one depth of it may too)."""
     from megaloop.eval.tasks import accuracy
     from megaloop.inference.early_exit import parse_exit
     from megaloop.model.instruments import LoopGeometry
@@ -125,11 +136,18 @@ def sweep(model, batches: list[dict], depths: list[int], rules: list[str],
             raise ValueError(reason)
     trained = model.loop.num_loops
     results = []
+
+    def done() -> None:
+        if bar is not None:
+            bar.update(1)
+
     for depth in depths:
+        if bar is not None:
+            bar.set_postfix_str(f"depth {depth}", refresh=False)
         geometry = LoopGeometry(model, depth)
         geometry.start()
         try:
-            stats = _forward_stats(model, batches, depth)
+            stats = _forward_stats(model, batches, depth, done)
         finally:
             geo = geometry.finish() or {}
         probs = stats["exit_probs"] if depth > 1 else [1.0] if model.exit_gate else None
@@ -142,7 +160,7 @@ def sweep(model, batches: list[dict], depths: list[int], rules: list[str],
                 (t + 1) * p for t, p in enumerate(probs)),
             objective=stats["loss"], geometry=geo, tokens=stats["tokens"])
         for text, rule in parsed.items():
-            result.rules[text] = _rule_stats(model, batches, depth, rule)
+            result.rules[text] = _rule_stats(model, batches, depth, rule, done)
         if tasks is not None:
             items, encoded, vocab_size = tasks
             result.tasks = accuracy(model, encoded, items, depth, vocab_size)
