@@ -130,3 +130,30 @@ def test_ouro_recipe_flags_parse_and_validate(name, nodes, world, tmp_path):
         # validation; this test's checkpoint folder is empty.
         cfg.model.max_position_embeddings = 65536
         cfg.validate(world_size=world)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_print_args_command_is_one_pasteable_line(script, tmp_path):
+    """PRINT_ARGS=command prints the launch as one shell-quoted line: the shell reads it back as
+    torchrun on pretrain_looplm.py with exactly PRINT_ARGS=1's flags, a value with a space or a
+    quote included. (The mid-training recipe prints a command only once the pretraining
+    checkpoint it loads exists: a folder standing for it is given.)"""
+    import shlex
+
+    pretrained = tmp_path / "pretrained"
+    pretrained.mkdir()
+    (pretrained / "latest_checkpointed_iteration.txt").write_text("10")
+    data, tokenizer, extra = "demo/corpus_text_document", "tok dir/it's.model", ["--seed", "7"]
+    stage = {"PRETRAINED": str(pretrained), "SAVE_DIR": str(tmp_path / "save")}
+    want = recipe_args(script, "cpu", data, tokenizer, **stage)
+    env = {**os.environ, "SIZE": "cpu", "PRINT_ARGS": "command", "PYTHON": "/opt/py thon",
+           **stage}
+    out = subprocess.run(["bash", str(script), data, tokenizer, *extra], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    assert len(out.splitlines()) == 1, out
+    words = shlex.split(out)
+    root = str(RECIPES.parent.parent)
+    assert words[:6] == [f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}",
+                         "/opt/py thon", "-m", "torch.distributed.run", "--nproc_per_node", "1"]
+    assert words[6] == os.path.join(root, "pretrain_looplm.py")
+    assert words[7:] == want + extra

@@ -1,6 +1,7 @@
 # Sourced by every recipe after it has filled ARGS (the model and schedule flags). Adds the data,
 # tokenizer and --save flags, then either prints the whole command line's flags one per line
-# (PRINT_ARGS=1: the test that keeps the recipes parseable reads them) or starts torchrun.
+# (PRINT_ARGS=1: the test that keeps the recipes parseable reads them), prints the launch as one
+# shell-quoted command line to paste or edit (PRINT_ARGS=command), or starts torchrun.
 #
 #   bash examples/recipes/<recipe>.sh DATA_PREFIX TOKENIZER_MODEL [extra flags...]
 # Environment: SIZE=full (default) or cpu; NPROC ranks on this node (default: 8 full, 1 cpu);
@@ -36,6 +37,14 @@ if [[ ${PRINT_ARGS:-0} == 1 ]]; then
 fi
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [[ $SIZE == cpu ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [[ ${PRINT_ARGS:-0} == command ]]; then
+    # torchrun's default port (29500) instead of a free one found now; paths are as given.
+    [[ $SIZE == cpu ]] && printf 'OMP_NUM_THREADS=%q ' "$OMP_NUM_THREADS"
+    printf '%q ' "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" \
+        "$ROOT/pretrain_looplm.py" "${ARGS[@]}"
+    printf '\n'
+    exit 0
+fi
 PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 cd "$ROOT"
 exec $PY -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "$PORT" \
