@@ -320,3 +320,63 @@ def test_run_lm_eval_refuses_a_misspelt_model_arg_in_one_line(ckpt, tmp_path):
     assert proc.stderr.strip().split("\n")[-1].startswith(
         "error: --model_args nmu_loops=1: unknown key (did you mean num_loops?)"), proc.stderr
     return True
+
+
+def test_progress_bars_count_the_requests(ckpt):
+    """lm-eval's run of a demo task takes minutes: the model's bars on stderr count its requests
+    (log-likelihood pairs, rolling texts, generations) to the end; lm-eval's own bar before them
+    counts tokenization only. disable_tqdm (lm-eval's switch) silences them, and so does
+    MegaloopLM.progress = False (tools/run_lm_eval.py --no-progress), lm-eval's tokenization bar
+    included."""
+    assert run_distributed(_progress_checks, 1, ckpt[0])[0]
+    spec = importlib.util.spec_from_file_location(
+        "run_lm_eval", os.path.join(ROOT, "tools", "run_lm_eval.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    argv = ["--model", "megaloop", "--no-progress", "--limit", "2"]
+    assert tool.take_no_progress(argv) == (["--model", "megaloop", "--limit", "2"], True)
+    assert tool.take_no_progress(argv[:2]) == (argv[:2], False)
+
+
+def _progress_checks(rank, world, ckpt):
+    import contextlib
+    import io
+    import re
+
+    from lm_eval.api.instance import Instance
+
+    from megaloop.eval.lm_eval_adapter import MegaloopLM
+
+    check_placement()
+    lm = MegaloopLM(load=ckpt, max_length=16, batch_size=2, max_gen_toks=2)
+    pairs = [Instance("loglikelihood", {}, (q, " " + a), i) for i, (q, a) in enumerate(
+        [("a=4; b=?", "4"), ("the quiet", "robot"), ("x", "y"), ("1 2 3", "4"), ("z", "w")])]
+    texts = [Instance("loglikelihood_rolling", {}, ("the quiet robot watches the bridge " * k,),
+                      k) for k in (1, 4, 6)]  # the longer ones span several windows
+    gens = [Instance("generate_until", {}, (p, {"until": ["."]}), i)
+            for i, p in enumerate(["the quiet", "a=4;"])]
+
+    def bar(call, requests, desc):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            call(requests)
+        counts = re.findall(re.escape(desc) + r":[^\r\n]*?(\d+)/(\d+) \[", err.getvalue())
+        assert counts and counts[-1] == (str(len(requests)),) * 2, err.getvalue()
+        assert {total for _, total in counts} == {str(len(requests))}
+        return err.getvalue()
+
+    bar(lm.loglikelihood, pairs, "megaloop log-likelihoods")
+    # The windows of a rolling text are scored without a bar of their own (no second bar).
+    assert "megaloop log-likelihoods" not in bar(lm.loglikelihood_rolling, texts,
+                                                 "megaloop rolling log-likelihoods")
+    bar(lm.generate_until, gens, "megaloop generation")
+    for quiet in ({"disable_tqdm": True}, {}):
+        if not quiet:
+            lm.progress = False  # (tools/run_lm_eval.py --no-progress sets it on the class)
+        for call, requests in ((lm.loglikelihood, pairs), (lm.loglikelihood_rolling, texts),
+                               (lm.generate_until, gens)):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                call(requests, **quiet)
+            assert "/" not in err.getvalue(), (quiet, err.getvalue())  # no n/total: no bar
+    return True

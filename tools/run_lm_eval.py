@@ -7,7 +7,10 @@
 
 lm-eval registers models by import and offers no plugin hook for them, so this wrapper imports
 megaloop's adapter (megaloop/eval/lm_eval_adapter.py) and then runs lm-eval's own command line.
-Needs the ``eval`` extra (``pip install -e '.[eval]'``).
+Needs the ``eval`` extra (``pip install -e '.[eval]'``). One flag of its own: ``--no-progress``
+turns off the megaloop model's progress bars over its requests (stderr), as
+tools/preprocess_data.py's and tools/evaluate.py's flag does; lm-eval's bars of its own set-up
+stay.
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def take_no_progress(argv: list[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--no-progress`` (lm-eval's parser does not know it), and whether it was
+    there."""
+    rest = [a for a in argv if a != "--no-progress"]
+    return rest, len(rest) < len(argv)
+
+
 def main() -> None:
+    sys.argv[1:], no_progress = take_no_progress(sys.argv[1:])
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:
@@ -26,7 +37,9 @@ def main() -> None:
     from megaloop import runtime
 
     runtime.quiet_megatron()
-    from megaloop.eval.lm_eval_adapter import ModelArgsError  # registers --model megaloop
+    from megaloop.eval.lm_eval_adapter import MegaloopLM, ModelArgsError  # registers megaloop
+
+    MegaloopLM.progress = not no_progress
 
     try:
         cli_evaluate()

@@ -23,11 +23,14 @@ Any other key is refused by name with the list of these (a misspelt ``nmu_loops=
 the trained depth), and so are values out of range (``num_loops=0``), with the checks
 tools/generate.py applies to its flags (megaloop/inference/flags.py).
 
-``--batch_size`` sets how many requests share a forward. Log-likelihoods are the model's
-teacher-forced log-probabilities over the real vocabulary (padded rows dropped), as
-``tools/serve.py`` returns them, so lm-eval's ``local-completions`` model against the server gets
-the same numbers. Tokenization follows lm-eval's causal-LM convention (``TemplateLM``: the
-context's trailing spaces move to the continuation; the pair is encoded whole and split).
+``--batch_size`` sets how many requests share a forward. Each request type shows a bar over its
+requests on stderr (a demo task takes minutes); ``MegaloopLM.progress = False`` (set by
+tools/run_lm_eval.py's ``--no-progress``) turns them off, with lm-eval's tokenization bar.
+Log-likelihoods are the model's teacher-forced log-probabilities over the real vocabulary (padded
+rows dropped), as ``tools/serve.py`` returns them, so lm-eval's ``local-completions`` model
+against the server gets the same numbers. Tokenization follows lm-eval's causal-LM convention
+(``TemplateLM``: the context's trailing spaces move to the continuation; the pair is encoded whole
+and split).
 One process (TP = 1): lm-eval drives the requests; tensor parallelism is for tools/evaluate.py.
 """
 
@@ -106,6 +109,10 @@ def check_device(device: Optional[str]) -> None:
 @register_model("megaloop")
 class MegaloopLM(TemplateLM):
     """A looped LM trained by megaloop, in lm-eval's interface."""
+
+    progress = True
+    """Progress bars over the requests (False: none, also for lm-eval's own tokenization bar,
+    whatever lm-eval's ``disable_tqdm`` says)."""
 
     def __init__(self, load: Optional[str] = None, ckpt_step: Optional[int] = None,
                  num_loops: Optional[int] = None,
@@ -199,6 +206,9 @@ class MegaloopLM(TemplateLM):
                                  self.vocab_size)
         return logp.cpu()
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """(sum of the continuation's log-probs, whether greedy decoding gives it) per request;
         a too-long request keeps its last max_length + 1 tokens."""
@@ -206,7 +216,8 @@ class MegaloopLM(TemplateLM):
         order = sorted(range(len(requests)),
                        key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         results: list = [None] * len(requests)
-        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="megaloop log-likelihoods")
+        bar = tqdm(total=len(requests), disable=disable_tqdm or not self.progress,
+                   desc="megaloop log-likelihoods")
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             rows, spans = [], []
@@ -236,7 +247,8 @@ class MegaloopLM(TemplateLM):
         from lm_eval import utils
 
         out = []
-        for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm,
+        for (string,) in tqdm([r.args for r in requests],
+                              disable=disable_tqdm or not self.progress,
                               desc="megaloop rolling log-likelihoods"):
             windows = [(None,) + w for w in map(utils.make_disjoint_window,
                                                  utils.get_rolling_token_windows(
@@ -256,7 +268,8 @@ class MegaloopLM(TemplateLM):
         from megaloop.inference.generate import SamplingParams, continuation_text
 
         out = []
-        for context, kwargs in tqdm([r.args for r in requests], disable=disable_tqdm,
+        for context, kwargs in tqdm([r.args for r in requests],
+                                    disable=disable_tqdm or not self.progress,
                                     desc="megaloop generation"):
             kwargs = dict(kwargs or {})
             until = kwargs.pop("until", None) or []
