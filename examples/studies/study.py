@@ -345,8 +345,10 @@ class Study:
         seed = self.args.seed if seed is None else seed
         out = os.path.join(self.run_dir, slug(arm), f"seed_{seed}", tag)
         os.makedirs(out, exist_ok=True)
+        # --no-progress: the sweep's output goes to the log file, where a bar's redraws are
+        # noise; the study says what it is doing on its own lines.
         argv = ["--load", ckpt, "--output-dir", out, "--num-loops", ",".join(map(str, depths)),
-                "--exit-rules", rules, "--plots", "false", *extra]
+                "--exit-rules", rules, "--plots", "false", "--no-progress", *extra]
         if tasks and self.task_file:
             argv += ["--task-file", self.task_file]
         in_child(_quietly, _evaluate, os.path.join(os.path.dirname(out), f"{tag}.log"), argv)
