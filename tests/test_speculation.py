@@ -365,17 +365,17 @@ def _generate_engines(rank, world, argvs):
     """tools/generate.py's main(argv) for each of ``argvs`` in this rank, recording the engines
     it builds: per argv (exit code, stdout, stderr, per engine (speculate, drafted, accepted))."""
     check_placement()
-    from megaloop.inference import engine as engine_module
+    from megaloop.inference import generate as generate_module
     from test_inference_precision import _tool
 
-    real, built = engine_module.InferenceEngine, []
+    real, built = generate_module.InferenceEngine, []
 
     class Recording(real):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    engine_module.InferenceEngine = Recording  # (Generator imports it from there when it runs)
+    generate_module.InferenceEngine = Recording  # the name Generator builds its engines by
     results = []
     try:
         for argv in argvs:
@@ -387,7 +387,7 @@ def _generate_engines(rank, world, argvs):
                             [(e.speculate, e.stats["drafted"], e.stats["accepted"])
                              for e in built]))
     finally:
-        engine_module.InferenceEngine = real
+        generate_module.InferenceEngine = real
     return results
 
 
