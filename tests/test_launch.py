@@ -17,7 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RANK = """
 import os, signal, sys, time
-print("rank", os.environ["RANK"], "cpp", os.environ.get("TORCH_CPP_LOG_LEVEL"), flush=True)
+# one write of the whole line: under PYTHONUNBUFFERED print() writes each piece on its own and
+# the two ranks' pieces interleave on the shared pipe (a line under PIPE_BUF is written whole)
+line = "rank %s cpp %s\\n" % (os.environ["RANK"], os.environ.get("TORCH_CPP_LOG_LEVEL"))
+os.write(1, line.encode())
 if len(sys.argv) > 1:  # wait for SIGTERM, then leave cleanly as a rank that saved would
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     open(sys.argv[1], "w").close()
