@@ -8,6 +8,8 @@ setup(
     description="Megatron-core trainer for looped (recurrent-depth) language models",
     packages=find_packages(include=["megaloop", "megaloop.*"]),
     py_modules=["pretrain_looplm"],
+    # `megaloop <command>`: the tools under one name (megaloop/cli/main.py lists them).
+    entry_points={"console_scripts": ["megaloop=megaloop.cli.main:main"]},
     python_requires=">=3.10",
     install_requires=[
         # 0.16.1 (the last release for Python 3.11, which pip takes there) through 0.19.x (Python

@@ -134,7 +134,7 @@ def _tool(name):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"tool_{name}",
-                                                  os.path.join(ROOT, "tools", f"{name}.py"))
+                                                  os.path.join(ROOT, "megaloop", "cli", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def load_tool():
     spec = importlib.util.spec_from_file_location(
-        "make_demo_corpus", os.path.join(REPO, "tools", "make_demo_corpus.py"))
+        "make_demo_corpus", os.path.join(REPO, "megaloop", "cli", "make_demo_corpus.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

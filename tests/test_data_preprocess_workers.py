@@ -226,7 +226,8 @@ def test_signal_during_a_c_extension_import_is_an_interruption(tmp_path, sp_mode
 
     import megaloop.data.preprocess as pre
 
-    spec = importlib.util.spec_from_file_location("preprocess_tool", TOOL)
+    spec = importlib.util.spec_from_file_location(
+        "preprocess_tool", os.path.join(REPO, "megaloop", "cli", "preprocess_data.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     exc = pre.Terminated if interrupt == "Terminated" else KeyboardInterrupt

@@ -50,7 +50,7 @@ def ckpt(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("lm_eval")
     spec = importlib.util.spec_from_file_location(
-        "make_demo_corpus", os.path.join(ROOT, "tools", "make_demo_corpus.py"))
+        "make_demo_corpus", os.path.join(ROOT, "megaloop", "cli", "make_demo_corpus.py"))
     corpus = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(corpus)
     import random
@@ -88,7 +88,7 @@ def _tool_main(tool, argv, env, console):
         os.environ.pop(name, None)  # a process the user starts: no launcher's variables
     os.environ.update(env)
     check_placement()  # the shim came with the fork: lm-eval's model and the server run checked
-    sys.argv = [os.path.join(ROOT, "tools", tool), *argv]
+    sys.argv = [os.path.join(ROOT, "megaloop", "cli", tool), *argv]
     code = 1
     try:
         spec = importlib.util.spec_from_file_location(tool[:-3], sys.argv[0])
@@ -311,7 +311,7 @@ def test_run_lm_eval_refuses_a_misspelt_model_arg_in_one_line(ckpt, tmp_path):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                HF_HOME=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "run_lm_eval.py"), "--model", "megaloop",
+        [sys.executable, os.path.join(ROOT, "megaloop", "cli", "run_lm_eval.py"), "--model", "megaloop",
          "--model_args", f"load={ckpt[0]},nmu_loops=1", "--include_path", TASKS,
          "--tasks", "megaloop_demo_mc", "--limit", "1", "--output_path", str(tmp_path / "o")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -330,7 +330,7 @@ def test_progress_bars_count_the_requests(ckpt):
     included."""
     assert run_distributed(_progress_checks, 1, ckpt[0])[0]
     spec = importlib.util.spec_from_file_location(
-        "run_lm_eval", os.path.join(ROOT, "tools", "run_lm_eval.py"))
+        "run_lm_eval", os.path.join(ROOT, "megaloop", "cli", "run_lm_eval.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     argv = ["--model", "megaloop", "--no-progress", "--limit", "2"]

@@ -50,7 +50,7 @@ def _run(*args):
 def _tool(name):
     """tools/<name>.py as a module: its main(argv) in this process (the refusals below need no
     interpreter of their own; the merge and the partitioned runs above and below start one)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "megaloop" / "cli" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

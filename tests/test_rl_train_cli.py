@@ -46,7 +46,7 @@ def test_train_rl_runs_on_demo_tasks(tmp_path):
     from megaloop.data.tokenizers import train_sentencepiece
 
     spec = importlib.util.spec_from_file_location(
-        "make_demo_corpus", os.path.join(ROOT, "tools", "make_demo_corpus.py"))
+        "make_demo_corpus", os.path.join(ROOT, "megaloop", "cli", "make_demo_corpus.py"))
     corpus = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(corpus)
     rng = random.Random(0)

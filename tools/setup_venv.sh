@@ -9,8 +9,9 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 # A venv made by an earlier version of this script lacks what was added since: each extra's
-# package is named here, so such a venv is completed instead of trusted.
-if ! .venv/bin/python -c "import torch, megatron.core, megaloop, pytest, transformers, google.protobuf, lm_eval, matplotlib, openai, jinja2, fastapi, tensorboard, torch.utils.tensorboard" 2>/dev/null; then
+# package is named here, so such a venv is completed instead of trusted (and one installed before
+# setup.py had the `megaloop` console script gets it).
+if [ ! -x .venv/bin/megaloop ] || ! .venv/bin/python -c "import torch, megatron.core, megaloop, pytest, transformers, google.protobuf, lm_eval, matplotlib, openai, jinja2, fastapi, tensorboard, torch.utils.tensorboard" 2>/dev/null; then
   .venv/bin/pip install -q torch==2.13.0
   .venv/bin/pip install -q -e '.[test,tensorboard]'
 fi

@@ -456,7 +456,9 @@ def interpreter_problem() -> str | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="tools/gpu_check.sh", description=__doc__.split("\n")[0])
+    # `megaloop gpu-check` names itself (megaloop/cli/main.py sets argv[0]); `python -m` does not
+    prog = sys.argv[0] if sys.argv[0].startswith("megaloop ") else "tools/gpu_check.sh"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", default=None,
                         help="where every row's log, the checkpoints, summary.md and "
                              "summary.json go (default: gpu_check_<date>-<time> in the "
