@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -174,15 +175,64 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}{hint}; see {self.prog} --help\n")
 
 
+class FlagErrors(ValueError):
+    """Several refusals of one command line, each naming its flag. Every command prints a refusal
+    as ``error: {exc}``; the messages are joined so that each gets its own ``error:`` line."""
+
+    def __init__(self, messages: list[str]):
+        self.messages = list(messages)
+        super().__init__("\nerror: ".join(self.messages))
+
+
+class FlagCheck:
+    """Runs a command's independent flag checks and reports every refusal together, so a user
+    fixes them in one edit instead of one per (slow) start::
+
+        flags = FlagCheck()
+        with flags.check():
+            precision.validate()
+        with flags.check():
+            engine.validate()
+        if flags.ok:  # a check that assumes the ones above passed
+            with flags.check():
+                check_speculate(...)
+        flags.raise_any()
+    """
+
+    def __init__(self):
+        self.messages: list[str] = []
+
+    @property
+    def ok(self) -> bool:
+        return not self.messages
+
+    @contextlib.contextmanager
+    def check(self):
+        try:
+            yield
+        except FlagErrors as exc:
+            self.messages += exc.messages
+        except ValueError as exc:
+            self.messages.append(str(exc))
+
+    def raise_any(self) -> None:
+        if len(self.messages) == 1:
+            raise ValueError(self.messages[0])
+        if self.messages:
+            raise FlagErrors(self.messages)
+
+
 def check_ranges(config, limits: dict) -> None:
     """``limits``: field name -> smallest allowed value; a field left at None is not checked.
     Raises ValueError naming the flag (a size of 0 otherwise surfaces as a ZeroDivisionError or
-    an empty tensor deep inside megatron-core)."""
+    an empty tensor deep inside megatron-core), every flag out of range at once."""
     fields = {f.name: f for f in dataclasses.fields(config)}
+    flags = FlagCheck()
     for name, low in limits.items():
         value = getattr(config, name)
         if value is not None and value < low:
-            raise ValueError(f"{flag_name(fields[name])} {value} must be >= {low}")
+            flags.messages.append(f"{flag_name(fields[name])} {value} must be >= {low}")
+    flags.raise_any()
 
 
 def dataclass_from_args(cls: type, namespace: argparse.Namespace):

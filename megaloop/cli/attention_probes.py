@@ -17,15 +17,15 @@ as 98,2,0 that trains on the first documents.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 
+from megaloop.arguments import ArgumentParser
 from megaloop.inference.flags import add_ckpt_step_flag
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True,
                    help="checkpoint folder (its latest iteration, or --ckpt-step's)")
     add_ckpt_step_flag(p)

@@ -41,13 +41,13 @@ import sys
 
 
 from megaloop import runtime
-from megaloop.arguments import add_dataclass_args, dataclass_from_args
+from megaloop.arguments import ArgumentParser, add_dataclass_args, dataclass_from_args
 from megaloop.inference.flags import add_ckpt_step_flag
 from megaloop.model.config import LoopConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
 
     imp = sub.add_parser("import-hf", allow_abbrev=False,

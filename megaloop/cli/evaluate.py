@@ -31,7 +31,7 @@ import time
 
 
 from megaloop import runtime
-from megaloop.arguments import add_dataclass_args, dataclass_from_args
+from megaloop.arguments import ArgumentParser, FlagCheck, add_dataclass_args, dataclass_from_args
 from megaloop.eval.config import EvalConfig, parse_rules
 from megaloop.inference.flags import (add_ckpt_step_flag, add_tokenizer_flags,
                                       tokenizer_from_flags)
@@ -39,7 +39,7 @@ from megaloop.inference.precision import PrecisionConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+    p = ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
                                 allow_abbrev=False)
     add_dataclass_args(p, EvalConfig)
     add_ckpt_step_flag(p)
@@ -56,16 +56,24 @@ def main(argv=None) -> int:
     cfg = dataclass_from_args(EvalConfig, args)
     cfg.ckpt_step = args.ckpt_step
     precision = dataclass_from_args(PrecisionConfig, args)
-    try:
+    # Every independent refusal at once (megaloop.arguments.FlagCheck)
+    flags = FlagCheck()
+    tokenizer_cfg = None
+    with flags.check():
         precision.validate()
+    with flags.check():
         cfg.validate()
+    with flags.check():
         tokenizer_cfg = tokenizer_from_flags(args)
+    with flags.check():
         if cfg.plots:
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
                 raise ValueError("the plots need matplotlib: pip install -e '.[eval]', or pass "
                                  "--plots false") from None
+    try:
+        flags.raise_any()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ import sys
 
 
 from megaloop import runtime
-from megaloop.arguments import add_dataclass_args, dataclass_from_args
+from megaloop.arguments import ArgumentParser, FlagCheck, add_dataclass_args, dataclass_from_args
 from megaloop.inference.flags import (add_ckpt_step_flag, add_generation_flags,
                                       add_tokenizer_flags, add_transformer_impl_flag)
 from megaloop.inference.precision import PrecisionConfig
@@ -49,7 +49,7 @@ GENERATE_ENGINE_FLAGS = ("speculate",)
 def build_parser() -> argparse.ArgumentParser:
     from megaloop.inference.engine_config import EngineConfig
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True,
                    help="megaloop checkpoint directory, or a folder written by export-hf")
     add_ckpt_step_flag(p)
@@ -84,9 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_tokens < 1:
-        print("error: --max-tokens must be >= 1", file=sys.stderr)
-        return 2
     from megaloop.inference.flags import (check_sampling, check_seed, fit_prompt,
                                           tokenizer_from_flags)
     from megaloop.inference.engine_config import EngineConfig
@@ -96,21 +93,34 @@ def main(argv=None) -> int:
 
     precision = dataclass_from_args(PrecisionConfig, args)
     engine_config = dataclass_from_args(EngineConfig, args)  # (its GENERATE_ENGINE_FLAGS)
-    try:
+    # Every independent refusal at once (megaloop.arguments.FlagCheck)
+    flags = FlagCheck()
+    with flags.check():
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    with flags.check():
         precision.validate()
+    with flags.check():
         engine_config.validate()
+    with flags.check():
         check_sampling(args.temperature, args.top_k, args.top_p)
+    with flags.check():
         check_seed(args.seed)
+    rule = impl = prompts_ids = tokenizer_cfg = None
+    with flags.check():
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
                                       ckpt_step=args.ckpt_step)
-        check_speculate(engine_config.speculate, rule, args.kv_policy)
+    with flags.check():
         impl = check_transformer_impl(args.transformer_impl, engine=False)
+    with flags.check():
         prompts_ids = [parse_prompt_ids(t) for t in args.prompt_ids] if args.prompt_ids else None
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
+    with flags.check():
         tokenizer_cfg = tokenizer_from_flags(args)
+    if flags.ok:  # (needs the exit rule and an engine config that passed)
+        with flags.check():
+            check_speculate(engine_config.speculate, rule, args.kv_policy)
+    try:
+        flags.raise_any()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

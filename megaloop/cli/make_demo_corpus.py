@@ -14,10 +14,12 @@ vocabulary covers it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import string
+
+from megaloop.arguments import ArgumentParser
+
 
 NOUNS = ["river", "garden", "robot", "teacher", "window", "market", "letter", "forest",
          "engine", "island", "painter", "bridge", "kitchen", "student", "lantern", "castle",
@@ -208,7 +210,7 @@ def document(rng: random.Random, max_steps: int, tasks: list = TASKS,
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output", required=True, help="pretraining JSONL ({'text': ...} per line)")
     p.add_argument("--num-docs", type=int, default=10000)
     p.add_argument("--size-mb", type=float, default=None,

@@ -12,9 +12,10 @@ order, so name them in the order their documents should follow each other.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+
+from megaloop.arguments import ArgumentParser
 
 
 def find_prefixes(folder: str) -> list[str]:
@@ -80,7 +81,7 @@ def merge(prefixes: list[str], output_prefix: str) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True,
                    help="folder holding the .bin/.idx datasets to merge (merged in name order)")
     p.add_argument("--output-prefix", "--output", dest="output_prefix", required=True,

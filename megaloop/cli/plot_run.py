@@ -15,13 +15,13 @@ import os
 import sys
 
 
-from megaloop.arguments import add_dataclass_args
+from megaloop.arguments import ArgumentParser, add_dataclass_args
 from megaloop.eval.run_plot import NotARunLog, plot_run, read_run, unknown_keys
 from megaloop.training.config import LoggingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("jsonl", help="the run's --log-jsonl file")
     p.add_argument("--output", default=None, help="PNG path (default: the JSONL's name, .png)")
     # The trainer's flag (drawn on the p0 panel): pass the run's value.

@@ -35,13 +35,13 @@ def _exit_at_once(signum, frame):
 import argparse
 
 
-from megaloop.arguments import add_dataclass_args, dataclass_from_args
+from megaloop.arguments import ArgumentParser, add_dataclass_args, dataclass_from_args
 from megaloop.data.config import TokenizerConfig
 from megaloop.data.jsonl import DEFAULT_BATCH_BYTES, BadInputError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     g = p.add_argument_group("input/output")
     g.add_argument("--input", required=True, help="JSONL file, optionally .jsonl.gz")
     g.add_argument("--json-keys", nargs="+", default=["text"],

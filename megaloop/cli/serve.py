@@ -44,7 +44,7 @@ import threading
 
 
 from megaloop import runtime
-from megaloop.arguments import add_dataclass_args, dataclass_from_args
+from megaloop.arguments import ArgumentParser, FlagCheck, add_dataclass_args, dataclass_from_args
 from megaloop.inference.flags import (add_ckpt_step_flag, add_generation_flags,
                                       add_transformer_impl_flag)
 from megaloop.inference.limits import RequestLimits
@@ -91,7 +91,7 @@ def default_model_id(load: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from megaloop.inference.engine_config import EngineConfig
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True,
                    help="megaloop checkpoint directory, or a folder written by export-hf")
     add_ckpt_step_flag(p)
@@ -145,17 +145,6 @@ def main(argv=None) -> int:
             print(f"error: {message}", file=sys.stderr)
         return 2
 
-    if not 1 <= args.port <= 65535:
-        return refuse(f"--port {args.port}: must be from 1 to 65535")
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    if api_key is not None and not api_key.strip():
-        where = "--api-key" if args.api_key is not None else API_KEY_ENV
-        return refuse(f"{where} is empty: give the key clients must send, or leave it out")
-    if args.tensor_model_parallel_size not in (None, world):
-        return refuse(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: this "
-                      f"launch has {world} rank{'s' if world > 1 else ''}, and every rank of the "
-                      f"server is tensor parallel: launch it with torchrun --nproc-per-node "
-                      f"{args.tensor_model_parallel_size}, or leave the flag out")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -166,19 +155,43 @@ def main(argv=None) -> int:
     from megaloop.inference.cuda_graphs import check_cuda_graphs
     from megaloop.inference.speculation import check_speculate
 
+    # Every independent refusal at once (megaloop.arguments.FlagCheck)
+    flags = FlagCheck()
+    with flags.check():
+        if not 1 <= args.port <= 65535:
+            raise ValueError(f"--port {args.port}: must be from 1 to 65535")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    with flags.check():
+        if api_key is not None and not api_key.strip():
+            where = "--api-key" if args.api_key is not None else API_KEY_ENV
+            raise ValueError(f"{where} is empty: give the key clients must send, or leave it out")
+    with flags.check():
+        if args.tensor_model_parallel_size not in (None, world):
+            raise ValueError(
+                f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: this launch has "
+                f"{world} rank{'s' if world > 1 else ''}, and every rank of the server is tensor "
+                f"parallel: launch it with torchrun --nproc-per-node "
+                f"{args.tensor_model_parallel_size}, or leave the flag out")
     limits = dataclass_from_args(RequestLimits, args)
     precision = dataclass_from_args(PrecisionConfig, args)
     engine_config = EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
-    try:
-        precision.validate()
-        limits.check()
-        engine_config.validate()
+    rule = impl = None
+    for check in (precision.validate, limits.check, engine_config.validate):
+        with flags.check():
+            check()
+    with flags.check():
         rule = check_generation_flags(args.load, args.kv_policy, args.exit, args.num_loops,
                                       ckpt_step=args.ckpt_step)
+    with flags.check():
         impl = check_transformer_impl(args.transformer_impl, engine=True)
-        check_speculate(args.speculate, rule, args.kv_policy)
+    if flags.ok:  # (these need the exit rule and an engine config that passed)
+        with flags.check():
+            check_speculate(args.speculate, rule, args.kv_policy)
         # (what needs the model, its TP size and layers, is checked when it is loaded)
-        check_cuda_graphs(args.cuda_graphs, rule, args.speculate, args.kv_policy, 1, True)
+        with flags.check():
+            check_cuda_graphs(args.cuda_graphs, rule, args.speculate, args.kv_policy, 1, True)
+    try:
+        flags.raise_any()
     except ValueError as exc:
         return refuse(str(exc))
 

@@ -10,11 +10,11 @@ is one training sentence.
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Iterator
 
 
+from megaloop.arguments import ArgumentParser
 from megaloop.data.jsonl import BadInputError, iter_json
 from megaloop.data.tokenizers import train_sentencepiece
 
@@ -31,7 +31,7 @@ def sentences(paths: list[str], json_keys: list[str]) -> Iterator[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl or .jsonl.gz)")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.model/.vocab")

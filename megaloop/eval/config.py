@@ -100,40 +100,54 @@ class EvalConfig:
     """(derived) the parsed --num-loops; empty: 1..2T once T is known."""
 
     def validate(self) -> None:
-        """Raise ValueError naming the flag; touches the file system only."""
-        if not self.load:
-            raise ValueError("--load is required: a checkpoint directory or an exported folder")
-        from megaloop.inference.loading import check_load
+        """Raise ValueError naming the flag, every independent refusal at once
+        (megaloop.arguments.FlagCheck); touches the file system only."""
+        from megaloop.arguments import FlagCheck
 
-        check_load(self.load, self.ckpt_step)
-        if not self.output_dir:
-            raise ValueError("--output-dir is required: where the table and plots go")
-        self.depths = parse_depths(self.num_loops)
-        parse_rules(self.exit_rules)
+        flags = FlagCheck()
+        with flags.check():
+            if not self.load:
+                raise ValueError("--load is required: a checkpoint directory or an exported "
+                                 "folder")
+            from megaloop.inference.loading import check_load
+
+            check_load(self.load, self.ckpt_step)
+        with flags.check():
+            if not self.output_dir:
+                raise ValueError("--output-dir is required: where the table and plots go")
+        with flags.check():
+            self.depths = parse_depths(self.num_loops)
+        with flags.check():
+            parse_rules(self.exit_rules)
         sources = [name for name, on in (("--data-path", self.data_path),
                                          ("--mock-data", self.mock_data),
                                          ("--input-file", self.input_file)) if on]
-        if len(sources) > 1:
-            raise ValueError(f"{' and '.join(sources)}: choose one data source")
-        if self.task_file and not os.path.isfile(self.task_file):
-            raise ValueError(f"--task-file {self.task_file}: no such file")
-        if self.input_file and not os.path.isfile(self.input_file):
-            raise ValueError(f"--input-file {self.input_file}: no such file")
-        if self.valid_window is not None and self.input_file:
-            raise ValueError("--valid-window picks validation samples; --input-file is scored "
-                             "whole: choose one")
+        with flags.check():
+            if len(sources) > 1:
+                raise ValueError(f"{' and '.join(sources)}: choose one data source")
+        with flags.check():
+            if self.task_file and not os.path.isfile(self.task_file):
+                raise ValueError(f"--task-file {self.task_file}: no such file")
+        with flags.check():
+            if self.input_file and not os.path.isfile(self.input_file):
+                raise ValueError(f"--input-file {self.input_file}: no such file")
+        with flags.check():
+            if self.valid_window is not None and self.input_file:
+                raise ValueError("--valid-window picks validation samples; --input-file is "
+                                 "scored whole: choose one")
         for flag, value in (("--valid-window", self.valid_window),
                             ("--seq-length", self.seq_length),
                             ("--micro-batch-size", self.micro_batch_size),
                             ("--global-batch-size", self.global_batch_size),
                             ("--eval-iters", self.eval_iters)):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} {value}: must be at least 1")
-        if self.micro_batch_size and self.global_batch_size and \
+            with flags.check():
+                if value is not None and value < 1:
+                    raise ValueError(f"{flag} {value}: must be at least 1")
+        if flags.ok and self.micro_batch_size and self.global_batch_size and \
                 self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple "
-                             f"of --micro-batch-size {self.micro_batch_size}")
-
+            flags.messages.append(f"--global-batch-size {self.global_batch_size} is not a "
+                                  f"multiple of --micro-batch-size {self.micro_batch_size}")
+        flags.raise_any()
 
 def parse_depths(text: Optional[str]) -> list[int]:
     """``1,2,4,8`` -> [1, 2, 4, 8]; None -> [] (the default, 1..2T)."""

@@ -32,6 +32,8 @@ def configure(argv: Optional[list] = None):
     from megaloop.training.run_config import parse_args
 
     cfg = parse_args(argv)
+    if not cfg.checkpoint.use_checkpoint_args:  # (those may still replace a size given here)
+        cfg.check_sizes()  # now, before the imports below take seconds; validate() repeats it
     if cfg.checkpoint.exit_signal_handler:
         sigterm.catch()  # now, not at the first step: the start-up takes a while (see there)
     # A GPU node whose CUDA does not start must not train in the CPU development mode.

@@ -11,8 +11,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-from megaloop.arguments import (ArgumentParser, add_dataclass_args, add_refused_flags,
-                                check_ranges, dataclass_from_args)
+from megaloop.arguments import (ArgumentParser, FlagCheck, add_dataclass_args,
+                                add_refused_flags, check_ranges, dataclass_from_args)
 from megaloop.data.config import DataConfig, TokenizerConfig
 from megaloop.model.config import LoopConfig, ModelConfig
 from megaloop.parallel.config import ParallelConfig, RecomputeConfig
@@ -96,6 +96,16 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
+    def check_sizes(self) -> None:
+        """Every size flag against its smallest value (SIZE_LIMITS), all out-of-range flags
+        reported at once; needs no import beyond the standard library, so the command line
+        refuses them at once, before torch and megatron-core load."""
+        flags = FlagCheck()
+        for name, limits in SIZE_LIMITS.items():
+            with flags.check():
+                check_ranges(getattr(self, name), limits)
+        flags.raise_any()
+
     def validate(self, world_size: int | None = None) -> None:
         """Every check that needs no process group; raises ValueError with the flag to change.
         First it sets Transformer Engine's attention switches for --attention-backend
@@ -104,16 +114,22 @@ class RunConfig:
         from megaloop import runtime
 
         runtime.set_attention_backend_env(self.model.attention_backend)
-        for name, limits in SIZE_LIMITS.items():  # first: the checks below divide by sizes
-            check_ranges(getattr(self, name), limits)
-        self.model.validate()
-        self.loop.validate(self.model.num_layers)
-        self.parallel.validate(self.model.num_attention_heads, self.model.num_query_groups,
-                               world_size)
+        self.check_sizes()  # first: the checks below divide by sizes
+        # Each concern's own checks, all reported together; what combines them only after.
+        flags = FlagCheck()
+        with flags.check():
+            self.model.validate()
+        with flags.check():
+            self.loop.validate(self.model.num_layers)
+        with flags.check():
+            self.parallel.validate(self.model.num_attention_heads, self.model.num_query_groups,
+                                   world_size)
+        with flags.check():
+            self.recompute.validate()
+        flags.raise_any()
         dp = self.parallel.data_parallel_size(world_size)
         self.training.validate(dp, self.model.max_position_embeddings)
         self.parallel.validate_pipeline(self.loop.num_core_layers(self.model.num_layers))
-        self.recompute.validate()
         self.optim.validate(self.training, dp)
         if self.optim.optimizer == "muon" and self.parallel.use_distributed_optimizer:
             raise ValueError("--optimizer muon does not support --use-distributed-optimizer (Muon "

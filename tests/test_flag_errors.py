@@ -1,0 +1,119 @@
+"""A command line with several independent mistakes gets all of them in one run, one `error:`
+line each (megaloop.arguments.FlagCheck), and the trainer's size flags are refused before torch
+and megatron-core load."""
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megaloop.arguments import FlagCheck, FlagErrors, check_ranges
+from run_helpers import load_tool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_flag_check_keeps_every_refusal_and_skips_what_depends_on_them():
+    flags = FlagCheck()
+    with flags.check():
+        raise ValueError("--a 0: must be >= 1")
+    with flags.check():
+        pass
+    with flags.check():
+        raise FlagErrors(["--b x", "--c y"])
+    assert not flags.ok
+    with pytest.raises(FlagErrors) as exc:
+        flags.raise_any()
+    assert exc.value.messages == ["--a 0: must be >= 1", "--b x", "--c y"]
+    # every command prints `error: {exc}`: one error line per message
+    assert f"error: {exc.value}".splitlines() == ["error: --a 0: must be >= 1", "error: --b x",
+                                                  "error: --c y"]
+    one = FlagCheck()
+    with one.check():
+        raise ValueError("--d")
+    with pytest.raises(ValueError) as single:
+        one.raise_any()
+    assert type(single.value) is ValueError and str(single.value) == "--d"
+    FlagCheck().raise_any()  # nothing refused: nothing raised
+
+
+def test_ranges_report_every_flag_out_of_range():
+    from megaloop.training.run_config import SIZE_LIMITS, TrainingConfig
+
+    cfg = TrainingConfig(seq_length=0, micro_batch_size=0, global_batch_size=4)
+    with pytest.raises(FlagErrors) as exc:
+        check_ranges(cfg, SIZE_LIMITS["training"])
+    assert exc.value.messages == ["--seq-length 0 must be >= 1", "--micro-batch-size 0 must be >= 1"]
+
+
+# The trainer's entry in a fresh interpreter: its exit code and refusals, and whether torch or
+# megatron-core were imported by the time it refused.
+_PROBE = """
+import sys
+from megaloop.training import run
+code = run({argv!r})
+heavy = sorted({{n.split(".")[0] for n in sys.modules}} & {{"torch", "megatron"}})
+print("HEAVY:" + ",".join(heavy))
+sys.exit(code)
+"""
+
+
+def test_the_trainer_refuses_all_bad_sizes_before_importing_torch():
+    argv = ["--num-layers", "0", "--micro-batch-size", "0", "--log-interval", "0",
+            "--mock-data"]
+    proc = subprocess.run([sys.executable, "-c", _PROBE.format(argv=argv)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == ["error: --num-layers 0 must be >= 1",
+                                        "error: --micro-batch-size 0 must be >= 1",
+                                        "error: --log-interval 0 must be >= 1"]
+    assert proc.stdout.rsplit("HEAVY:", 1)[1].strip() == ""
+
+
+def test_the_trainer_reports_independent_concerns_together():
+    from megaloop.training.run import configure
+
+    with pytest.raises(FlagErrors) as exc:  # a model mistake and a loop mistake
+        configure(["--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "4",
+                   "--num-loops", "2", "--num-prelude-layers", "3", "--mock-data"])
+    text = "\n".join(exc.value.messages)
+    assert len(exc.value.messages) == 2
+    assert "--hidden-size 30 is not divisible by --num-attention-heads 4" in text
+    assert "--num-prelude-layers 3" in text
+
+
+def _main(tool, argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = load_tool(tool).main(argv)
+    return code, err.getvalue().splitlines()
+
+
+def test_generate_reports_its_independent_mistakes_together(tmp_path):
+    code, lines = _main("generate", ["--load", str(tmp_path / "missing"), "--prompt", "a",
+                                     "--max-tokens", "0", "--temperature", "-1", "--seed",
+                                     str(2 ** 64)])
+    assert code == 2
+    assert [line.split(":")[1].split()[0] for line in lines] == [
+        "--max-tokens", "--temperature", "--seed", "--load"], lines
+
+
+def test_serve_reports_its_independent_mistakes_together(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, lines = _main("serve", ["--load", str(tmp_path / "missing"), "--port", "0",
+                                  "--api-key", " ", "--tensor-model-parallel-size", "2"])
+    assert code == 2
+    assert [line.split(":")[1].split()[0] for line in lines] == [
+        "--port", "--api-key", "--tensor-model-parallel-size", "--load"], lines
+
+
+def test_evaluate_reports_its_independent_mistakes_together(tmp_path):
+    code, lines = _main("evaluate", ["--load", str(tmp_path / "missing"), "--output-dir",
+                                     str(tmp_path / "out"), "--num-loops", "0",
+                                     "--seq-length", "0", "--exit-rules", "fixed:2"])
+    assert code == 2
+    assert [line.split(":")[1].split()[0] for line in lines] == [
+        "--load", "--num-loops", "--exit-rules", "--seq-length"], lines
