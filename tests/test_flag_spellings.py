@@ -1,7 +1,7 @@
 """One output-flag convention across the tools: a tool that writes a folder takes --output-dir
 (Hugging Face's name, as tools/evaluate.py), one that writes a file takes --output; a file prefix
-keeps Megatron-LM's --output-prefix (tools/preprocess_data.py, tools/merge_datasets.py) with
---output accepted too. The server's model id is vLLM's --served-model-name. Every older spelling
+keeps Megatron-LM's --output-prefix (tools/preprocess_data.py, tools/merge_datasets.py,
+tools/train_tokenizer.py, tools/attention_probes.py) with --output accepted too. The server's model id is vLLM's --served-model-name. Every older spelling
 stays an alias of the same argument, so old command lines parse to the same values.
 
 Each tool's parser is its own: the script runs until its first parse_args call (as
@@ -53,6 +53,12 @@ SPELLINGS = [
     ("tools/merge_datasets.py", ["--input", "shards"], "--output-prefix", "--output",
      "output_prefix"),
     ("tools/serve.py", ["--load", "ckpt"], "--served-model-name", "--model-name", "model_name"),
+    ("tools/preprocess_data.py", ["--input", "in.jsonl"], "--output-prefix", "--output",
+     "output_prefix"),
+    ("tools/train_tokenizer.py", ["--input", "in.jsonl"], "--output-prefix", "--output",
+     "output_prefix"),
+    ("tools/attention_probes.py", ["--load", "ckpt", "--data-path", "d"], "--output-prefix",
+     "--output", "output"),
 ]
 
 
@@ -71,7 +77,6 @@ def test_both_spellings_parse_to_one_destination(tool, required, canonical, old,
 
 @pytest.mark.parametrize("tool,required,flag", [
     ("tools/plot_run.py", ["run.jsonl"], "--output"),               # a PNG file
-    ("tools/attention_probes.py", ["--load", "ckpt", "--data-path", "d"], "--output"),  # prefix
     ("tools/evaluate.py", None, "--output-dir"),                    # a folder of results
 ])
 def test_the_other_tools_already_use_the_convention(tool, required, flag):

@@ -24,6 +24,7 @@ from test_evaluate import _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = ".venv/bin/python"
+MEGALOOP = ".venv/bin/megaloop"  # the console script tools/setup_venv.sh installs
 
 
 def readme_commands() -> list[list[str]]:
@@ -54,7 +55,9 @@ def substitute(argv: list[str], paths: dict) -> list[str]:
 
 
 def tool(argv: list[str]) -> str:
-    """The script a command runs: ``tools/evaluate.py``, ``examples/spiral_cpu.sh``, ..."""
+    """What a command runs: ``megaloop evaluate``, ``examples/spiral_cpu.sh``, ..."""
+    if argv[0] == MEGALOOP:
+        return f"megaloop {argv[1]}"
     return next(a for a in argv if a.endswith((".py", ".sh")))
 
 
@@ -114,8 +117,10 @@ def _run(argv, tmp, timeout=120) -> str:
 
 def _command(script: str) -> list[str]:
     (argv,) = [a for a in readme_commands() if tool(a) == script]
-    assert argv[0] == PY, argv  # the README runs the checkout's venv, as setup_venv.sh makes it
-    return [sys.executable] + argv[1:]
+    # the README runs the checkout's venv, as setup_venv.sh makes it; its `megaloop` is
+    # `python -m megaloop` (tests/test_cli_command.py checks that the two are the same)
+    assert argv[0] in (PY, MEGALOOP), argv
+    return [sys.executable] + (["-m", "megaloop"] if argv[0] == MEGALOOP else []) + argv[1:]
 
 
 def _paths(demo, out="eval") -> dict:
@@ -124,8 +129,8 @@ def _paths(demo, out="eval") -> dict:
 
 # What each README command is shrunk to (flags the README shows keep their names; values of
 # sizes are replaced, other sizes are added).
-RUN = ("tools/generate.py", "tools/evaluate.py", "tools/run_lm_eval.py", "benchmarks/decode.py",
-       "tools/serve.py", "pretrain_looplm.py")
+RUN = ("megaloop generate", "megaloop evaluate", "megaloop lm-eval", "benchmarks/decode.py",
+       "megaloop serve", "pretrain_looplm.py")
 NOT_RUN = {
     # Trains a SpiralFormer for minutes (ITERS=20 is a 4-minute look); tests/test_examples.py
     # runs it small. Here: the script exists and reads the ITERS the README sets.
@@ -139,6 +144,11 @@ def test_every_command_is_covered():
     assert sorted(map(tool, commands)) == sorted(RUN + tuple(NOT_RUN))
     for argv in commands:
         script = tool(argv)
+        if script.startswith("megaloop "):
+            from megaloop.cli.main import COMMANDS
+
+            assert script.split()[1] in COMMANDS, script
+            continue
         assert os.path.isfile(os.path.join(ROOT, script)), script
         if script in NOT_RUN:
             env = [a.split("=")[0] for a in argv[:argv.index("bash")]]
@@ -147,20 +157,20 @@ def test_every_command_is_covered():
 
 
 def test_generate(demo):
-    argv = set_flag(substitute(_command("tools/generate.py"), _paths(demo)), "--max-tokens", "4")
+    argv = set_flag(substitute(_command("megaloop generate"), _paths(demo)), "--max-tokens", "4")
     assert demo["ckpt"] in argv
     assert _run(argv, demo["tmp"]).strip()
 
 
 def test_evaluate(demo):
-    argv = substitute(_command("tools/evaluate.py"), _paths(demo))
+    argv = substitute(_command("megaloop evaluate"), _paths(demo))
     argv = set_flag(set_flag(argv, "--num-loops", "1,2"), "--eval-iters", "1")
     _run(argv + ["--no-progress"], demo["tmp"])
     assert os.path.isfile(demo["tmp"] / "eval" / "depth_sweep.json")
 
 
 def test_run_lm_eval(demo):
-    argv = substitute(_command("tools/run_lm_eval.py"), _paths(demo))
+    argv = substitute(_command("megaloop lm-eval"), _paths(demo))
     out = _run(set_flag(argv, "--limit", "2"), demo["tmp"], timeout=240)
     assert "megaloop_demo_mc" in out and "megaloop_demo_gen" in out  # lm-eval's results table
 
@@ -176,7 +186,7 @@ def test_benchmark_decode(demo):
 def test_serve(demo):
     import httpx
 
-    argv = set_flag(substitute(_command("tools/serve.py"), _paths(demo)), "--port",
+    argv = set_flag(substitute(_command("megaloop serve"), _paths(demo)), "--port",
                     str(free_port()))
     port = argv[argv.index("--port") + 1]
     log = open(demo["tmp"] / "serve.log", "w+")

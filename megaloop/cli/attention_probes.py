@@ -30,7 +30,8 @@ def main(argv=None) -> None:
                    help="checkpoint folder (its latest iteration, or --ckpt-step's)")
     add_ckpt_step_flag(p)
     p.add_argument("--data-path", required=True, help="indexed dataset prefix (.bin/.idx)")
-    p.add_argument("--output", required=True, help="output prefix: writes .md and .png")
+    p.add_argument("--output-prefix", "--output", dest="output", required=True,
+                   help="writes <prefix>.md and <prefix>.png")
     p.add_argument("--num-batches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=None, help="default: the trained length")

@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--input", required=True, help="JSONL file, optionally .jsonl.gz")
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="keys to tokenize, one dataset per key (pretrain format)")
-    g.add_argument("--output-prefix", required=True,
+    g.add_argument("--output-prefix", "--output", dest="output_prefix", required=True,
                    help="writes <prefix>_<key>_document.bin/.idx")
     g.add_argument("--data-format", choices=["pretrain", "sft"], default="pretrain",
                    help="sft: prompt/response or messages -> tokens + aligned loss mask")

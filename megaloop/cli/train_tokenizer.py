@@ -34,7 +34,8 @@ def main(argv=None) -> None:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl or .jsonl.gz)")
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--output-prefix", required=True, help="writes <prefix>.model/.vocab")
+    p.add_argument("--output-prefix", "--output", dest="output_prefix", required=True,
+                   help="writes <prefix>.model/.vocab")
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     p.add_argument("--character-coverage", type=float, default=1.0)
