@@ -29,7 +29,8 @@ from megaloop import runtime  # noqa: E402
 runtime.quiet_megatron()
 
 from megaloop.model.config import LoopConfig, ModelConfig  # noqa: E402
-from megaloop.model.spiral import num_chunks, offset  # noqa: E402
+from megaloop.model.spiral import num_chunks  # noqa: E402
+from megaloop.model.spiral_schedule import offset  # noqa: E402
 from megaloop.training.metrics import core_step_flops_per_token, flops_per_iteration  # noqa
 
 # Pythia (SpiralFormer Table 1): hidden, heads, layout (P, K, C).

@@ -73,16 +73,33 @@ def test_the_trainer_refuses_all_bad_sizes_before_importing_torch():
     assert proc.stdout.rsplit("HEAVY:", 1)[1].strip() == ""
 
 
-def test_the_trainer_reports_independent_concerns_together():
-    from megaloop.training.run import configure
+def test_the_trainer_reports_independent_concerns_together_before_importing_torch():
+    """A model mistake, a loop mistake and a parallel one: three lines, still before torch."""
+    argv = ["--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "4",
+            "--num-loops", "2", "--num-prelude-layers", "3", "--tensor-model-parallel-size", "3",
+            "--mock-data"]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "SLURM_NTASKS")}
+    proc = subprocess.run([sys.executable, "-c", _PROBE.format(argv=argv)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 3 and all(line.startswith("error: ") for line in lines), lines
+    assert "--hidden-size 30 is not divisible by --num-attention-heads 4" in lines[0]
+    assert "--num-prelude-layers 3" in lines[1]
+    assert "world size 1 is not divisible by --tensor-model-parallel-size 3" in lines[2]
+    assert proc.stdout.rsplit("HEAVY:", 1)[1].strip() == ""
 
-    with pytest.raises(FlagErrors) as exc:  # a model mistake and a loop mistake
-        configure(["--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "4",
-                   "--num-loops", "2", "--num-prelude-layers", "3", "--mock-data"])
-    text = "\n".join(exc.value.messages)
+
+def test_validate_still_refuses_what_the_early_check_skipped():
+    """--use-checkpoint-args defers the early check (the checkpoint may replace the value):
+    validate() refuses the same flags, all together, when it runs."""
+    from megaloop.training.run_config import parse_args
+
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "4",
+                      "--num-loops", "2", "--num-prelude-layers", "3", "--mock-data"])
+    with pytest.raises(FlagErrors) as exc:
+        cfg.validate(world_size=1)
     assert len(exc.value.messages) == 2
-    assert "--hidden-size 30 is not divisible by --num-attention-heads 4" in text
-    assert "--num-prelude-layers 3" in text
 
 
 def _main(tool, argv):
@@ -117,3 +134,23 @@ def test_evaluate_reports_its_independent_mistakes_together(tmp_path):
     assert code == 2
     assert [line.split(":")[1].split()[0] for line in lines] == [
         "--load", "--num-loops", "--exit-rules", "--seq-length"], lines
+
+
+def test_preprocess_reports_its_mistakes_together_without_importing_numpy(tmp_path):
+    """Before any import beyond the standard library (its start-up stays a fraction of a
+    second): every range, the input file and the tokenizer flags, one line each."""
+    probe = ("import sys, runpy; sys.argv = {argv!r}\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit as exc:\n    code = exc.code\n"
+             "heavy = {{n.split('.')[0] for n in sys.modules}} & {{'numpy', 'torch'}}\n"
+             "print('HEAVY:' + ','.join(sorted(heavy))); sys.exit(code)")
+    argv = [os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(tmp_path / "no"),
+            "--output-prefix", str(tmp_path / "out"), "--workers", "-1", "--partitions", "0",
+            "--tokenizer-type", "SentencePieceTokenizer"]
+    proc = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert [line.split("error: ")[1].split()[0] for line in proc.stderr.splitlines()] == [
+        "--partitions", "--workers", "--input", "--tokenizer-type"], proc.stderr
+    assert proc.stdout.rsplit("HEAVY:", 1)[1].strip() == ""
+    assert not os.listdir(tmp_path)  # nothing written

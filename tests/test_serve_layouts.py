@@ -32,7 +32,7 @@ def _save(rank, world, save):
     from megaloop.data.config import TokenizerConfig
     from megaloop.model.config import LoopConfig
     from megaloop.model.looped_gpt import build_model
-    from megaloop.model.spiral import is_active
+    from megaloop.model.spiral_schedule import is_active
 
     setup_parallel(1)
     model_cfg = llama_style(num_layers=2, hidden_size=32, num_attention_heads=4,

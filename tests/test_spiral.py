@@ -15,7 +15,7 @@ import torch
 from distributed import run_distributed, setup_parallel
 from reference import full_grads, lm_batch
 
-from megaloop.model import spiral
+from megaloop.model import spiral, spiral_schedule
 from flags import TEST_FLAGS, llama_style
 
 VOCAB, SEQ, BATCH = 256, 24, 2
@@ -91,11 +91,11 @@ def test_chunk_map_matches_paper():
 def test_schedule_parsing_and_errors():
     from megaloop.model.config import LoopConfig
 
-    assert spiral.parse_resolutions("1/8,1/4,1/2,1", 4) == [8, 4, 2, 1]
-    assert spiral.parse_resolutions("coarse-to-fine", 4) == [8, 4, 2, 1]
-    assert spiral.parse_resolutions("", 3) == []
+    assert spiral_schedule.parse_resolutions("1/8,1/4,1/2,1", 4) == [8, 4, 2, 1]
+    assert spiral_schedule.parse_resolutions("coarse-to-fine", 4) == [8, 4, 2, 1]
+    assert spiral_schedule.parse_resolutions("", 3) == []
     with pytest.raises(ValueError, match="1/g"):
-        spiral.parse_resolutions("2/3", 1)
+        spiral_schedule.parse_resolutions("2/3", 1)
     with pytest.raises(ValueError, match="--num-loops"):
         LoopConfig(num_loops=3, loop_resolutions="1/2,1", loop_topology="mesh").validate(2)
     LoopConfig(num_loops=2, loop_resolutions="1,1").validate(2)

@@ -35,7 +35,8 @@ def _exit_at_once(signum, frame):
 import argparse
 
 
-from megaloop.arguments import ArgumentParser, add_dataclass_args, dataclass_from_args
+from megaloop.arguments import (ArgumentParser, FlagCheck, add_dataclass_args,
+                                dataclass_from_args)
 from megaloop.data.config import TokenizerConfig
 from megaloop.data.jsonl import DEFAULT_BATCH_BYTES, BadInputError
 
@@ -85,19 +86,31 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="only read with --split-sentences (as in Megatron-LM)")
     add_dataclass_args(p, TokenizerConfig)
     args = p.parse_args(argv)
-    if args.split_sentences:
-        p.error("--split-sentences is not supported: Megatron-LM splits documents into sentences "
-                "with nltk's punkt model, which needs a download (nltk.download('punkt')) that "
-                "megaloop does not make; drop it to write whole documents")
-    if args.partitions < 1:
-        p.error(f"--partitions {args.partitions} must be >= 1")
-    if args.workers < 0 or args.batch_bytes < 1 or args.log_interval < 1:
-        p.error("--workers must be >= 0, --batch-bytes and --log-interval >= 1")
-    if args.data_format == "sft" and (args.json_keys != ["text"] or args.append_eod):
-        p.error("--data-format sft reads prompt/response or messages and always ends responses "
-                "with EOD: drop --json-keys/--append-eod")
-    if not os.path.isfile(args.input):
-        p.error(f"--input {args.input}: no such file")
+    # Every refusal at once, each on its own line (megaloop.arguments.FlagCheck)
+    flags = FlagCheck()
+    with flags.check():
+        if args.split_sentences:
+            raise ValueError("--split-sentences is not supported: Megatron-LM splits documents "
+                             "into sentences with nltk's punkt model, which needs a download "
+                             "(nltk.download('punkt')) that megaloop does not make; drop it to "
+                             "write whole documents")
+    for flag, value, low in (("--partitions", args.partitions, 1), ("--workers", args.workers, 0),
+                             ("--batch-bytes", args.batch_bytes, 1),
+                             ("--log-interval", args.log_interval, 1)):
+        with flags.check():
+            if value < low:
+                raise ValueError(f"{flag} {value} must be >= {low}")
+    with flags.check():
+        if args.data_format == "sft" and (args.json_keys != ["text"] or args.append_eod):
+            raise ValueError("--data-format sft reads prompt/response or messages and always "
+                             "ends responses with EOD: drop --json-keys/--append-eod")
+    with flags.check():
+        if not os.path.isfile(args.input):
+            raise ValueError(f"--input {args.input}: no such file")
+    with flags.check():
+        dataclass_from_args(TokenizerConfig, args).validate()
+    if not flags.ok:
+        p.exit(2, "".join(f"{p.prog}: error: {m}\n" for m in flags.messages))
     return args
 
 
@@ -184,12 +197,7 @@ def remove_stale_partition_folders(out_dir: str) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    tok_cfg = dataclass_from_args(TokenizerConfig, args)
-    try:
-        tok_cfg.validate()
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    tok_cfg = dataclass_from_args(TokenizerConfig, args)  # (validated by parse_args)
     from megaloop.data.preprocess import (OutputInUse, Terminated, output_lock,  # numpy
                                           preprocess, raise_terminated)
 

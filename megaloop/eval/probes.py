@@ -59,7 +59,7 @@ class AttentionProbe(LoopVariant):
     """Collects per-(step, layer, head) entropy and LAM sums while the model runs forwards."""
 
     def __init__(self, model, gamma: float = 32.0):
-        from megaloop.model.spiral import chunk_sizes
+        from megaloop.model.spiral_schedule import chunk_sizes
 
         self.model, self.gamma = model, gamma
         self.sizes = chunk_sizes(model.loop)

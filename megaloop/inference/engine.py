@@ -151,7 +151,7 @@ def layout(model, kv_policy: str) -> str:
       which cannot be paged or regrouped) or none (``kv_policy`` none recomputes the whole
       sequence), one forward per request, a prompt prefilled in one forward."""
     from megaloop.model.config import use_transformer_engine
-    from megaloop.model.spiral import is_active
+    from megaloop.model.spiral_schedule import is_active
 
     if kv_policy == "none" or is_active(model.loop):
         return "private"

@@ -462,7 +462,7 @@ class LoopConfig:
         if self.loop_readout_chunk_tokens < 1:
             raise ValueError(f"--loop-readout-chunk-tokens {self.loop_readout_chunk_tokens} must "
                              f"be >= 1")
-        from megaloop.model.spiral import validate_loop
+        from megaloop.model.spiral_schedule import validate_loop
 
         validate_loop(self)
 
@@ -557,7 +557,7 @@ def fp8_gemm_dims(run) -> list:
     a RunConfig ``run``: the linears' sizes per tensor-parallel shard and the tokens one rank
     multiplies (micro-batch x sequence, split over context-parallel ranks, and over TP ranks
     under sequence parallelism; a coarse SpiralFormer step has floor(L / g_t) positions)."""
-    from megaloop.model.spiral import chunk_sizes
+    from megaloop.model.spiral_schedule import chunk_sizes
 
     m, par, tr = run.model, run.parallel, run.training
     tp = par.tensor_model_parallel_size

@@ -13,7 +13,8 @@ import dataclasses
 from typing import Optional
 
 from megaloop.model.config import LoopConfig, ModelConfig
-from megaloop.model.spiral import chunk_sizes, is_active, num_chunks, offset
+from megaloop.model.spiral import num_chunks
+from megaloop.model.spiral_schedule import chunk_sizes, is_active, offset
 
 
 def readouts_per_forward(loop: LoopConfig) -> int:

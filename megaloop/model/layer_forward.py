@@ -106,7 +106,7 @@ def unsupported(model) -> Optional[str]:
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megaloop.model.spiral import is_active
+    from megaloop.model.spiral_schedule import is_active
 
     c = model.config
     if is_active(model.loop):  # (its coarse steps cut the rotary table per resolution)

@@ -85,7 +85,7 @@ def exit_depth(loop, r: Request) -> Optional[str]:
 def spiral(loop, r: Request) -> Optional[str]:
     """SpiralFormer (--loop-resolutions / --loop-topology) fixes one operator per loop step, and
     its cached decoding keeps each coarse step's chunk latents for the whole batch."""
-    from megaloop.model.spiral import chunk_sizes, is_active
+    from megaloop.model.spiral_schedule import chunk_sizes, is_active
 
     if not is_active(loop):
         return None

@@ -96,27 +96,17 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
-    def check_sizes(self) -> None:
-        """Every size flag against its smallest value (SIZE_LIMITS), all out-of-range flags
-        reported at once; needs no import beyond the standard library, so the command line
-        refuses them at once, before torch and megatron-core load."""
+    def check_flags(self, world_size: int | None = None) -> None:
+        """The first part of validate(): every size flag against its smallest value
+        (SIZE_LIMITS), then each concern's own checks (model, loop, parallel, recompute), each
+        part's refusals all reported at once. Pure Python (nothing imports torch or
+        megatron-core), so the trainer runs it before those load: a command line's mistakes
+        come back in a fraction of a second."""
         flags = FlagCheck()
         for name, limits in SIZE_LIMITS.items():
             with flags.check():
                 check_ranges(getattr(self, name), limits)
-        flags.raise_any()
-
-    def validate(self, world_size: int | None = None) -> None:
-        """Every check that needs no process group; raises ValueError with the flag to change.
-        First it sets Transformer Engine's attention switches for --attention-backend
-        (megaloop.runtime.set_attention_backend_env): the checks below may import TE, and TE
-        must see them from its import on."""
-        from megaloop import runtime
-
-        runtime.set_attention_backend_env(self.model.attention_backend)
-        self.check_sizes()  # first: the checks below divide by sizes
-        # Each concern's own checks, all reported together; what combines them only after.
-        flags = FlagCheck()
+        flags.raise_any()  # first: the checks below divide by sizes
         with flags.check():
             self.model.validate()
         with flags.check():
@@ -127,6 +117,16 @@ class RunConfig:
         with flags.check():
             self.recompute.validate()
         flags.raise_any()
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Every check that needs no process group; raises ValueError with the flag to change.
+        First it sets Transformer Engine's attention switches for --attention-backend
+        (megaloop.runtime.set_attention_backend_env): the checks below may import TE, and TE
+        must see them from its import on."""
+        from megaloop import runtime
+
+        runtime.set_attention_backend_env(self.model.attention_backend)
+        self.check_flags(world_size)
         dp = self.parallel.data_parallel_size(world_size)
         self.training.validate(dp, self.model.max_position_embeddings)
         self.parallel.validate_pipeline(self.loop.num_core_layers(self.model.num_layers))
@@ -229,7 +229,7 @@ class RunConfig:
                              f"change --global-batch-size or --micro-batch-size")
 
     def _check_spiral(self) -> None:
-        from megaloop.model.spiral import chunk_sizes, is_active
+        from megaloop.model.spiral_schedule import chunk_sizes, is_active
 
         loop = self.loop
         sizes = chunk_sizes(loop)
@@ -252,7 +252,7 @@ class RunConfig:
         """--context-parallel-size > 1: what megatron-core's CP (TE attention, load-balanced
         sequence split) needs, and the features that would read across the split."""
         from megaloop.model.config import use_transformer_engine
-        from megaloop.model.spiral import chunk_sizes
+        from megaloop.model.spiral_schedule import chunk_sizes
 
         cp, par = self.parallel.context_parallel_size, self.parallel
         if cp == 1:
