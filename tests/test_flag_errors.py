@@ -154,3 +154,18 @@ def test_preprocess_reports_its_mistakes_together_without_importing_numpy(tmp_pa
         "--partitions", "--workers", "--input", "--tokenizer-type"], proc.stderr
     assert proc.stdout.rsplit("HEAVY:", 1)[1].strip() == ""
     assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_train_rl_refuses_its_flags_together_before_importing_torch():
+    """RL's own refusals (pipeline stages, dropout, FP8) and the pretraining checks, at once."""
+    probe = _PROBE.replace("from megaloop.training import run", "from megaloop.rl.train import run")
+    argv = ["--num-layers", "0", "--pipeline-model-parallel-size", "2", "--hidden-dropout",
+            "0.1", "--attention-dropout", "0", "--fp8-format", "hybrid", "--env", "arithmetic"]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "SLURM_NTASKS")}
+    proc = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert [line.split("error: ")[1].split()[0] for line in lines] == [
+        "--num-layers", "--pipeline-model-parallel-size", "--hidden-dropout", "--fp8-format"], lines
+    assert proc.stdout.rsplit("HEAVY:", 1)[1].strip() == ""

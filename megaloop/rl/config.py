@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from megaloop.arguments import (ArgumentParser, add_dataclass_args, add_refused_flags,
-                                dataclass_from_args)
+from megaloop.arguments import (ArgumentParser, FlagCheck, add_dataclass_args,
+                                add_refused_flags, dataclass_from_args)
 from megaloop.data.config import DataConfig
 from megaloop.training.run_config import REFUSED_MEGATRON_FLAGS, SECTIONS, RunConfig
 
@@ -213,40 +213,57 @@ class RLConfig:
 class RLRunConfig(RunConfig):
     rl: RLConfig = field(default_factory=RLConfig)
 
+    def check_flags(self, world_size: int | None = None) -> None:
+        """RunConfig.check_flags, and what RL does not support, all refusals at once (pure
+        Python: train_rl.py runs it before torch and megatron-core load)."""
+        par, loop = self.parallel, self.loop
+        flags = FlagCheck()
+        with flags.check():
+            super().check_flags(world_size)
+        for flag, value in (("--pipeline-model-parallel-size",
+                             par.pipeline_model_parallel_size),
+                            ("--context-parallel-size", par.context_parallel_size)):
+            with flags.check():
+                if value > 1:
+                    raise ValueError(f"{flag} {value}: train_rl.py's rollouts run megaloop's "
+                                     f"Generator, which needs one pipeline stage and no context "
+                                     f"parallelism; use {flag} 1")
+        for flag, on in (("--sequence-parallel", par.sequence_parallel),
+                         ("--overlap-param-gather", par.overlap_param_gather)):
+            with flags.check():
+                if on:
+                    raise ValueError(f"{flag} is not supported by train_rl.py (its rollouts and "
+                                     f"log-probs call the model directly, outside DDP's "
+                                     f"forward); drop it")
+        dropouts = [(flag, p) for flag, p in (("--hidden-dropout", self.model.hidden_dropout),
+                                              ("--attention-dropout",
+                                               self.model.attention_dropout)) if p]
+        with flags.check():
+            if dropouts:
+                given = " and ".join(f"{flag} {p}" for flag, p in dropouts)
+                raise ValueError(f"{given}: RL scores the sampled tokens under the policy that "
+                                 f"sampled them (no dropout); a dropout mask in the update would "
+                                 f"score another policy and move the ratio off 1 (clipped for no "
+                                 f"reason). Pass --hidden-dropout 0 --attention-dropout 0 "
+                                 f"(Megatron-LM's defaults are 0.1)")
+        with flags.check():
+            if self.model.fp8_format is not None:
+                raise ValueError(f"--fp8-format {self.model.fp8_format}: train_rl.py's rollouts "
+                                 f"decode one token per row and its updates score micro-batches "
+                                 f"as wide as their longest completion, while Transformer "
+                                 f"Engine's FP8 GEMMs need those token counts to be multiples of "
+                                 f"8/16; drop --fp8-format (RL runs in --bf16)")
+        with flags.check():
+            if loop.exit_loss == "adaptive-gate":
+                raise ValueError("--exit-loss adaptive-gate trains only the exit gate: not an RL "
+                                 "objective; use the checkpoint's --exit-loss")
+        flags.raise_any()
+
     def validate(self, world_size: int | None = None) -> None:
         """The pretraining checks that apply (the data section's do not: RL reads no dataset),
         then the RL flags and what RL does not support yet."""
         par, loop = self.parallel, self.loop
-        for flag, value in (("--pipeline-model-parallel-size",
-                             par.pipeline_model_parallel_size),
-                            ("--context-parallel-size", par.context_parallel_size)):
-            if value > 1:
-                raise ValueError(f"{flag} {value}: train_rl.py's rollouts run megaloop's "
-                                 f"Generator, which needs one pipeline stage and no context "
-                                 f"parallelism; use {flag} 1")
-        for flag, on in (("--sequence-parallel", par.sequence_parallel),
-                         ("--overlap-param-gather", par.overlap_param_gather)):
-            if on:
-                raise ValueError(f"{flag} is not supported by train_rl.py (its rollouts and "
-                                 f"log-probs call the model directly, outside DDP's forward); "
-                                 f"drop it")
-        for flag, p in (("--hidden-dropout", self.model.hidden_dropout),
-                        ("--attention-dropout", self.model.attention_dropout)):
-            if p:
-                raise ValueError(f"{flag} {p}: RL scores the sampled tokens under the policy "
-                                 f"that sampled them (no dropout); a dropout mask in the update "
-                                 f"would score another policy and move the ratio off 1 (clipped "
-                                 f"for no reason). Pass --hidden-dropout 0 --attention-dropout 0 "
-                                 f"(Megatron-LM's defaults are 0.1)")
-        if self.model.fp8_format is not None:
-            raise ValueError(f"--fp8-format {self.model.fp8_format}: train_rl.py's rollouts "
-                             f"decode one token per row and its updates score micro-batches "
-                             f"as wide as their longest completion, while Transformer Engine's "
-                             f"FP8 GEMMs need those token counts to be multiples of 8/16; drop "
-                             f"--fp8-format (RL runs in --bf16)")
-        if loop.exit_loss == "adaptive-gate":
-            raise ValueError("--exit-loss adaptive-gate trains only the exit gate: not an RL "
-                             "objective; use the checkpoint's --exit-loss")
+        self.check_flags(world_size)
         dp = self.parallel.data_parallel_size(world_size)
         self.rl.validate(loop.num_loops, loop.gated, dp, self.training.micro_batch_size)
         collective_s = par.distributed_timeout_minutes * 60

@@ -55,8 +55,10 @@ def configure(argv: Optional[list] = None):
     """Flags -> a validated RLRunConfig, before any process group (ValueError: a refusal)."""
     from megaloop import runtime
     from megaloop.rl.config import parse_args
+    from megaloop.training.run_config import check_before_imports
 
     cfg = parse_args(argv)  # --help and a flag argparse refuses answer before any heavy import
+    check_before_imports(cfg)  # the flags' own mistakes, before torch and megatron-core load
     if cfg.checkpoint.exit_signal_handler:
         from megaloop.training import sigterm
 

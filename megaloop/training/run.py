@@ -18,7 +18,6 @@ and a bad flag answer without importing torch or megatron-core.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Callable, Optional
 
@@ -30,17 +29,10 @@ def configure(argv: Optional[list] = None):
     (--help, an unknown flag) is a SystemExit."""
     from megaloop import runtime
     from megaloop.training import sigterm
-    from megaloop.training.run_config import parse_args
+    from megaloop.training.run_config import check_before_imports, parse_args
 
     cfg = parse_args(argv)
-    # The flags' own checks now, before the imports below take seconds (validate() repeats
-    # them), unless --use-checkpoint-args may still replace a value given here, or SLURM started
-    # several tasks without a launcher (single_process_env refuses that first).
-    early_world = os.environ.get("WORLD_SIZE", "1" if int(os.environ.get("SLURM_NTASKS", "1"))
-                                 <= 1 else None)
-    if not cfg.checkpoint.use_checkpoint_args and early_world is not None:
-        runtime.set_attention_backend_env(cfg.model.attention_backend)
-        cfg.check_flags(int(early_world))
+    check_before_imports(cfg)  # the flags' own mistakes, before the imports below take seconds
     if cfg.checkpoint.exit_signal_handler:
         sigterm.catch()  # now, not at the first step: the start-up takes a while (see there)
     # A GPU node whose CUDA does not start must not train in the CPU development mode.

@@ -499,3 +499,22 @@ def parse_args(argv=None) -> RunConfig:
     namespace = build_parser().parse_args(argv)
     return RunConfig(**{name: dataclass_from_args(cls, namespace)
                         for name, cls in SECTIONS.items()})
+
+
+def check_before_imports(cfg: RunConfig) -> None:
+    """``cfg.check_flags`` at the start of an entry point, before torch and megatron-core load
+    (validate() repeats it later), so a command line's mistakes come back in a fraction of a
+    second. Skipped where the values may still change or the world is not known yet:
+    --use-checkpoint-args (the checkpoint may replace a value given on the command line), and
+    SLURM tasks started without a launcher (single_process_env refuses those first)."""
+    import os
+
+    from megaloop import runtime
+
+    world = os.environ.get("WORLD_SIZE")
+    if world is None and int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        world = "1"  # what single_process_env will set up
+    if cfg.checkpoint.use_checkpoint_args or world is None:
+        return
+    runtime.set_attention_backend_env(cfg.model.attention_backend)  # (TE reads it at import)
+    cfg.check_flags(int(world))
