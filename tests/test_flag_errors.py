@@ -46,7 +46,8 @@ def test_ranges_report_every_flag_out_of_range():
     cfg = TrainingConfig(seq_length=0, micro_batch_size=0, global_batch_size=4)
     with pytest.raises(FlagErrors) as exc:
         check_ranges(cfg, SIZE_LIMITS["training"])
-    assert exc.value.messages == ["--seq-length 0 must be >= 1", "--micro-batch-size 0 must be >= 1"]
+    assert exc.value.messages == ["--seq-length 0 must be >= 1",
+                                  "--micro-batch-size 0 must be >= 1"]
 
 
 # The trainer's entry in a fresh interpreter: its exit code and refusals, and whether torch or
