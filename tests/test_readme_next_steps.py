@@ -27,10 +27,10 @@ PY = ".venv/bin/python"
 MEGALOOP = ".venv/bin/megaloop"  # the console script tools/setup_venv.sh installs
 
 
-def readme_commands() -> list[list[str]]:
-    """The argv of every command in README.md's "## What to try next" code block."""
+def readme_commands(section: str = "What to try next") -> list[list[str]]:
+    """The argv of every command in the code block of README.md's section ``section``."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    section = text.split("## What to try next", 1)[1]
+    section = text.split(f"## {section}\n", 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     joined = block.replace("\\\n", " ")
     return [shlex.split(line, comments=True) for line in joined.splitlines() if line.strip()]
@@ -65,7 +65,6 @@ def tool(argv: list[str]) -> str:
 def demo(tmp_path_factory):
     """A tiny looped model (with an exit gate) trained like the demo: a sentencepiece tokenizer
     and an indexed dataset of make_demo_corpus documents, with a validation split."""
-    import importlib.util
     import random
 
     import torch
@@ -74,10 +73,7 @@ def demo(tmp_path_factory):
     from megaloop.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
 
     tmp = tmp_path_factory.mktemp("readme")
-    spec = importlib.util.spec_from_file_location(
-        "make_demo_corpus", os.path.join(ROOT, "megaloop", "cli", "make_demo_corpus.py"))
-    corpus = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(corpus)
+    corpus = load_corpus_module()
     rng = random.Random(0)
     texts = [corpus.document(rng, 6) for _ in range(300)]
     sp = train_sentencepiece(texts, str(tmp / "sp"), vocab_size=512)
@@ -184,24 +180,29 @@ def test_benchmark_decode(demo):
 
 
 def test_serve(demo):
+    argv = substitute(_command("megaloop serve"), _paths(demo))
+    _serve_and_ask(argv, demo["tmp"])
+
+
+def _serve_and_ask(argv, tmp):
+    """Start the server command on a free port, wait for /health, ask one completion, Ctrl-C."""
     import httpx
 
-    argv = set_flag(substitute(_command("megaloop serve"), _paths(demo)), "--port",
-                    str(free_port()))
+    argv = set_flag(argv, "--port", str(free_port()))
     port = argv[argv.index("--port") + 1]
-    log = open(demo["tmp"] / "serve.log", "w+")
-    proc = subprocess.Popen(argv, cwd=ROOT, env=_env(demo["tmp"]), stdout=log,
+    log = open(tmp / "serve.log", "w+")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=_env(tmp), stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, open(demo["tmp"] / "serve.log").read()[-3000:]
+            assert proc.poll() is None, open(tmp / "serve.log").read()[-3000:]
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, open(demo["tmp"] / "serve.log").read()[-3000:]
+            assert time.monotonic() < deadline, open(tmp / "serve.log").read()[-3000:]
             time.sleep(0.3)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                            json={"prompt": "the quiet robot", "max_tokens": 4})
@@ -220,3 +221,42 @@ def test_serve(demo):
 def test_pretrain_help():
     out = _run(_command("pretrain_looplm.py"), None)
     assert "--num-loops" in out
+
+
+def test_own_corpus_to_a_server(tmp_path):
+    """README's "Your own corpus" block, in order, on a JSONL of demo documents: the tokenizer
+    (a vocabulary that fits the small corpus), preprocessing, the recipe at CPU size (2
+    iterations), then the server answers a completion from the checkpoint the recipe saved."""
+    import json
+    import random
+
+    corpus = load_corpus_module()
+    rng = random.Random(1)
+    with open(tmp_path / "my.jsonl", "w") as f:
+        for _ in range(300):
+            f.write(json.dumps({"text": corpus.document(rng, 6)}) + "\n")
+    (tmp_path / "my").mkdir()
+    paths = {"my.jsonl": str(tmp_path / "my.jsonl"), "my/": str(tmp_path / "my") + "/"}
+    commands = [substitute(argv, paths) for argv in readme_commands("Your own corpus")]
+    assert [argv[0] for argv in commands] == [MEGALOOP, MEGALOOP, "SIZE=cpu", MEGALOOP]
+    tokenizer, preprocess, recipe, serve = commands
+    megaloop = [sys.executable, "-m", "megaloop"]
+    _run(megaloop + set_flag(tokenizer, "--vocab-size", "512")[1:], tmp_path)
+    _run(megaloop + preprocess[1:], tmp_path)
+    split = recipe.index("bash")
+    env = dict(_env(tmp_path), PYTHON=sys.executable, **dict(a.split("=", 1)
+                                                               for a in recipe[:split]))
+    proc = subprocess.run(recipe[split:] + ["--train-iters", "2", "--lr-warmup-iters", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _serve_and_ask(megaloop + serve[1:], tmp_path)
+
+
+def load_corpus_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_demo_corpus", os.path.join(ROOT, "megaloop", "cli", "make_demo_corpus.py"))
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    return corpus
