@@ -83,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder to write (new or empty); --out is accepted too")
     exp.add_argument("--vocab-size", type=int, default=None,
                      help="trim the padded embedding table to the tokenizer's real vocabulary")
-    exp.add_argument("--names", choices=["auto", "ouro", "megaloop"], default="auto",
-                     help="auto: Ouro's model type and names for Ouro-style models")
+    exp.add_argument("--names", choices=["auto", "ouro", "nanbeige", "megaloop"], default="auto",
+                     help="auto: Ouro's model type and names for Ouro-style models, Nanbeige's "
+                          "for a checkpoint imported from a Nanbeige folder; nanbeige: "
+                          "Nanbeige4.2's config.json (its code from the Hub)")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                      help="dtype of the written weights")
     exp.add_argument("--tokenizer-model", default=None,
@@ -213,7 +215,8 @@ def _export(args) -> int:
                         tokenizer_model=args.tokenizer_model)
     finally:
         destroy()
-    print(f"> wrote {args.out} ({cfg['architectures'][0]}, {cfg['total_ut_steps']} loops, vocab "
+    loops = cfg.get("total_ut_steps", cfg.get("num_loops"))  # (Nanbeige's key)
+    print(f"> wrote {args.out} ({cfg['architectures'][0]}, {loops} loops, vocab "
           f"{cfg['vocab_size']}); load with AutoModelForCausalLM.from_pretrained(..., "
           f"trust_remote_code=True)")
     return 0

@@ -7,7 +7,9 @@ exit gate, no injection/LoRA/QK-norm/QKV bias/RoPE scaling) is written under Our
 architecture name, parameter names and config keys, so tools built for Ouro checkpoints read it;
 everything else uses the same names plus a few megaloop keys (prelude, coda, injection, LoRA,
 ``qkv_bias``); Llama 3.x RoPE scaling is written as Llama 3.x checkpoints write it
-(``rope_scaling``).
+(``rope_scaling``). ``--names nanbeige`` (the default for a checkpoint imported from a Nanbeige
+folder, while its architecture is still Nanbeige's) writes Nanbeige4.2's config.json, whose
+auto_map names Nanbeige's own code (``hf_nanbeige``), and no modeling files.
 
 The folder holds: config.json (with the tokenizer's eos = EOD, bos and pad ids),
 generation_config.json (the same ids, so ``generate()`` stops at the end of a document),
@@ -29,6 +31,7 @@ import shutil
 
 import torch
 
+from megaloop.convert import hf_nanbeige
 from megaloop.convert.hf_families import LLAMA3_FIXED
 # The looped config.json's form is hf_looped's (the reader's): what the modeling file implements
 # (check_exportable, re-exported here, where the tools and tests have always imported it) and the
@@ -119,8 +122,18 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
 
     check_exportable(model, loop)
     exit_keys = threshold_keys(generation)  # refused before any file is written
+    nanbeige = names == "nanbeige"
+    if nanbeige:
+        gaps = hf_nanbeige.nanbeige_style(model, loop)
+        if gaps:
+            raise ValueError(f"--names nanbeige needs a model Nanbeige's code computes; this one "
+                             f"has {gaps}; use --names auto")
+        if exit_keys != threshold_keys(None):
+            raise ValueError("--names nanbeige: Nanbeige's config.json has no exit rule, and "
+                             f"this checkpoint's default is {generation.get('exit')}")
+        exit_keys = {}
     tok = build_tokenizer(tokenizer) if tokenizer is not None else None
-    ouro = is_ouro_style(model, loop)
+    ouro = is_ouro_style(model, loop) and not nanbeige
     if names == "ouro" and not ouro:
         raise ValueError("--names ouro needs an Ouro-style model: no prelude/coda, --norm-scheme "
                          "ouro, --step-norm-placement recurrent, an exit gate, --input-injection "
@@ -150,9 +163,12 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
         created.append(folder)
         folder = os.path.dirname(folder)
     os.makedirs(out_dir, exist_ok=True)
-    cfg = hf_config(model, loop, rows, ouro)
+    # A Nanbeige folder names Nanbeige's own code (auto_map), as the released one does.
+    modeling = () if nanbeige else MODELING_FILES
+    cfg = hf_nanbeige.nanbeige_config(model, loop, rows) if nanbeige else \
+        hf_config(model, loop, rows, ouro)
     cfg.update(exit_keys)
-    written = ["model.safetensors", "config.json", *MODELING_FILES]
+    written = ["model.safetensors", "config.json", *modeling]
     if tok is not None:
         # The tokenizer first: its conversion is the step that can fail (a missing protobuf),
         # and it should fail before the weights are written, not leave a folder without it.
@@ -164,7 +180,7 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    for name in MODELING_FILES:
+    for name in modeling:
         shutil.copy(os.path.join(MODELING_DIR, name), os.path.join(out_dir, name))
     for path in created:
         os.chmod(path, 0o755)
@@ -212,6 +228,9 @@ def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
                          f"machine: pass --tokenizer-model PATH (the file the run trained with)")
     tokenizer.validate()
     model, model_cfg, loop, run = load_model(load_dir, iteration=iteration)
+    if names == "auto" and run.get("source", {}).get("architecture") == \
+            hf_nanbeige.ARCHITECTURE and hf_nanbeige.nanbeige_style(model_cfg, loop) is None:
+        names = "nanbeige"  # an imported Nanbeige goes back to its family's layout
     return write_hf_folder(out_dir, model_cfg, loop, model.state_dict(), vocab_size=vocab_size,
                            names=names, dtype=dtype, tokenizer=tokenizer,
                            generation=run.get("generation"))

@@ -66,6 +66,11 @@ KEY_TYPES = {
     "lora_rank": (INT, 0, False),
     "lora_alpha": (NUMBER, None, True),
     "lora_steps": (INT, 0, False),
+    # Nanbeige's (hf_nanbeige)
+    "num_loops": (INT, 1, False),
+    "skip_loop_final_norm": (BOOL, None, False),
+    "loop_loss_weights": (LIST, None, True),
+    "pretraining_tp": (INT, 1, False),
 }
 # The numbers inside rope_scaling / rope_parameters (hf_families.rope_settings reads them).
 ROPE_KEY_TYPES = {

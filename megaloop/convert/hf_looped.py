@@ -14,8 +14,9 @@ it). Any other key is refused: the reader cannot tell whether it changes the com
 read at; they become the model's default exit rule (``default_exit``): the run config's
 ``generation`` section, which generate, serve and lm-eval use unless ``--exit`` says otherwise.
 
-Huginn (``RavenForCausalLM``) is refused by name, with what megaloop does not compute
-(``HUGINN_GAPS``).
+Nanbeige4.2 (``NanbeigeForCausalLM``) is read through ``hf_nanbeige``, which checks its keys and
+turns them into this form (``export_form``). Huginn (``RavenForCausalLM``) is refused by name,
+with what megaloop does not compute (``HUGINN_GAPS``).
 
 This module is the form both directions share: ``hf_export`` writes it and imports from here
 what the modeling file implements (``check_exportable``) and the exit rule's keys
@@ -24,6 +25,7 @@ what the modeling file implements (``check_exportable``) and the exit rule's key
 
 from __future__ import annotations
 
+from megaloop.convert import hf_nanbeige
 from megaloop.convert.hf_families import FALSE, SLIDING_LAYERS, rope_settings
 from megaloop.model.config import LoopConfig, ModelConfig
 
@@ -135,7 +137,14 @@ def is_looped_config(cfg: dict) -> bool:
     refuses by name)."""
     arch = (cfg.get("architectures") or ["?"])[0]
     return arch in LOOPED_ARCHITECTURES or arch in HUGINN_ARCHITECTURES or \
-        cfg.get("model_type") in ("ouro", "megaloop", "huginn_raven")
+        cfg.get("model_type") in ("ouro", "megaloop", "huginn_raven") or \
+        hf_nanbeige.is_nanbeige(cfg)
+
+
+def export_form(cfg: dict) -> dict:
+    """``cfg`` in the keys this module reads: a Nanbeige config.json translated (after every
+    key of it is checked: ``hf_nanbeige.export_form``), any other as it is."""
+    return hf_nanbeige.export_form(cfg) if hf_nanbeige.is_nanbeige(cfg) else cfg
 
 
 def check_fields(cfg: dict) -> str:
@@ -175,6 +184,7 @@ def looped_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
     result writes the same keys and values). The table is built with exactly ``vocab_size``
     rows (--make-vocab-size-divisible-by 1); import-hf chooses the divisor a training run
     pads to."""
+    cfg = export_form(cfg)
     check_fields(cfg)
     c = {**EXPORT_DEFAULTS, **cfg}
     heads = c["num_attention_heads"]
@@ -225,6 +235,7 @@ def default_exit(cfg: dict) -> dict:
     step)."""
     from megaloop.model.exit_rules import parse_exit
 
+    cfg = export_form(cfg)
     loops = cfg.get("total_ut_steps", EXPORT_DEFAULTS["total_ut_steps"])
     step, threshold = cfg.get("early_exit_step"), cfg.get("early_exit_threshold")
     gated = cfg.get("use_exit_gate", True) and loops > 1
