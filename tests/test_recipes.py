@@ -8,11 +8,15 @@ from pathlib import Path
 import pytest
 
 RECIPES = Path(__file__).resolve().parent.parent / "examples" / "recipes"
-# The recipes that take (DATA_PREFIX, TOKENIZER_MODEL); the Ouro ones take a Hugging Face folder
-# first (test_ouro_recipe_flags_parse_and_validate; tests/test_ouro_recipes.py runs them).
+# The recipes that take (DATA_PREFIX, TOKENIZER_MODEL); the Ouro and Nanbeige ones take a
+# Hugging Face folder first (test_hf_recipe_flags_parse_and_validate; tests/test_ouro_recipes.py
+# runs them).
 SCRIPTS = sorted(p for p in RECIPES.glob("*.sh")
-                 if not p.name.startswith(("_", "make_", "ouro_")))
-OURO = {"ouro_1.4b_sft": "pretrain", "ouro_1.4b_rltt": "rl"}
+                 if not p.name.startswith(("_", "make_", "ouro_", "nanbeige")))
+# recipe -> (entry point, the model's loop steps, whether it has an exit gate)
+HF_RECIPES = {"ouro_1.4b_sft": ("pretrain", 4, True), "ouro_1.4b_rltt": ("rl", 4, True),
+              "nanbeige4.2_3b_sft": ("pretrain", 2, False),
+              "nanbeige4.2_3b_rltt": ("rl", 2, False)}
 
 
 def recipe_args(script: Path, size: str, data: str, tokenizer: str, **env) -> list[str]:
@@ -80,10 +84,12 @@ def test_recipe_flags_parse_and_validate(script, size, world, tmp_path):
 
 
 @pytest.mark.parametrize("nodes,world", [("1", 8), ("4", 32)])
-@pytest.mark.parametrize("name", sorted(OURO))
-def test_ouro_recipe_flags_parse_and_validate(name, nodes, world, tmp_path):
-    """Both layouts of the Ouro recipes at full size give flags the entry point parses and
-    validates at that world size, with the paper's RL settings and the layout's TP size."""
+@pytest.mark.parametrize("name", sorted(HF_RECIPES))
+def test_hf_recipe_flags_parse_and_validate(name, nodes, world, tmp_path):
+    """Both layouts of the Ouro and Nanbeige recipes at full size give flags the entry point
+    parses and validates at that world size, with the paper's RL settings and the layout's TP
+    size."""
+    kind, loops, gated = HF_RECIPES[name]
     from megaloop.rl.config import parse_args as parse_rl
     from megaloop.training.run_config import parse_args
 
@@ -95,23 +101,23 @@ def test_ouro_recipe_flags_parse_and_validate(name, nodes, world, tmp_path):
     data = str(tmp_path / "corpus_text_document")
     env = {**os.environ, "SIZE": "full", "NODES": nodes, "PRINT_ARGS": "1",
            "IMPORTED": str(imported)}
-    second = str(problems) if OURO[name] == "rl" else data
-    args = subprocess.run(["bash", str(RECIPES / f"{name}.sh"), str(tmp_path / "Ouro-1.4B"),
+    second = str(problems) if kind == "rl" else data
+    args = subprocess.run(["bash", str(RECIPES / f"{name}.sh"), str(tmp_path / "hf_folder"),
                            second], env=env, check=True, capture_output=True,
                           text=True).stdout.splitlines()
-    cfg = (parse_rl if OURO[name] == "rl" else parse_args)(args)
+    cfg = (parse_rl if kind == "rl" else parse_args)(args)
     tp = 1 if nodes == "1" else 2
     assert cfg.parallel.tensor_model_parallel_size == tp
     assert cfg.checkpoint.use_checkpoint_args and cfg.checkpoint.load == str(imported)
     assert cfg.tokenizer.tokenizer_model == str(imported / "tokenizer")
     assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.0, 0.0)
-    if OURO[name] == "rl":
+    if kind == "rl":
         rl = cfg.rl
         assert (rl.objective, rl.temperature, rl.group_size, rl.prompts_per_step) == \
             ("rltt", 0.9, 8, 32)
         assert (cfg.optim.lr, cfg.training.train_iters) == (1e-5, 140)
         # The RL checks that need the world size: prompts split over DP, micro-batches.
-        rl.validate(num_loops=4, gated=True, dp_size=world // tp,
+        rl.validate(num_loops=loops, gated=gated, dp_size=world // tp,
                     micro_batch_size=cfg.training.micro_batch_size)
     else:
         import numpy

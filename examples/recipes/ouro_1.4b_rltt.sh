@@ -57,30 +57,5 @@ ARGS+=(--objective "$OBJECTIVE" --temperature 0.9 --env "$ENV" --env-path "$PROB
        --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$IMPORTED/tokenizer"
        --save "$SAVE_DIR")
 ARGS+=("$@")
-if [[ ${PRINT_ARGS:-0} == 1 ]]; then
-    printf '%s\n' "${ARGS[@]}"
-    exit 0
-fi
-
-cd "$ROOT"
-if [[ ! -f $IMPORTED/latest_checkpointed_iteration.txt ]]; then
-    if [[ ${NODES:-1} != 1 && ${IMPORT_ONLY:-0} != 1 ]]; then
-        echo "error: $IMPORTED holds no converted checkpoint: run IMPORT_ONLY=1 on one node" \
-            "first (every node would convert at once)" >&2
-        exit 2
-    fi
-    echo "== import $OURO_DIR -> $IMPORTED"
-    $PY tools/convert_checkpoint.py import-hf --hf-dir "$OURO_DIR" --save "$IMPORTED" \
-        --tensor-model-parallel-size "$TP" --no-progress
-fi
-[[ ${IMPORT_ONLY:-0} == 1 ]] && exit 0
-[[ $SIZE == cpu ]] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-if [[ ${NODES:-1} == 1 ]]; then
-    PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-    LAUNCH=(--nproc_per_node "$NPROC" --master_port "$PORT")
-else
-    LAUNCH=(--nproc_per_node "$NPROC" --nnodes "$NODES" --rdzv-backend c10d
-            --rdzv-endpoint "${MASTER_ADDR:?set MASTER_ADDR to the first node}:${MASTER_PORT:-29500}"
-            --rdzv-id "${RDZV_ID:-ouro_1.4b_rl}")
-fi
-exec $PY -m torch.distributed.run "${LAUNCH[@]}" train_rl.py "${ARGS[@]}"
+HF_DIR=$OURO_DIR ENTRY=train_rl.py RDZV_ID=ouro_1.4b_rl
+source "$HERE/_from_hf.sh"

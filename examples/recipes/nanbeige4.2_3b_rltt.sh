@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# RLTT (or GRPO) on Nanbeige4.2-3B, starting from its public Hugging Face folder: the loop-aware
+# RL objective of "Prioritize the Process, Not Just the Outcome" (a token's policy
+# log-probability is sum_t w_t log P^(t) over the passes; Nanbeige has no exit gate, so w is
+# uniform over its 2 passes unless --loop-weighting says otherwise), with tensor and data
+# parallelism; rollouts and updates on every rank.
+#
+#   [SIZE=cpu] bash examples/recipes/nanbeige4.2_3b_rltt.sh NANBEIGE_DIR PROBLEMS [extra flags]
+# NANBEIGE_DIR: the downloaded folder. PROBLEMS: the environment's problem file (gsm8k:
+# GSM8K-style JSONL with question / answer "... #### N"; ENV=demo-tasks: a make_demo_corpus.py
+# --tasks-output JSONL). Extra flags last.
+# Environment: SIZE=full (default) or cpu; OBJECTIVE=rltt (default) or grpo; ENV (default
+# gsm8k); NODES (full: 1 or 4; four nodes: IMPORT_ONLY=1 first, then one launch per node with
+# MASTER_ADDR); NPROC ranks on this node (full 8, cpu 2); TP (full: 1 on one node, 2 on four;
+# cpu 2); IMPORTED (default runs/nanbeige4.2_3b_imported, shared with the SFT recipe);
+# SAVE_DIR (default runs/nanbeige4.2_3b_<OBJECTIVE>_<SIZE>); PYTHON; PRINT_ARGS=1 prints the
+# train_rl.py flags instead.
+#
+# Settings as ouro_1.4b_rltt.sh (from "Closing the Loop" Appendix C: temperature 0.9, groups of
+# 8, 32 prompts per optimizer step, learning rate 1e-5, 140 steps; completions of 512 tokens and
+# the layouts are megaloop's choice), at Nanbeige's depth T = 2.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+SIZE=${SIZE:-full}
+NANBEIGE_DIR=${1:?usage: $0 NANBEIGE_DIR PROBLEMS [extra flags]}
+PROBLEMS=${2:?usage: $0 NANBEIGE_DIR PROBLEMS [extra flags]}
+shift 2
+OBJECTIVE=${OBJECTIVE:-rltt}
+ENV=${ENV:-gsm8k}
+IMPORTED=${IMPORTED:-$ROOT/runs/nanbeige4.2_3b_imported}
+SAVE_DIR=${SAVE_DIR:-$ROOT/runs/nanbeige4.2_3b_${OBJECTIVE}_$SIZE}
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+
+if [[ $SIZE == cpu ]]; then
+    NPROC=${NPROC:-2}; TP=${TP:-2}
+    ARGS=(--prompts-per-step 2 --group-size 2 --max-new-tokens 4 --micro-batch-size 2
+          --train-iters 2 --lr 1e-5 --log-interval 1)
+else
+    NPROC=${NPROC:-8}
+    [[ ${NODES:-1} == 4 ]] && TP=${TP:-2} || TP=${TP:-1}
+    ARGS=(--prompts-per-step 32 --group-size 8 --max-new-tokens 512 --micro-batch-size 8
+          --train-iters 140 --lr 1e-5 --bf16 --use-distributed-optimizer --log-interval 1
+          --save-interval 20)
+fi
+ARGS+=(--objective "$OBJECTIVE" --temperature 0.9 --env "$ENV" --env-path "$PROBLEMS"
+       --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0
+       --hidden-dropout 0 --attention-dropout 0
+       --tensor-model-parallel-size "$TP" --use-checkpoint-args --load "$IMPORTED"
+       --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$IMPORTED/tokenizer"
+       --save "$SAVE_DIR")
+ARGS+=("$@")
+HF_DIR=$NANBEIGE_DIR ENTRY=train_rl.py RDZV_ID=nanbeige4.2_3b_rl
+source "$HERE/_from_hf.sh"
