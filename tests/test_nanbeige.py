@@ -213,3 +213,16 @@ def test_the_real_model_s_shapes_and_parameter_count(imported):
     assert {k: tuple(v.shape) for k, v in stored.items()} == \
         _llama_shapes(tiny_model, tiny_loop, cfg["vocab_size"])
     assert sorted(random_weights(cfg, 0)) == sorted(stored)
+
+
+def test_the_folder_and_the_checkpoint_serve(imported, tmp_path):
+    """`megaloop serve --load` of the Nanbeige folder and of its import: each starts and answers
+    a completion over HTTP (the model is the one generate.py loads, whose greedy tokens are the
+    reference's: test_greedy_generation_is_the_references)."""
+    from test_readme_next_steps import _serve_and_ask
+
+    ckpt, folder, _, _ = imported
+    for i, load in enumerate((folder, ckpt)):
+        (tmp_path / str(i)).mkdir()
+        _serve_and_ask([sys.executable, "-m", "megaloop", "serve", "--load", load],
+                       tmp_path / str(i))
