@@ -59,13 +59,14 @@ def trained_records(rank, world, argv) -> list:
 
 
 def load_tool(name: str):
-    """megaloop/cli/<name>.py (the command of tools/<name>.py) as a fresh module (its main(argv) callable in this process)."""
+    """megaloop/cli/<name>.py (the command of tools/<name>.py) as a fresh module (its
+    main(argv) callable in this process)."""
     import importlib.util
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(f"{name}_tool",
-                                                  os.path.join(root, "megaloop", "cli", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_tool", os.path.join(root, "megaloop", "cli", f"{name}.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     return tool

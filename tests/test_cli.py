@@ -133,8 +133,8 @@ def test_vocab_padding_help_says_what_the_code_does():
 def _tool(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"tool_{name}",
-                                                  os.path.join(ROOT, "megaloop", "cli", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"tool_{name}", os.path.join(ROOT, "megaloop", "cli", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

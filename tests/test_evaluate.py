@@ -63,7 +63,8 @@ def _tool(rank, world, name, argv, out_path):
     import contextlib
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "megaloop", "cli", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(ROOT, "megaloop", "cli", f"{name}.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     with open(f"{out_path}.{rank}", "w") as f, contextlib.redirect_stdout(f), \
@@ -220,8 +221,8 @@ def _reference_loss(rank, world, ckpt, windows):
 def test_bad_flags_are_named(run, tmp_path, capsys):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("evaluate",
-                                                  os.path.join(ROOT, "megaloop", "cli", "evaluate.py"))
+    spec = importlib.util.spec_from_file_location(
+        "evaluate", os.path.join(ROOT, "megaloop", "cli", "evaluate.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     ckpt = run[0]

@@ -174,8 +174,8 @@ def _generate_tool(rank, world, argv, out_path):
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("generate_tool",
-                                                  os.path.join(root, "megaloop", "cli", "generate.py"))
+    spec = importlib.util.spec_from_file_location(
+        "generate_tool", os.path.join(root, "megaloop", "cli", "generate.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     with open(f"{out_path}.{rank}", "w") as f, contextlib.redirect_stdout(f):

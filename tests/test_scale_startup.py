@@ -92,7 +92,7 @@ def test_merged_dataset_carries_the_digest_of_its_idx(tmp_path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "merge_datasets", os.path.join(os.path.dirname(__file__), "..", "tools",
+        "merge_datasets", os.path.join(os.path.dirname(__file__), "..", "megaloop", "cli",
                                        "merge_datasets.py"))
     merge_datasets = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merge_datasets)

@@ -271,7 +271,7 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
 def _serve_tool():
     """tools/serve.py as a module (its main() callable in this process)."""
     spec = importlib.util.spec_from_file_location("serve_tool",
-                                                  os.path.join(ROOT, "tools", "serve.py"))
+                                                  os.path.join(ROOT, "megaloop", "cli", "serve.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     return tool

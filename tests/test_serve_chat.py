@@ -38,7 +38,7 @@ def served(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("serve_chat")
     spec = importlib.util.spec_from_file_location(
-        "make_demo_corpus", os.path.join(ROOT, "tools", "make_demo_corpus.py"))
+        "make_demo_corpus", os.path.join(ROOT, "megaloop", "cli", "make_demo_corpus.py"))
     corpus = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(corpus)
     rng = random.Random(0)

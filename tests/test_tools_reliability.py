@@ -20,7 +20,8 @@ CONTEXT = 32  # test_training.BASE: --max-position-embeddings 32
 
 def _tool_io(rank, world, name, argv):
     """tools/<name>.py's main in this rank: (exit code, stdout, stderr)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(ROOT, "megaloop", "cli", f"{name}.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     out, err = io.StringIO(), io.StringIO()
@@ -139,7 +140,8 @@ def test_every_tool_that_loads_takes_the_trainers_ckpt_step(tool, argv):
     from megaloop.arguments import field_docs
     from megaloop.training.config import CheckpointConfig
 
-    spec = importlib.util.spec_from_file_location(tool, os.path.join(ROOT, "tools", f"{tool}.py"))
+    spec = importlib.util.spec_from_file_location(
+        tool, os.path.join(ROOT, "megaloop", "cli", f"{tool}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = io.StringIO()
@@ -175,8 +177,8 @@ def test_generate_at_tp2_prints_no_warning(ckpt):
 def test_evaluate_help_states_each_default_once():
     import re
 
-    spec = importlib.util.spec_from_file_location("evaluate",
-                                                  os.path.join(ROOT, "tools", "evaluate.py"))
+    spec = importlib.util.spec_from_file_location(
+        "evaluate", os.path.join(ROOT, "megaloop", "cli", "evaluate.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     for action in tool.build_parser()._actions:
@@ -193,7 +195,7 @@ def sp_ckpt(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("sp_generate")
     spec = importlib.util.spec_from_file_location(
-        "make_demo_corpus", os.path.join(ROOT, "tools", "make_demo_corpus.py"))
+        "make_demo_corpus", os.path.join(ROOT, "megaloop", "cli", "make_demo_corpus.py"))
     corpus = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(corpus)
     rng = random.Random(0)
