@@ -226,3 +226,29 @@ def test_the_folder_and_the_checkpoint_serve(imported, tmp_path):
         (tmp_path / str(i)).mkdir()
         _serve_and_ask([sys.executable, "-m", "megaloop", "serve", "--load", load],
                        tmp_path / str(i))
+
+
+def _lm_eval_scores(rank, world, sources, pair):
+    from lm_eval.api.instance import Instance
+
+    from megaloop.eval.lm_eval_adapter import MegaloopLM
+
+    request = [Instance("loglikelihood", {}, pair, 0)]
+    return [MegaloopLM(load=s).loglikelihood(request, disable_tqdm=True)[0] for s in sources]
+
+
+def test_lm_eval_scores_the_folder_and_the_checkpoint_as_the_reference(imported):
+    """lm-eval's megaloop model, --model_args load=FOLDER and load=CKPT: the log-likelihood of a
+    continuation is the reference's sum of its tokens' log-probabilities, and greedy-ness
+    (whether each continuation token is the argmax) agrees."""
+    ckpt, folder, weights, cfg = imported
+    context, continuation = [5, 9, 17, 4], [30, 12, 7]
+    pair = (" ".join(f"w{i}" for i in context), " " + " ".join(f"w{i}" for i in continuation))
+    ids = torch.tensor([context + continuation])
+    logp = log_probs(weights, cfg, ids[:, :-1])[0]
+    want = sum(logp[len(context) - 1 + j, t].item() for j, t in enumerate(continuation))
+    greedy_ = all(logp[len(context) - 1 + j].argmax().item() == t
+                  for j, t in enumerate(continuation))
+    for score, is_greedy in run_distributed(_lm_eval_scores, 1, (folder, ckpt), pair)[0]:
+        assert abs(score - want) < len(continuation) * TOL, (score, want)
+        assert is_greedy == greedy_
