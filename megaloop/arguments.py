@@ -30,6 +30,7 @@ import difflib
 import functools
 import inspect
 import re
+import sys
 import textwrap
 import types
 import typing
@@ -214,6 +215,13 @@ class FlagCheck:
             self.messages += exc.messages
         except ValueError as exc:
             self.messages.append(str(exc))
+
+    def refused(self) -> bool:
+        """Print every refusal as an ``error:`` line on stderr; whether there was any (the
+        command then exits 2)."""
+        for message in self.messages:
+            print(f"error: {message}", file=sys.stderr)
+        return not self.ok
 
     def raise_any(self) -> None:
         if len(self.messages) == 1:

@@ -21,13 +21,10 @@ tiny folder with every key of Nanbeige4.2-3B's config.json. Nothing here imports
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 import torch.nn.functional as F
 
-from ouro_reference import attention, mlp, rms_norm, write_tokenizer
+from ouro_reference import attention, mlp, rms_norm, write_folder
 
 
 def nanbeige_config(**overrides) -> dict:
@@ -96,20 +93,9 @@ def make_nanbeige_folder(folder: str, seed: int = 0, dtype: torch.dtype = torch.
     ``overrides`` applied; model.safetensors in ``dtype``; a tokenizer.json and its config;
     generation_config.json). Returns (the fp32 weights as stored, rounded through ``dtype``; the
     config dict)."""
-    from safetensors.torch import save_file
-
     cfg = nanbeige_config(**overrides)
-    weights = {k: v.to(dtype).float() for k, v in random_weights(cfg, seed).items()}
-    os.makedirs(folder, exist_ok=True)
-    save_file({k: v.to(dtype).contiguous() for k, v in weights.items()},
-              os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    with open(os.path.join(folder, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
-                   "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}, f)
-    write_tokenizer(folder, cfg["vocab_size"])
-    return weights, cfg
+    generation = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    return write_folder(folder, random_weights(cfg, seed), cfg, dtype, generation), cfg
 
 
 def rope(cfg: dict, length: int):

@@ -110,19 +110,28 @@ def make_ouro_folder(folder: str, seed: int = 0, dtype: torch.dtype = torch.floa
     one, ``overrides`` applied; model.safetensors in ``dtype``; tokenizer.json and its config;
     generation_config.json). Returns (the fp32 weights as stored, rounded through ``dtype``; the
     config dict)."""
+    cfg = ouro_config(**overrides)
+    return write_folder(folder, random_weights(cfg, seed), cfg, dtype), cfg
+
+
+def write_folder(folder: str, weights: dict, cfg: dict, dtype: torch.dtype,
+                 generation: dict | None = None) -> dict:
+    """A Hugging Face folder of ``weights`` stored in ``dtype``: model.safetensors, config.json
+    (``cfg``), generation_config.json (bos/eos, then ``generation``), a word-level tokenizer.
+    Returns the weights as stored (rounded through ``dtype``), in fp32."""
     from safetensors.torch import save_file
 
-    cfg = ouro_config(**overrides)
-    weights = {k: v.to(dtype).float() for k, v in random_weights(cfg, seed).items()}
+    weights = {k: v.to(dtype).float() for k, v in weights.items()}
     os.makedirs(folder, exist_ok=True)
     save_file({k: v.to(dtype).contiguous() for k, v in weights.items()},
               os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, f)
+        json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
+                   **(generation or {})}, f)
     write_tokenizer(folder, cfg["vocab_size"])
-    return weights, cfg
+    return weights
 
 
 # --- the computation ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from distributed import run_distributed
-from test_ouro_recipes import ENV, RECIPES, _run, _texts
+from test_ouro_recipes import _run, run_recipes
 from test_ouro_training import _per_step
 
 
@@ -26,33 +26,10 @@ def test_nanbeige_recipes_end_to_end(tmp_path):
     folder = str(tmp_path / "nanbeige")
     make_nanbeige_folder(folder, seed=12)
     py = sys.executable
-    with open(tmp_path / "sft.jsonl", "w") as f:
-        for prompt, response in zip(_texts(folder, 24, 6, 1), _texts(folder, 24, 5, 2)):
-            f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
-    _run([py, "tools/preprocess_data.py", "--input", str(tmp_path / "sft.jsonl"),
-          "--output-prefix", str(tmp_path / "sft"), "--data-format", "sft",
-          "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder,
-          "--workers", "0", "--no-progress"], {})
-    env = {"SIZE": "cpu", "PYTHON": py, "IMPORTED": str(tmp_path / "imported")}
-    sft = _run(["bash", os.path.join(RECIPES, "nanbeige4.2_3b_sft.sh"), folder,
-                str(tmp_path / "sft_text_document")],
-               {**env, "SAVE_DIR": str(tmp_path / "sft_run")})
-    assert " iteration      2/     2 |" in sft, sft[-2000:]
+    sft, _ = run_recipes("nanbeige4.2_3b_sft.sh", "nanbeige4.2_3b_rltt.sh", folder, tmp_path)
     # the checkpoint's flags: no exit gate, the last pass's loss only (the default recurrent
     # step norm is not printed)
     assert "--exit-loss last" in sft and "--norm-scheme pre" in sft, sft[-3000:]
-
-    (tmp_path / "env.py").write_text(ENV)
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        for text in _texts(folder, 8, 4, 3):
-            f.write(json.dumps({"text": text}) + "\n")
-    rl = _run(["bash", os.path.join(RECIPES, "nanbeige4.2_3b_rltt.sh"), folder,
-               str(tmp_path / "prompts.jsonl")],
-              {**env, "SAVE_DIR": str(tmp_path / "rl_run"),
-               "ENV": f"{tmp_path / 'env.py'}:LengthReward"})
-    steps = [line for line in rl.splitlines() if line.startswith(" rl step")]
-    assert len(steps) == 2 and "objective rltt" in rl, rl[-2000:]
-    assert all("grad norm 0.0000" not in line for line in steps), steps
 
     out = str(tmp_path / "export")
     _run([py, "tools/convert_checkpoint.py", "export-hf", "--load", str(tmp_path / "rl_run"),

@@ -55,15 +55,12 @@ def _texts(folder, n, length, seed):
             for _ in range(n)]
 
 
-def test_ouro_recipes_end_to_end(tmp_path):
-    from safetensors.torch import load_file
-
-    from ouro_reference import exit_pdf, make_ouro_folder, per_step_log_probs
-
-    folder = str(tmp_path / "ouro")
-    make_ouro_folder(folder, seed=11, early_exit_threshold=0.6)
+def run_recipes(sft_recipe, rl_recipe, folder, tmp_path):
+    """SFT data in the folder's tokenizer, preprocessed; ``sft_recipe`` (2 steps) then
+    ``rl_recipe`` (2 RLTT steps on a length reward) at SIZE=cpu from the folder, converted once
+    into tmp_path/imported. Returns the two runs' output; checks their step lines and that the
+    RL updates moved the weights (a non-zero gradient)."""
     py = sys.executable
-    # SFT data in the folder's tokenizer.
     with open(tmp_path / "sft.jsonl", "w") as f:
         for prompt, response in zip(_texts(folder, 24, 6, 1), _texts(folder, 24, 5, 2)):
             f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
@@ -72,23 +69,35 @@ def test_ouro_recipes_end_to_end(tmp_path):
           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", folder,
           "--workers", "0", "--no-progress"], {})
     env = {"SIZE": "cpu", "PYTHON": py, "IMPORTED": str(tmp_path / "imported")}
-    sft = _run(["bash", os.path.join(RECIPES, "ouro_1.4b_sft.sh"), folder,
+    sft = _run(["bash", os.path.join(RECIPES, sft_recipe), folder,
                 str(tmp_path / "sft_text_document")],
                {**env, "SAVE_DIR": str(tmp_path / "sft_run")})
-    assert "default exit rule q:0.6" in sft and " iteration      2/     2 |" in sft, sft[-2000:]
-    assert "--rotary-base 1000000" in sft  # --use-checkpoint-args took Ouro's RoPE base
-
+    assert " iteration      2/     2 |" in sft, sft[-2000:]
     (tmp_path / "env.py").write_text(ENV)
     with open(tmp_path / "prompts.jsonl", "w") as f:
         for text in _texts(folder, 8, 4, 3):
             f.write(json.dumps({"text": text}) + "\n")
-    rl = _run(["bash", os.path.join(RECIPES, "ouro_1.4b_rltt.sh"), folder,
+    rl = _run(["bash", os.path.join(RECIPES, rl_recipe), folder,
                str(tmp_path / "prompts.jsonl")],
               {**env, "SAVE_DIR": str(tmp_path / "rl_run"),
                "ENV": f"{tmp_path / 'env.py'}:LengthReward"})
     steps = [line for line in rl.splitlines() if line.startswith(" rl step")]
     assert len(steps) == 2 and "objective rltt" in rl, rl[-2000:]
     assert all("grad norm 0.0000" not in line for line in steps), steps
+    return sft, rl
+
+
+def test_ouro_recipes_end_to_end(tmp_path):
+    from safetensors.torch import load_file
+
+    from ouro_reference import exit_pdf, make_ouro_folder, per_step_log_probs
+
+    folder = str(tmp_path / "ouro")
+    make_ouro_folder(folder, seed=11, early_exit_threshold=0.6)
+    py = sys.executable
+    sft, _ = run_recipes("ouro_1.4b_sft.sh", "ouro_1.4b_rltt.sh", folder, tmp_path)
+    assert "default exit rule q:0.6" in sft
+    assert "--rotary-base 1000000" in sft  # --use-checkpoint-args took Ouro's RoPE base
 
     out = str(tmp_path / "export")
     _run([py, "tools/convert_checkpoint.py", "export-hf", "--load", str(tmp_path / "rl_run"),

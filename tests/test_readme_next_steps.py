@@ -20,6 +20,7 @@ import pytest
 from flags import TEST_FLAGS
 
 from distributed import free_port, run_distributed
+from run_helpers import load_tool
 from test_evaluate import _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,7 +74,7 @@ def demo(tmp_path_factory):
     from megaloop.data.tokenizers import SentencePieceTokenizer, train_sentencepiece
 
     tmp = tmp_path_factory.mktemp("readme")
-    corpus = load_corpus_module()
+    corpus = load_tool("make_demo_corpus")
     rng = random.Random(0)
     texts = [corpus.document(rng, 6) for _ in range(300)]
     sp = train_sentencepiece(texts, str(tmp / "sp"), vocab_size=512)
@@ -230,7 +231,7 @@ def test_own_corpus_to_a_server(tmp_path):
     import json
     import random
 
-    corpus = load_corpus_module()
+    corpus = load_tool("make_demo_corpus")
     rng = random.Random(1)
     with open(tmp_path / "my.jsonl", "w") as f:
         for _ in range(300):
@@ -250,13 +251,3 @@ def test_own_corpus_to_a_server(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _serve_and_ask(megaloop + serve[1:], tmp_path)
-
-
-def load_corpus_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "make_demo_corpus", os.path.join(ROOT, "megaloop", "cli", "make_demo_corpus.py"))
-    corpus = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(corpus)
-    return corpus

@@ -32,17 +32,8 @@ IMPORTED=${IMPORTED:-$ROOT/runs/nanbeige4.2_3b_imported}
 SAVE_DIR=${SAVE_DIR:-$ROOT/runs/nanbeige4.2_3b_${OBJECTIVE}_$SIZE}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 
-if [[ $SIZE == cpu ]]; then
-    NPROC=${NPROC:-2}; TP=${TP:-2}
-    ARGS=(--prompts-per-step 2 --group-size 2 --max-new-tokens 4 --micro-batch-size 2
-          --train-iters 2 --lr 1e-5 --log-interval 1)
-else
-    NPROC=${NPROC:-8}
-    [[ ${NODES:-1} == 4 ]] && TP=${TP:-2} || TP=${TP:-1}
-    ARGS=(--prompts-per-step 32 --group-size 8 --max-new-tokens 512 --micro-batch-size 8
-          --train-iters 140 --lr 1e-5 --bf16 --use-distributed-optimizer --log-interval 1
-          --save-interval 20)
-fi
+source "$HERE/_from_hf_layouts.sh"
+hf_layout rl
 ARGS+=(--objective "$OBJECTIVE" --temperature 0.9 --env "$ENV" --env-path "$PROBLEMS"
        --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0
        --hidden-dropout 0 --attention-dropout 0

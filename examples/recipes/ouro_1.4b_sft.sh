@@ -34,7 +34,6 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
-source "$HERE/_sizes.sh"
 SIZE=${SIZE:-full}
 OURO_DIR=${1:?usage: $0 OURO_DIR DATA [extra flags]}
 DATA=${2:?usage: $0 OURO_DIR DATA [extra flags]}
@@ -44,24 +43,8 @@ IMPORTED=${IMPORTED:-$ROOT/runs/ouro_1.4b_imported}
 SAVE_DIR=${SAVE_DIR:-$ROOT/runs/ouro_1.4b_sft_$SIZE}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 
-if [[ $SIZE == cpu ]]; then
-    NPROC=${NPROC:-2}; TP=${TP:-2}
-    ARGS=(--seq-length 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 2
-          --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 1 --lr-decay-style cosine
-          --log-interval 1 --eval-interval 1000 --eval-iters 1 --split 90,10,0 --num-workers 0)
-elif [[ ${NODES:-1} == 4 ]]; then
-    NPROC=${NPROC:-8}; TP=${TP:-2}
-    ARGS=(--seq-length 4096 --micro-batch-size 2 --global-batch-size 128 --bf16
-          --use-distributed-optimizer --train-iters 2000 --lr 2e-5 --min-lr 2e-6
-          --lr-warmup-iters 100 --lr-decay-style cosine --log-interval 10 --eval-interval 200
-          --eval-iters 10 --split 995,5,0)
-else
-    NPROC=${NPROC:-8}; TP=${TP:-1}
-    ARGS=(--seq-length 4096 --micro-batch-size 1 --global-batch-size 128 --bf16
-          --use-distributed-optimizer --train-iters 2000 --lr 2e-5 --min-lr 2e-6
-          --lr-warmup-iters 100 --lr-decay-style cosine --log-interval 10 --eval-interval 200
-          --eval-iters 10 --split 995,5,0)
-fi
+source "$HERE/_from_hf_layouts.sh"
+hf_layout sft
 ARGS+=(--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
        --hidden-dropout 0 --attention-dropout 0
        --exit-kl-beta 0.05 --tensor-model-parallel-size "$TP"

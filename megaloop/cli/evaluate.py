@@ -72,10 +72,7 @@ def main(argv=None) -> int:
             except ImportError:
                 raise ValueError("the plots need matplotlib: pip install -e '.[eval]', or pass "
                                  "--plots false") from None
-    try:
-        flags.raise_any()
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if flags.refused():
         return 2
 
     runtime.quiet_megatron()

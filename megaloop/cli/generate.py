@@ -119,10 +119,7 @@ def main(argv=None) -> int:
     if flags.ok:  # (needs the exit rule and an engine config that passed)
         with flags.check():
             check_speculate(engine_config.speculate, rule, args.kv_policy)
-    try:
-        flags.raise_any()
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if flags.refused():
         return 2
 
     runtime.quiet_megatron()

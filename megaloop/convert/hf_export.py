@@ -32,7 +32,7 @@ import shutil
 import torch
 
 from megaloop.convert import hf_nanbeige
-from megaloop.convert.hf_families import LLAMA3_FIXED
+from megaloop.convert.hf_families import LLAMA3_FIXED, decoder_keys
 # The looped config.json's form is hf_looped's (the reader's): what the modeling file implements
 # (check_exportable, re-exported here, where the tools and tests have always imported it) and the
 # exit rule's keys. The export builds on it; hf_looped never imports this module.
@@ -57,7 +57,6 @@ def is_ouro_style(model: ModelConfig, loop: LoopConfig) -> bool:
 def hf_config(model: ModelConfig, loop: LoopConfig, vocab_size: int, ouro: bool) -> dict:
     """config.json: Qwen3/Llama/Ouro keys where they exist, megaloop keys for the rest."""
     prefix = "Ouro" if ouro else "Megaloop"
-    heads = model.num_attention_heads
     cfg = {
         "architectures": [f"{prefix}ForCausalLM"],
         "model_type": "ouro" if ouro else "megaloop",
@@ -65,19 +64,7 @@ def hf_config(model: ModelConfig, loop: LoopConfig, vocab_size: int, ouro: bool)
             "AutoConfig": f"configuration_megaloop.{prefix}Config",
             "AutoModelForCausalLM": f"modeling_megaloop.{prefix}ForCausalLM",
         },
-        "vocab_size": vocab_size,
-        "hidden_size": model.hidden_size,
-        "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
-        "num_hidden_layers": loop.num_core_layers(model.num_layers),
-        "num_attention_heads": heads,
-        "num_key_value_heads": model.num_query_groups or heads,
-        "head_dim": model.kv_channels or model.hidden_size // heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": model.max_position_embeddings,
-        "rms_norm_eps": model.norm_epsilon,
-        "rope_theta": float(model.rotary_base),
-        "initializer_range": model.init_method_std,
-        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        **decoder_keys(model, loop, vocab_size),
         "total_ut_steps": loop.num_loops,
         "early_exit_threshold": 1.0,
         "norm_scheme": model.norm_scheme,

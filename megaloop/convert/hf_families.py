@@ -141,17 +141,25 @@ def check_fields(cfg: dict) -> str:
     if len(archs) != 1 or arch not in SUPPORTED:
         raise ValueError(f"config.json architectures {cfg.get('architectures')}: architecture "
                          f"{arch!r} is not supported; import-hf reads {', '.join(SUPPORTED)}")
-    unknown = sorted(k for k in cfg if field_role(arch, k) == "unknown")
+    check_roles(cfg, arch, lambda key: field_role(arch, key) != "unknown",
+                {**CHECKED_COMMON, **CHECKED_BY_FAMILY[arch]})
+    return arch
+
+
+def check_roles(cfg: dict, arch: str, known, checked: dict) -> None:
+    """The rule every family reader applies (dense, looped, Nanbeige): each key of ``cfg`` has a
+    role (``known(key)``), and each CHECKED key present holds an accepted value (``checked``:
+    key -> (the accepted values, or a predicate; why another is refused)). ValueError naming
+    the unknown keys, or the first refused value."""
+    unknown = sorted(k for k in cfg if not known(k))
     if unknown:
-        raise ValueError(f"config.json field(s) {unknown} are unknown to import-hf for {arch}, "
+        raise ValueError(f"config.json field(s) {unknown} are unknown to megaloop for {arch}, "
                          f"so it cannot tell whether they change the computation; if you know "
                          f"they do not, delete them from config.json")
-    checked = {**CHECKED_COMMON, **CHECKED_BY_FAMILY[arch]}
     for key, (accepted, why) in checked.items():
         ok = accepted(cfg.get(key)) if callable(accepted) else cfg.get(key) in accepted
         if key in cfg and not ok:
             raise ValueError(f"config.json {key}={cfg[key]!r}: {why}")
-    return arch
 
 
 def rope_settings(cfg: dict) -> tuple[int, float | None]:
@@ -222,3 +230,25 @@ def model_config_from_hf(cfg: dict, divisible_by: int) -> ModelConfig:
         # These families have no residual dropout; attention dropout as the config says.
         hidden_dropout=0.0, attention_dropout=cfg.get("attention_dropout", 0.0),
         make_vocab_size_divisible_by=divisible_by, norm_scheme="pre")
+
+
+def decoder_keys(model, loop, vocab_size: int) -> dict:
+    """The Llama-family config.json keys of a looped decoder's shapes, as export-hf writes them
+    for every looped layout (megaloop's, Ouro's, Nanbeige's): ``model`` a ModelConfig, ``loop`` a
+    LoopConfig; num_hidden_layers counts the looped core."""
+    heads = model.num_attention_heads
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
+        "num_hidden_layers": loop.num_core_layers(model.num_layers),
+        "num_attention_heads": heads,
+        "num_key_value_heads": model.num_query_groups or heads,
+        "head_dim": model.kv_channels or model.hidden_size // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.norm_epsilon,
+        "rope_theta": float(model.rotary_base),
+        "initializer_range": model.init_method_std,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+    }

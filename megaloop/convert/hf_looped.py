@@ -26,7 +26,7 @@ what the modeling file implements (``check_exportable``) and the exit rule's key
 from __future__ import annotations
 
 from megaloop.convert import hf_nanbeige
-from megaloop.convert.hf_families import FALSE, SLIDING_LAYERS, rope_settings
+from megaloop.convert.hf_families import FALSE, SLIDING_LAYERS, check_roles, rope_settings
 from megaloop.model.config import LoopConfig, ModelConfig
 
 # architecture -> model_type.
@@ -162,15 +162,7 @@ def check_fields(cfg: dict) -> str:
         raise ValueError(f"config.json (architectures {cfg.get('architectures')}, model_type "
                          f"{cfg.get('model_type')!r}) is not a looped model megaloop reads: "
                          f"{', '.join(f'{a} / {t}' for a, t in LOOPED_ARCHITECTURES.items())}")
-    unknown = sorted(k for k in cfg if k not in HONOURED and k not in CHECKED and k not in INERT)
-    if unknown:
-        raise ValueError(f"config.json field(s) {unknown} are unknown to megaloop for {arch}, "
-                         f"so it cannot tell whether they change the computation; if you know "
-                         f"they do not, delete them from config.json")
-    for key, (accepted, why) in CHECKED.items():
-        ok = accepted(cfg.get(key)) if callable(accepted) else cfg.get(key) in accepted
-        if key in cfg and not ok:
-            raise ValueError(f"config.json {key}={cfg[key]!r}: {why}")
+    check_roles(cfg, arch, lambda k: k in HONOURED or k in CHECKED or k in INERT, CHECKED)
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in cfg]
     if missing:

@@ -21,6 +21,7 @@ is refused. ``export_form`` turns an accepted config.json into the looped export
 
 from __future__ import annotations
 
+from megaloop.convert.hf_families import check_roles, decoder_keys
 from megaloop.model.config import LoopConfig, ModelConfig
 
 ARCHITECTURE, MODEL_TYPE = "NanbeigeForCausalLM", "nanbeige"
@@ -123,14 +124,8 @@ def check_fields(cfg: dict) -> None:
         raise ValueError(f"config.json (architectures {cfg.get('architectures')}, model_type "
                          f"{cfg.get('model_type')!r}): a Nanbeige folder has architectures "
                          f"[{ARCHITECTURE!r}] and model_type {MODEL_TYPE!r}")
-    unknown = sorted(k for k in cfg if k not in HONOURED and k not in CHECKED and k not in INERT)
-    if unknown:
-        raise ValueError(f"config.json field(s) {unknown} are unknown to megaloop for "
-                         f"{ARCHITECTURE}, so it cannot tell whether they change the computation; "
-                         f"if you know they do not, delete them from config.json")
-    for key, (accepted, why) in CHECKED.items():
-        if key in cfg and cfg[key] not in accepted:
-            raise ValueError(f"config.json {key}={cfg[key]!r}: {why}")
+    check_roles(cfg, ARCHITECTURE, lambda k: k in HONOURED or k in CHECKED or k in INERT,
+                CHECKED)
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in cfg]
     if missing:
@@ -183,31 +178,18 @@ def nanbeige_style(model: ModelConfig, loop: LoopConfig) -> str | None:
 def nanbeige_config(model: ModelConfig, loop: LoopConfig, vocab_size: int) -> dict:
     """config.json in Nanbeige's keys (the inverse of ``export_form`` for a Nanbeige-style
     model); auto_map names Nanbeige's code on the Hugging Face Hub."""
-    heads = model.num_attention_heads
     return {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "auto_map": {"AutoConfig": f"{HUB_CODE}--configuration_nanbeige.NanbeigeConfig",
                      "AutoModel": f"{HUB_CODE}--modeling_nanbeige.NanbeigeModel",
                      "AutoModelForCausalLM": f"{HUB_CODE}--modeling_nanbeige.NanbeigeForCausalLM"},
-        "vocab_size": vocab_size,
-        "hidden_size": model.hidden_size,
-        "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
-        "num_hidden_layers": loop.num_core_layers(model.num_layers),
-        "num_attention_heads": heads,
-        "num_key_value_heads": model.num_query_groups or heads,
-        "head_dim": model.kv_channels or model.hidden_size // heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": model.max_position_embeddings,
-        "rope_theta": float(model.rotary_base),
+        **decoder_keys(model, loop, vocab_size),
         "rope_scaling": None,
         "attention_bias": False,
         "attention_dropout": model.attention_dropout,
-        "rms_norm_eps": model.norm_epsilon,
         "num_loops": loop.num_loops,
         "loop_loss_weights": [],
         "skip_loop_final_norm": loop.step_norm_placement == "readout",
         "pretraining_tp": 1,
-        "initializer_range": model.init_method_std,
-        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
         "use_cache": True,
     }
