@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ouro_reference import attention, mlp, rms_norm, write_folder
+from ouro_reference import attention, llama_projections, mlp, rms_norm, write_folder
 
 
 def nanbeige_config(**overrides) -> dict:
@@ -61,8 +61,7 @@ def random_weights(cfg: dict, seed: int) -> dict:
     """Llama-named fp32 tensors of ``cfg``: projections ~ N(0, 0.08), norm scales around 1 (not
     all ones, so a norm in the wrong place shows)."""
     g = torch.Generator().manual_seed(seed)
-    H, F_, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
 
     def normal(*shape, std=0.08):
         return torch.randn(*shape, generator=g) * std
@@ -75,14 +74,8 @@ def random_weights(cfg: dict, seed: int) -> dict:
         w["lm_head.weight"] = normal(V, H, std=0.2)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": normal(nq * d, H),
-                  p + "self_attn.k_proj.weight": normal(nkv * d, H),
-                  p + "self_attn.v_proj.weight": normal(nkv * d, H),
-                  p + "self_attn.o_proj.weight": normal(H, nq * d),
-                  p + "mlp.gate_proj.weight": normal(F_, H),
-                  p + "mlp.up_proj.weight": normal(F_, H),
-                  p + "mlp.down_proj.weight": normal(H, F_),
-                  p + "input_layernorm.weight": scale(),
+        w.update(llama_projections(cfg, p, normal))
+        w.update({p + "input_layernorm.weight": scale(),
                   p + "post_attention_layernorm.weight": scale()})
     return w
 

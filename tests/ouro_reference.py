@@ -58,8 +58,7 @@ def random_weights(cfg: dict, seed: int) -> dict:
     """Ouro-named fp32 tensors of ``cfg``: projections ~ N(0, 0.08), norm scales around 1 (not
     all ones, so a swapped norm shows), a gate whose bias spreads the exits over the steps."""
     g = torch.Generator().manual_seed(seed)
-    H, F_, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
 
     def normal(*shape, std=0.08):
         return torch.randn(*shape, generator=g) * std
@@ -74,17 +73,25 @@ def random_weights(cfg: dict, seed: int) -> dict:
         w["lm_head.weight"] = normal(V, H, std=0.2)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": normal(nq * d, H),
-                  p + "self_attn.k_proj.weight": normal(nkv * d, H),
-                  p + "self_attn.v_proj.weight": normal(nkv * d, H),
-                  p + "self_attn.o_proj.weight": normal(H, nq * d),
-                  p + "mlp.gate_proj.weight": normal(F_, H),
-                  p + "mlp.up_proj.weight": normal(F_, H),
-                  p + "mlp.down_proj.weight": normal(H, F_)})
+        w.update(llama_projections(cfg, p, normal))
         for name in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm",
                      "post_attention_layernorm_2"):
             w[p + name + ".weight"] = scale()
     return w
+
+
+def llama_projections(cfg: dict, p: str, normal) -> dict:
+    """The seven projections of a Llama layer under prefix ``p`` (bias-free, Llama's names),
+    each drawn by ``normal(*shape)``."""
+    H, F_ = cfg["hidden_size"], cfg["intermediate_size"]
+    d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return {p + "self_attn.q_proj.weight": normal(nq * d, H),
+            p + "self_attn.k_proj.weight": normal(nkv * d, H),
+            p + "self_attn.v_proj.weight": normal(nkv * d, H),
+            p + "self_attn.o_proj.weight": normal(H, nq * d),
+            p + "mlp.gate_proj.weight": normal(F_, H),
+            p + "mlp.up_proj.weight": normal(F_, H),
+            p + "mlp.down_proj.weight": normal(H, F_)}
 
 
 def write_tokenizer(folder: str, vocab_size: int) -> None:

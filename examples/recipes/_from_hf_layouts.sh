@@ -1,6 +1,8 @@
 # Sourced by the recipes that start from a public looped model's folder (Ouro, Nanbeige): the
 # layouts and schedules they share. `hf_layout sft` or `hf_layout rl` sets NPROC, TP and ARGS
-# (the size- and layout-dependent flags) from SIZE and NODES; the recipe then appends its own.
+# from SIZE and NODES: the size- and layout-dependent flags, then those both families take
+# (the converted checkpoint IMPORTED with its flags and tokenizer, SAVE_DIR, no dropout; sft:
+# DATA in DATA_FORMAT; rl: OBJECTIVE on ENV's PROBLEMS); the recipe then appends its own.
 #   SIZE=cpu: 2 ranks at TP 2, two steps at toy sizes.
 #   full, one 8-GPU node: TP 1 x DP 8, distributed optimizer; NODES=4: TP 2 x DP 16.
 # SFT (megaloop's choice for a converged model): sequences of 4096, global batch 128 (0.5M
@@ -34,4 +36,17 @@ hf_layout() {
               --lr-warmup-iters 100 --lr-decay-style cosine --log-interval 10 --eval-interval 200
               --eval-iters 10 --split 995,5,0)
     fi
+    ARGS+=(--hidden-dropout 0 --attention-dropout 0 --tensor-model-parallel-size "$TP"
+           --use-checkpoint-args --load "$IMPORTED"
+           --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$IMPORTED/tokenizer"
+           --save "$SAVE_DIR")
+    if [[ $1 == rl ]]; then
+        ARGS+=(--objective "$OBJECTIVE" --temperature 0.9 --env "$ENV" --env-path "$PROBLEMS"
+               --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0)
+    else
+        ARGS+=(--finetune --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+               --data-path "$DATA")
+        [[ $DATA_FORMAT == sft ]] && ARGS+=(--data-format sft)
+    fi
+    return 0
 }

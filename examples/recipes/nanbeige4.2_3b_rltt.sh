@@ -34,12 +34,6 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 
 source "$HERE/_from_hf_layouts.sh"
 hf_layout rl
-ARGS+=(--objective "$OBJECTIVE" --temperature 0.9 --env "$ENV" --env-path "$PROBLEMS"
-       --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0
-       --hidden-dropout 0 --attention-dropout 0
-       --tensor-model-parallel-size "$TP" --use-checkpoint-args --load "$IMPORTED"
-       --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$IMPORTED/tokenizer"
-       --save "$SAVE_DIR")
 ARGS+=("$@")
 HF_DIR=$NANBEIGE_DIR ENTRY=train_rl.py RDZV_ID=nanbeige4.2_3b_rl
 source "$HERE/_from_hf.sh"

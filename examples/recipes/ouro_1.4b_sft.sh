@@ -45,13 +45,7 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 
 source "$HERE/_from_hf_layouts.sh"
 hf_layout sft
-ARGS+=(--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
-       --hidden-dropout 0 --attention-dropout 0
-       --exit-kl-beta 0.05 --tensor-model-parallel-size "$TP"
-       --use-checkpoint-args --load "$IMPORTED" --finetune
-       --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$IMPORTED/tokenizer"
-       --data-path "$DATA" --save "$SAVE_DIR")
-[[ $DATA_FORMAT == sft ]] && ARGS+=(--data-format sft)
+ARGS+=(--exit-kl-beta 0.05)  # small, as in Ouro's later stages: the gate stays
 ARGS+=("$@")
 HF_DIR=$OURO_DIR ENTRY=pretrain_looplm.py RDZV_ID=ouro_1.4b_sft
 source "$HERE/_from_hf.sh"

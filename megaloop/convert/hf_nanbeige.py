@@ -21,7 +21,8 @@ is refused. ``export_form`` turns an accepted config.json into the looped export
 
 from __future__ import annotations
 
-from megaloop.convert.hf_families import check_roles, decoder_keys
+from megaloop.convert.hf_families import (INERT_BY_FAMILY, INERT_COMMON, check_roles,
+                                         decoder_keys)
 from megaloop.model.config import LoopConfig, ModelConfig
 
 ARCHITECTURE, MODEL_TYPE = "NanbeigeForCausalLM", "nanbeige"
@@ -58,8 +59,6 @@ CHECKED = {
     "mlp_bias": (OFF, "MLP biases are not supported"),
     "qk_layernorm": (OFF, "q/k norms are not part of Nanbeige's released model; refused here"),
     "rope_scaling": (NONE, "RoPE scaling (Nanbeige's linear / dynamic forms) is not supported"),
-    "pretraining_tp": ((1,), "pretraining_tp > 1 splits the projections as Llama's slow path; "
-                              "megaloop reads 1"),
     "loop_loss_weights": (EMPTY, "a non-empty list runs len(loop_loss_weights) + 1 passes with "
                                  "a loss per pass; megaloop reads num_loops"),
     "enable_double_loop_split": (OFF, "the split loop (LoopSplit) is not supported"),
@@ -87,27 +86,16 @@ CHECKED = {
     "emb_tp_num": (NONE, "n-gram embeddings are not supported"),
 }
 INERT = {
-    "transformers_version": "the version that wrote the file",
-    "torch_dtype": "storage dtype: megaloop reads fp32, training chooses --bf16",
-    "dtype": "storage dtype: megaloop reads fp32, training chooses --bf16",
-    "bos_token_id": "a tokenizer setting (the folder's tokenizer is carried along)",
-    "eos_token_id": "a tokenizer / generation setting (megaloop stops at the tokenizer's "
-                    "end-of-text token)",
-    "pad_token_id": "a tokenizer setting",
-    "use_cache": "a generation setting",
+    **INERT_COMMON,
     "auto_map": "where the folder's own modeling code is; megaloop computes the model itself",
-    "_name_or_path": "where the folder came from",
-    "tokenizer_class": "a tokenizer setting",
     "kv_channels": "not read by Nanbeige's modeling code (head_dim is)",
+    "pretraining_tp": INERT_BY_FAMILY["LlamaForCausalLM"]["pretraining_tp"],
     "ngram_fused_mode": "read with n-gram embeddings only (refused when on)",
     "num_residual_streams": "read with hyper-connections only (refused when on)",
     "mhc_sinkhorn_iterations": "read with mHC only (refused when on)",
     "mhc_init_gating_factor": "read with mHC only (refused when on)",
     "depth_attention_recent_window": "read with depth attention only (refused when on)",
     "depth_attention_static_anchor_once": "read with depth attention only (refused when on)",
-    "output_attentions": "what transformers returns, not what it computes",
-    "output_hidden_states": "what transformers returns, not what it computes",
-    "return_dict": "what transformers returns, not what it computes",
 }
 
 
