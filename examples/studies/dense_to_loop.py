@@ -69,19 +69,14 @@ def export_as_llama(ckpt: str, folder: str) -> str:
 
 def convert(folder: str, save: str, flags: list) -> list:
     """import-hf into ``save``; the training flags it prints."""
-    import importlib.util
-
     from megaloop import cpu_shim
     from megaloop.arguments import dataclass_from_args
     from megaloop.convert.hf_import import import_hf
     from megaloop.model.config import LoopConfig
     from megaloop.parallel.initialize import destroy, initialize_single_process
 
-    spec = importlib.util.spec_from_file_location(
-        "convert_tool", os.path.join(os.path.dirname(__file__), "..", "..", "tools",
-                                     "convert_checkpoint.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from megaloop.cli import convert_checkpoint as tool  # tools/convert_checkpoint.py's
+
     args = tool.build_parser().parse_args(["import-hf", "--hf-dir", folder, "--save", save,
                                            "--num-loops", str(T), "--no-progress", *flags])
     loop = dataclass_from_args(LoopConfig, args)

@@ -29,7 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from study import (ROOT, Study, accuracy_by_k, figure, in_child, mean_sd,  # noqa: E402
+from study import (Study, accuracy_by_k, figure, in_child, mean_sd,  # noqa: E402
                    md_table, slug, spread, verdict_cell, _quietly)
 
 # (K, T): T = 4 as in Closing the Loop's recipe; one layer at cpu size, so that the 9 runs of
@@ -66,15 +66,10 @@ def sft_data(study: Study) -> tuple[str, str]:
 
 
 def _make_sft(data: str, wanted: dict) -> bool:
-    import importlib.util
-
+    from megaloop.cli import make_demo_corpus as tool  # tools/make_demo_corpus.py's command
     from megaloop.data.config import TokenizerConfig
     from megaloop.data.preprocess import preprocess
 
-    spec = importlib.util.spec_from_file_location(
-        "make_demo_corpus", os.path.join(ROOT, "tools", "make_demo_corpus.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     pairs = os.path.join(data, "midtrain_sft.jsonl")
     # the documents of this seed (not the corpus': held out) score the corpus loss
     tool.main(["--output", os.path.join(data, "midtrain_heldout_docs.jsonl"),

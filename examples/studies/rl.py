@@ -92,12 +92,8 @@ def problems(study: Study, family: str, ks: list) -> tuple[str, str]:
 
 
 def _make_problems(path: str, family: str, ks: list, seed: int, per_k: int) -> bool:
-    import importlib.util
+    from megaloop.cli import make_demo_corpus as tool  # tools/make_demo_corpus.py's command
 
-    spec = importlib.util.spec_from_file_location(
-        "make_demo_corpus", os.path.join(ROOT, "tools", "make_demo_corpus.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     # k is uniform on 1..max(ks): enough problems that every wanted k has per_k of them
     raw = path + ".all"
     tool.main(["--output", path + ".unused", "--num-docs", "1", "--families", family,

@@ -179,12 +179,8 @@ def _pretrain(argv):
 
 
 def _evaluate(argv):
-    import importlib.util
+    from megaloop.cli import evaluate as tool  # tools/evaluate.py's command
 
-    spec = importlib.util.spec_from_file_location("evaluate_tool",
-                                                  os.path.join(ROOT, "tools", "evaluate.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     code = tool.main(argv)
     if code != 0:
         raise RuntimeError(f"tools/evaluate.py exited {code}")
@@ -379,14 +375,10 @@ class Study:
 def _make_data(corpus, data, wanted):
     """The corpus (``wanted``: documents, held-out problems, hardest k, and for the reasoning
     data its families, prose fraction and vocabulary), its tokenizer and its .bin/.idx."""
-    import importlib.util
+    import importlib
 
-    def tool(name):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools",
-                                                                         f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+    def tool(name):  # the command behind tools/<name>.py
+        return importlib.import_module(f"megaloop.cli.{name}")
 
     pairs = os.path.join(data, "pairs.jsonl")
     family = ["--families", wanted["families"], "--prose-fraction", str(wanted["prose"]),
