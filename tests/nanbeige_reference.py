@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ouro_reference import attention, llama_projections, mlp, rms_norm, write_folder
+from ouro_reference import (attention, drawers, llama_projections, mlp, rms_norm,
+                            write_folder)
 
 
 def nanbeige_config(**overrides) -> dict:
@@ -60,15 +61,8 @@ def nanbeige_config(**overrides) -> dict:
 def random_weights(cfg: dict, seed: int) -> dict:
     """Llama-named fp32 tensors of ``cfg``: projections ~ N(0, 0.08), norm scales around 1 (not
     all ones, so a norm in the wrong place shows)."""
-    g = torch.Generator().manual_seed(seed)
     H, V = cfg["hidden_size"], cfg["vocab_size"]
-
-    def normal(*shape, std=0.08):
-        return torch.randn(*shape, generator=g) * std
-
-    def scale():
-        return 1.0 + normal(H, std=0.2)
-
+    normal, scale = drawers(seed, H)
     w = {"model.embed_tokens.weight": normal(V, H, std=1.0), "model.norm.weight": scale()}
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(V, H, std=0.2)

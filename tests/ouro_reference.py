@@ -57,15 +57,8 @@ def ouro_config(**overrides) -> dict:
 def random_weights(cfg: dict, seed: int) -> dict:
     """Ouro-named fp32 tensors of ``cfg``: projections ~ N(0, 0.08), norm scales around 1 (not
     all ones, so a swapped norm shows), a gate whose bias spreads the exits over the steps."""
-    g = torch.Generator().manual_seed(seed)
     H, V = cfg["hidden_size"], cfg["vocab_size"]
-
-    def normal(*shape, std=0.08):
-        return torch.randn(*shape, generator=g) * std
-
-    def scale():
-        return 1.0 + normal(H, std=0.2)
-
+    normal, scale = drawers(seed, H)
     w = {"model.embed_tokens.weight": normal(V, H, std=1.0), "model.norm.weight": scale(),
          "model.early_exit_gate.weight": normal(1, H, std=0.5),
          "model.early_exit_gate.bias": torch.tensor([-1.0])}
@@ -78,6 +71,20 @@ def random_weights(cfg: dict, seed: int) -> dict:
                      "post_attention_layernorm_2"):
             w[p + name + ".weight"] = scale()
     return w
+
+
+def drawers(seed: int, hidden: int):
+    """(normal(*shape, std=0.08), scale()) drawing from one seeded stream: projections ~ N(0,
+    std), norm scales 1 + N(0, 0.2) of size ``hidden``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=0.08):
+        return torch.randn(*shape, generator=g) * std
+
+    def scale():
+        return 1.0 + normal(hidden, std=0.2)
+
+    return normal, scale
 
 
 def llama_projections(cfg: dict, p: str, normal) -> dict:

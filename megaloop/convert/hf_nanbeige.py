@@ -21,6 +21,7 @@ is refused. ``export_form`` turns an accepted config.json into the looped export
 
 from __future__ import annotations
 
+from megaloop.convert.hf_families import HONOURED as FAMILY_HONOURED
 from megaloop.convert.hf_families import (INERT_BY_FAMILY, INERT_COMMON, check_roles,
                                          decoder_keys)
 from megaloop.model.config import LoopConfig, ModelConfig
@@ -33,22 +34,17 @@ HUB_CODE = "Nanbeige/Nanbeige4.2-3B"
 OFF, NONE = (False, None), (None,)
 EMPTY = (None, [])
 
+# The decoder's shape keys mean what they mean in every Llama-family config.json.
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+              "tie_word_embeddings", "attention_dropout")
 HONOURED = {
+    **{key: FAMILY_HONOURED[key] for key in SHAPE_KEYS},
     "architectures": "NanbeigeForCausalLM",
     "model_type": "nanbeige (checked against the architecture)",
     "vocab_size": "the embedding table's rows",
-    "hidden_size": "--hidden-size",
-    "intermediate_size": "--ffn-hidden-size",
     "num_hidden_layers": "--num-layers (the whole stack is the looped core)",
-    "num_attention_heads": "--num-attention-heads",
-    "num_key_value_heads": "--num-query-groups",
-    "head_dim": "--kv-channels",
-    "max_position_embeddings": "--max-position-embeddings",
-    "rms_norm_eps": "--norm-epsilon",
-    "rope_theta": "--rotary-base",
-    "tie_word_embeddings": "--untie-embeddings-and-output-weights",
     "initializer_range": "--init-method-std",
-    "attention_dropout": "--attention-dropout",
     "num_loops": "--num-loops",
     "skip_loop_final_norm": "--step-norm-placement: false recurrent (the norm between passes), "
                             "true readout (only after the last pass)",
