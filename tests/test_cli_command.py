@@ -115,3 +115,12 @@ def _help_text():
     from megaloop.cli.main import help_text
 
     return help_text()
+
+
+def test_help_of_a_command_is_that_commands_help(monkeypatch):
+    """`megaloop help merge` is `megaloop merge --help` (the name is not taken and dropped)."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    code, out, _ = _run(lambda: main(["help", "merge"]), ["megaloop"], monkeypatch)
+    code2, out2, _ = _run(lambda: main(["merge", "--help"]), ["megaloop"], monkeypatch)
+    assert code == code2 == 0 and out == out2 and out.startswith("usage: megaloop merge ")
+

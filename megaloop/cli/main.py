@@ -59,6 +59,8 @@ def help_text() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) > 1 and argv[0] == "help":  # `megaloop help generate`: that command's help
+        argv = [argv[1], "--help", *argv[2:]]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(help_text())
         return 0 if argv else 2
