@@ -66,19 +66,6 @@ def test_what_megaloop_does_not_compute_is_refused_by_name(key, value, needle):
     assert needle in str(err.value), err.value
 
 
-def test_huginn_is_refused_with_what_differs():
-    from megaloop.convert.hf_looped import HUGINN_GAPS, looped_configs
-
-    huginn = {"architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
-              "n_embd": 5280, "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4,
-              "n_layers_in_coda": 2, "mean_recurrence": 32}
-    with pytest.raises(ValueError) as err:
-        looped_configs(huginn)
-    text = str(err.value)
-    assert "Huginn" in text and all(gap in text for gap in HUGINN_GAPS)
-    assert "random state" in text and "sqrt(n_embd)" in text
-
-
 @pytest.mark.parametrize("keys,rule", [
     ({"early_exit_threshold": 1.0}, None),        # the released models: full depth
     ({"early_exit_threshold": 0.6}, "q:0.6"),     # Ouro's cumulative-probability rule

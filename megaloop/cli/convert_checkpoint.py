@@ -83,10 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder to write (new or empty); --out is accepted too")
     exp.add_argument("--vocab-size", type=int, default=None,
                      help="trim the padded embedding table to the tokenizer's real vocabulary")
-    exp.add_argument("--names", choices=["auto", "ouro", "nanbeige", "megaloop"], default="auto",
-                     help="auto: Ouro's model type and names for Ouro-style models, Nanbeige's "
-                          "for a checkpoint imported from a Nanbeige folder; nanbeige: "
-                          "Nanbeige4.2's config.json (its code from the Hub)")
+    exp.add_argument("--names", choices=["auto", "ouro", "nanbeige", "huginn", "megaloop"],
+                     default="auto",
+                     help="auto: Ouro's model type and names for Ouro-style models, Huginn's for "
+                          "Huginn-style ones, Nanbeige's for a checkpoint imported from a "
+                          "Nanbeige folder; nanbeige / huginn: that family's config.json and "
+                          "names (its code from the Hub)")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                      help="dtype of the written weights")
     exp.add_argument("--tokenizer-model", default=None,
@@ -126,8 +128,7 @@ def main(argv=None) -> int:
 
 
 def _looped_folder(hf_dir: str, argv: list, imp: argparse.ArgumentParser) -> bool:
-    """Whether --hf-dir holds a looped model (Ouro's, or an export; Huginn is refused when it is
-    read): its loop comes from config.json and nothing is fresh, so a loop flag or --seed given
+    """Whether --hf-dir holds a looped model (Ouro's, Nanbeige's, Huginn's, or an export): its loop comes from config.json and nothing is fresh, so a loop flag or --seed given
     here would be ignored; ValueError naming them instead."""
     from megaloop.convert.hf_import import read_hf_config
     from megaloop.convert.hf_looped import is_looped_config
@@ -215,7 +216,8 @@ def _export(args) -> int:
                         tokenizer_model=args.tokenizer_model)
     finally:
         destroy()
-    loops = cfg.get("total_ut_steps", cfg.get("num_loops"))  # (Nanbeige's key)
+    # (Nanbeige's key, Huginn's)
+    loops = cfg.get("total_ut_steps", cfg.get("num_loops", cfg.get("mean_recurrence")))
     print(f"> wrote {args.out} ({cfg['architectures'][0]}, {loops} loops, vocab "
           f"{cfg['vocab_size']}); load with AutoModelForCausalLM.from_pretrained(..., "
           f"trust_remote_code=True)")

@@ -9,7 +9,10 @@ everything else uses the same names plus a few megaloop keys (prelude, coda, inj
 ``qkv_bias``); Llama 3.x RoPE scaling is written as Llama 3.x checkpoints write it
 (``rope_scaling``). ``--names nanbeige`` (the default for a checkpoint imported from a Nanbeige
 folder, while its architecture is still Nanbeige's) writes Nanbeige4.2's config.json, whose
-auto_map names Nanbeige's own code (``hf_nanbeige``), and no modeling files.
+auto_map names Nanbeige's own code (``hf_nanbeige``), and no modeling files. A Huginn-style
+model (``hf_huginn.huginn_style``: what Huginn-0125's code computes) is written under Huginn's
+config keys and tensor names (``--names huginn``, the default for such a model), whose auto_map
+names Huginn's code on the Hub, and no modeling files.
 
 The folder holds: config.json (with the tokenizer's eos = EOD, bos and pad ids),
 generation_config.json (the same ids, so ``generate()`` stops at the end of a document),
@@ -31,7 +34,7 @@ import shutil
 
 import torch
 
-from megaloop.convert import hf_nanbeige
+from megaloop.convert import hf_huginn, hf_nanbeige
 from megaloop.convert.hf_families import LLAMA3_FIXED, decoder_keys
 # The looped config.json's form is hf_looped's (the reader's): what the modeling file implements
 # (check_exportable, re-exported here, where the tools and tests have always imported it) and the
@@ -107,8 +110,17 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
     from megaloop.convert.hf_tokenizer import special_token_ids, write_tokenizer_files
     from megaloop.data.tokenizers import build_tokenizer
 
-    check_exportable(model, loop)
-    exit_keys = threshold_keys(generation)  # refused before any file is written
+    huginn = names == "huginn" or (names == "auto" and
+                                   hf_huginn.huginn_style(model, loop) is None)
+    if huginn:
+        gaps = hf_huginn.huginn_style(model, loop)
+        if gaps:
+            raise ValueError(f"--names huginn needs a model Huginn's code computes; this one has "
+                             f"{gaps}; use --names auto")
+    else:
+        check_exportable(model, loop)
+    # Huginn's config.json has no exit rule (its generate() takes the criterion as an argument).
+    exit_keys = {} if huginn else threshold_keys(generation)  # refused before any file is written
     nanbeige = names == "nanbeige"
     if nanbeige:
         gaps = hf_nanbeige.nanbeige_style(model, loop)
@@ -142,8 +154,8 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
     heads = Heads(model.num_attention_heads, model.num_query_groups or model.num_attention_heads,
                   model.kv_channels or model.hidden_size // model.num_attention_heads)
     tied = not model.untie_embeddings_and_output_weights
-    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone()
-               for k, v in to_hf(state, heads, tied).items()}
+    exported = hf_huginn.to_huginn(state, model, loop) if huginn else to_hf(state, heads, tied)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in exported.items()}
     created = []  # the folders makedirs creates (out_dir and missing parents)
     folder = os.path.abspath(out_dir)
     while not os.path.exists(folder):
@@ -151,9 +163,13 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
         folder = os.path.dirname(folder)
     os.makedirs(out_dir, exist_ok=True)
     # A Nanbeige folder names Nanbeige's own code (auto_map), as the released one does.
-    modeling = () if nanbeige else MODELING_FILES
-    cfg = hf_nanbeige.nanbeige_config(model, loop, rows) if nanbeige else \
-        hf_config(model, loop, rows, ouro)
+    modeling = () if nanbeige or huginn else MODELING_FILES
+    if huginn:  # (and Huginn's, as its released folder does)
+        cfg = hf_huginn.huginn_config(model, loop, rows)
+    elif nanbeige:
+        cfg = hf_nanbeige.nanbeige_config(model, loop, rows)
+    else:
+        cfg = hf_config(model, loop, rows, ouro)
     cfg.update(exit_keys)
     written = ["model.safetensors", "config.json", *modeling]
     if tok is not None:
@@ -205,8 +221,15 @@ def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
     from megaloop.checkpoint.load import load_model
 
     run = read_run_config(load_dir, iteration)
-    check_exportable(config_from_dict(ModelConfig, run["model"]),  # before the slow load
-                     config_from_dict(LoopConfig, run.get("loop", {})))
+    saved_model = config_from_dict(ModelConfig, run["model"])
+    saved_loop = config_from_dict(LoopConfig, run.get("loop", {}))
+    if names == "huginn" or (names == "auto" and
+                             hf_huginn.huginn_style(saved_model, saved_loop) is None):
+        if names == "huginn" and hf_huginn.huginn_style(saved_model, saved_loop):
+            raise ValueError(f"--names huginn needs a model Huginn's code computes; this one has "
+                             f"{hf_huginn.huginn_style(saved_model, saved_loop)}")
+    else:
+        check_exportable(saved_model, saved_loop)  # before the slow load
     tokenizer = config_from_dict(TokenizerConfig, run.get("tokenizer", {}))
     if tokenizer_model is not None:
         tokenizer = dataclasses.replace(tokenizer, tokenizer_model=tokenizer_model)

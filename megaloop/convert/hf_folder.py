@@ -66,6 +66,19 @@ KEY_TYPES = {
     "lora_rank": (INT, 0, False),
     "lora_alpha": (NUMBER, None, True),
     "lora_steps": (INT, 0, False),
+    # Huginn's (hf_huginn)
+    "n_embd": (INT, 1, False),
+    "n_heads": (INT, 1, False),
+    "n_layers_in_prelude": (INT, 0, False),
+    "n_layers_in_recurrent_block": (INT, 1, False),
+    "n_layers_in_coda": (INT, 0, False),
+    "mean_recurrence": (INT, 1, False),
+    "mean_backprop_depth": (INT, 1, False),
+    "block_size": (INT, 1, False),
+    "norm_eps": (NUMBER, 0, False),
+    "rope_base": (NUMBER, 1, False),
+    "qk_bias": (BOOL, None, False),
+    "tie_embeddings": (BOOL, None, False),
     # Nanbeige's (hf_nanbeige)
     "num_loops": (INT, 1, False),
     "skip_loop_final_norm": (BOOL, None, False),
@@ -291,6 +304,11 @@ def check_folder(hf_dir: str, cfg: dict | None = None) -> SafetensorsFolder:
     in GiB) otherwise. Only the files' headers are read."""
     path = os.path.join(hf_dir, "config.json")
     cfg = read_hf_config(hf_dir) if cfg is None else cfg
+    if cfg.get("architectures") == ["RavenForCausalLM"]:
+        from megaloop.convert import hf_huginn
+
+        reader = hf_huginn.check_shapes(hf_dir, cfg, SafetensorsFolder(hf_dir))
+        return _check_memory(hf_dir, reader)
     missing = [k for k in SIZE_KEYS if k not in cfg]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}; copy it again from the model's "
@@ -318,7 +336,13 @@ def check_folder(hf_dir: str, cfg: dict | None = None) -> SafetensorsFolder:
             raise ValueError(f"{path}: {key} {want} does not match the safetensors files, which "
                              f"hold {held}; config.json and the weights come from different "
                              f"models (copy the folder again)")
-    numel = sum(math.prod(reader.shape(n)) for n in names)
+    return _check_memory(hf_dir, reader)
+
+
+def _check_memory(hf_dir: str, reader: SafetensorsFolder) -> SafetensorsFolder:
+    """``reader`` when the folder's weights, read in float32 into a model of the same size, fit
+    in this machine's free memory; ValueError with the sizes in GiB otherwise."""
+    numel = sum(math.prod(reader.shape(n)) for n in reader.names())
     need, free = 2 * 4 * numel, available_memory()
     if free is not None and need > free:
         gib = 2 ** 30

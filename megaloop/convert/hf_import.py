@@ -23,6 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 import torch
 
 from megaloop.arguments import flag_name
+from megaloop.convert import hf_huginn
 from megaloop.convert.hf_families import SUPPORTED, check_fields, model_config_from_hf
 from megaloop.convert.hf_folder import SafetensorsFolder, check_folder, read_hf_config
 from megaloop.convert.hf_looped import (EXPORT_ARCHITECTURES, default_exit, is_looped_config,
@@ -277,12 +278,8 @@ def import_looped(hf_dir: str, cfg: dict, reader: SafetensorsFolder, save_dir: s
     model_cfg.make_vocab_size_divisible_by = vocab.divisible_by
     generation = default_exit(cfg)
     model = build_model(model_cfg, loop, vocab.tokenizer_vocab, tp_size=1)
-    heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
-                  model_cfg.kv_channels)
-    layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
-              "core": loop.num_core_layers(model_cfg.num_layers)}
     with tqdm(total=1, desc="import-hf tensors", disable=not progress) as bar:
-        tensors = from_hf(reader.get, reader.names(), heads, layers)
+        tensors = looped_tensors(cfg, reader, model_cfg, loop)
         bar.update(1)
     load_sharded(model, tensors)  # every tensor covered, nothing left over (TP = 1 here)
     vocab = carry_tokenizer(hf_dir, save_dir, vocab)
@@ -299,6 +296,19 @@ def import_looped(hf_dir: str, cfg: dict, reader: SafetensorsFolder, save_dir: s
         print(f"> default exit rule {generation['exit']} (from {generation['source']}): "
               f"generate, serve and lm-eval use it unless --exit says otherwise")
     return training_flags(model_cfg, loop, vocab, tp_size, save_dir)
+
+
+def looped_tensors(cfg: dict, reader: SafetensorsFolder, model_cfg: ModelConfig,
+                   loop: LoopConfig) -> dict:
+    """A looped folder's tensors under megaloop's names at TP = 1: Huginn's names through
+    ``hf_huginn``, every other looped layout through ``layout.from_hf``."""
+    if hf_huginn.is_huginn(cfg):
+        return hf_huginn.from_huginn(reader.get, reader.names(), model_cfg, loop)
+    heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
+                  model_cfg.kv_channels)
+    layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
+              "core": loop.num_core_layers(model_cfg.num_layers)}
+    return from_hf(reader.get, reader.names(), heads, layers)
 
 
 # --- A looped folder (export-hf's, or Ouro's) -> a model, for generation --------------------------
@@ -411,12 +421,7 @@ def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | No
     rows = cfg["vocab_size"]
     tok_cfg = exported_tokenizer(folder, rows, tokenizer)
     model = build_inference_model(model_cfg, loop, rows, tp_size=tp_size, precision=precision)
-    heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
-                  model_cfg.kv_channels)
-    layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
-              "core": loop.num_core_layers(model_cfg.num_layers)}
-    tensors = from_hf(reader.get, reader.names(), heads, layers)
-    load_sharded(model, tensors)
+    load_sharded(model, looped_tensors(cfg, reader, model_cfg, loop))
     run = {"model": asdict(model_cfg), "loop": asdict(loop), "tokenizer": asdict(tok_cfg),
            "hf_folder": os.path.abspath(folder), "generation": default_exit(cfg)}
     return model, model_cfg, loop, run

@@ -15,8 +15,8 @@ read at; they become the model's default exit rule (``default_exit``): the run c
 ``generation`` section, which generate, serve and lm-eval use unless ``--exit`` says otherwise.
 
 Nanbeige4.2 (``NanbeigeForCausalLM``) is read through ``hf_nanbeige``, which checks its keys and
-turns them into this form (``export_form``). Huginn (``RavenForCausalLM``) is refused by name,
-with what megaloop does not compute (``HUGINN_GAPS``).
+turns them into this form (``export_form``). Huginn (``RavenForCausalLM``) has keys and tensor
+names of its own: ``looped_configs`` and ``default_exit`` hand it to ``hf_huginn``.
 
 This module is the form both directions share: ``hf_export`` writes it and imports from here
 what the modeling file implements (``check_exportable``) and the exit rule's keys
@@ -25,26 +25,13 @@ what the modeling file implements (``check_exportable``) and the exit rule's key
 
 from __future__ import annotations
 
-from megaloop.convert import hf_nanbeige
+from megaloop.convert import hf_huginn, hf_nanbeige
 from megaloop.convert.hf_families import FALSE, SLIDING_LAYERS, check_roles, rope_settings
 from megaloop.model.config import LoopConfig, ModelConfig
 
 # architecture -> model_type.
 LOOPED_ARCHITECTURES = {"OuroForCausalLM": "ouro", "MegaloopForCausalLM": "megaloop"}
 EXPORT_ARCHITECTURES = tuple(LOOPED_ARCHITECTURES)
-HUGINN_ARCHITECTURES = ("RavenForCausalLM",)
-
-# What Huginn-0125 computes that megaloop's pieces do not (its sandwich norm is megaloop's
-# `sandwich` scheme, its adapter W [s; e] megaloop's `concat-linear` injection from the prelude,
-# its prelude / core / coda megaloop's, its KL exit the `kl` rule).
-HUGINN_GAPS = (
-    "the loop starts from a random state s_0 ~ N(0, sigma^2) (megaloop starts from the "
-    "prelude's output)",
-    "the token embedding is scaled by sqrt(n_embd) before the prelude",
-    "a learnable per-head bias is added to q and k before RoPE (qk_bias)",
-    "RoPE rotates interleaved pairs of dimensions (megaloop's RoPE rotates halves)",
-    "one final norm (ln_f) serves both after the recurrence and after the coda",
-)
 
 # config.json keys an export may lack: the Ouro layout's values (what configuration_megaloop.py
 # defaults).
@@ -133,12 +120,11 @@ def check_exportable(model: ModelConfig, loop: LoopConfig | None = None) -> None
 
 
 def is_looped_config(cfg: dict) -> bool:
-    """Whether config.json describes a looped model this module reads (or Huginn, which it
-    refuses by name)."""
+    """Whether config.json describes a looped model this module reads (Huginn's through
+    ``hf_huginn``)."""
     arch = (cfg.get("architectures") or ["?"])[0]
-    return arch in LOOPED_ARCHITECTURES or arch in HUGINN_ARCHITECTURES or \
-        cfg.get("model_type") in ("ouro", "megaloop", "huginn_raven") or \
-        hf_nanbeige.is_nanbeige(cfg)
+    return arch in LOOPED_ARCHITECTURES or cfg.get("model_type") in ("ouro", "megaloop") or \
+        hf_nanbeige.is_nanbeige(cfg) or hf_huginn.is_huginn(cfg)
 
 
 def export_form(cfg: dict) -> dict:
@@ -149,14 +135,9 @@ def export_form(cfg: dict) -> dict:
 
 def check_fields(cfg: dict) -> str:
     """The architecture of a looped config.json after every key is accounted for; ValueError
-    naming the first key refused or unknown (and Huginn by name)."""
+    naming the first key refused or unknown."""
     archs = cfg.get("architectures") or ["?"]
     arch = archs[0]
-    if arch in HUGINN_ARCHITECTURES or cfg.get("model_type") == "huginn_raven":
-        raise ValueError(
-            f"config.json: {arch} (Huginn, model_type {cfg.get('model_type')!r}) is not "
-            f"supported: megaloop's prelude / core / coda, sandwich norms, concat-linear "
-            f"injection and kl exit express most of it, but not: " + "; ".join(HUGINN_GAPS))
     if len(archs) != 1 or arch not in LOOPED_ARCHITECTURES or \
             cfg.get("model_type") != LOOPED_ARCHITECTURES[arch]:
         raise ValueError(f"config.json (architectures {cfg.get('architectures')}, model_type "
@@ -175,7 +156,9 @@ def looped_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
     ``check_fields``); for an export, exactly what wrote it (``hf_export.hf_config`` of the
     result writes the same keys and values). The table is built with exactly ``vocab_size``
     rows (--make-vocab-size-divisible-by 1); import-hf chooses the divisor a training run
-    pads to."""
+    pads to. A Huginn config.json: ``hf_huginn.configs``."""
+    if hf_huginn.is_huginn(cfg):
+        return hf_huginn.configs(cfg)
     cfg = export_form(cfg)
     check_fields(cfg)
     c = {**EXPORT_DEFAULTS, **cfg}
@@ -227,6 +210,8 @@ def default_exit(cfg: dict) -> dict:
     step)."""
     from megaloop.model.exit_rules import parse_exit
 
+    if hf_huginn.is_huginn(cfg):
+        return hf_huginn.default_exit(cfg)
     cfg = export_form(cfg)
     loops = cfg.get("total_ut_steps", EXPORT_DEFAULTS["total_ut_steps"])
     step, threshold = cfg.get("early_exit_step"), cfg.get("early_exit_threshold")

@@ -66,7 +66,7 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-policy", default="full",
                    help="full | last-step | first-step | shared-mod-<k> | none (default: full)")
     p.add_argument("--exit", default=None,
-                   help="early exit: q:<q> | kl:<eps> | fixed:<n> | none (default: the model's "
+                   help="early exit: q:<q> | kl:<eps> | huginn-kl:<eps> | fixed:<n> | none (default: the model's "
                         "own rule, e.g. an imported Ouro folder's early_exit_threshold, else "
                         "all steps; none: all steps)")
 

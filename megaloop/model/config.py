@@ -77,6 +77,18 @@ class ModelConfig:
     """A bias on the query, key and value projections only (Qwen2 / Qwen2.5); the other linears
     follow --disable-bias-linear."""
 
+    qk_bias: bool = False
+    """A learned bias per head on q and k, added before RoPE (Huginn's ``qk_bias``): megatron-core's
+    QKV bias (--add-qkv-bias) with its value part held at zero (megaloop/model/qk_bias.py)."""
+
+    rotary_interleaved: bool = False
+    """RoPE rotates interleaved pairs of dimensions (2i, 2i + 1) (Huginn's, GPT-J's layout)
+    instead of the two halves (Llama's)."""
+
+    embedding_scale: float = 1.0
+    """The token embedding is multiplied by this before the prelude (Huginn: sqrt(hidden size));
+    the tied head reads the unscaled table."""
+
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization used by every norm of the model (Megatron-LM's default LayerNorm; Llama,
     Qwen and Ouro use RMSNorm)."""
@@ -226,6 +238,15 @@ class ModelConfig:
                              f"--normalization LayerNorm, not {self.normalization}")
         if self.num_layers < 1:
             raise ValueError(f"--num-layers {self.num_layers} must be at least 1")
+        if self.qk_bias and self.add_qkv_bias:
+            raise ValueError("--qk-bias is a q/k bias with the value bias held at zero; "
+                             "--add-qkv-bias trains all three: pass one of them")
+        if self.rotary_interleaved and self.position_embedding_type != "rope":
+            raise ValueError(f"--rotary-interleaved is a RoPE layout; it needs "
+                             f"--position-embedding-type rope, not {self.position_embedding_type}")
+        if not self.embedding_scale > 0:
+            raise ValueError(f"--embedding-scale {self.embedding_scale} must be positive "
+                             f"(1.0: no scaling)")
         if self.position_embedding_type == "rope" and self.rotary_base <= 0:
             raise ValueError(f"--rotary-base {self.rotary_base} must be positive")
         if self.use_rope_scaling and self.position_embedding_type != "rope":
@@ -364,6 +385,20 @@ class LoopConfig:
     """LoRA scaling numerator: the adapter output is scaled by alpha / rank (default: alpha =
     rank, scale 1)."""
 
+    state_init: Literal["prelude", "noise"] = "prelude"
+    """The state entering step 1: the prelude's output (or the embedding without a prelude), or
+    Huginn's random state, drawn per token from a normal truncated at 3 sigma (std
+    sqrt(2 / (5 d)) x --state-init-scale) and multiplied by --embedding-scale; the tokens then reach the loop only
+    through --input-injection (megaloop/model/initial_state.py)."""
+
+    state_init_scale: float = 1.0
+    """Multiplies the sigma of --state-init noise, Huginn's sqrt(2 / (5 x hidden size)) (Huginn's
+    ``init_scale``; 0: the loop starts from zeros, deterministically)."""
+
+    share_final_norm: bool = False
+    """The step norm is also the coda's final norm: one module applied after the loop step and
+    again after the coda (Huginn's ``ln_f``); needs a coda."""
+
     random_depth_mean: float = 0.0
     """Huginn random depth (0 = off): every optimizer step runs T ~ Poisson(e^tau) + 1 loops,
     tau ~ N(log(mean) - sigma^2/2, sigma), drawn from (seed, iteration), the same on every rank.
@@ -378,6 +413,11 @@ class LoopConfig:
     truncated_backprop_steps: int = 0
     """Truncated backpropagation: the first n loop steps of every training forward run without
     gradient (at most T - 1, so the last step always trains); 0 = full backpropagation."""
+
+    backprop_last_steps: int = 0
+    """Truncated backpropagation from the end: only the last k loop steps of every training
+    forward run with gradient (Huginn's ``mean_backprop_depth``, 8); 0: --truncated-backprop-steps
+    decides. With random depth the truncation follows the drawn T."""
 
     # --- per-step readout (megaloop/model/readout.py)
 
@@ -459,6 +499,26 @@ class LoopConfig:
                              "(--random-depth-mean 0 turns random depth off)")
         if self.truncated_backprop_steps < 0 or self.random_depth_max < 0:
             raise ValueError("--truncated-backprop-steps and --random-depth-max must be >= 0")
+        if self.backprop_last_steps < 0:
+            raise ValueError(f"--backprop-last-steps {self.backprop_last_steps} must be >= 0 "
+                             f"(0: every step trains)")
+        if self.backprop_last_steps and self.truncated_backprop_steps:
+            raise ValueError("--backprop-last-steps counts the steps that train from the end, "
+                             "--truncated-backprop-steps the ones that do not from the start: "
+                             "pass one of them")
+        if self.state_init == "noise" and self.input_injection == "none":
+            raise ValueError("--state-init noise starts the loop from random numbers: the tokens "
+                             "reach it only through an injection; add --input-injection "
+                             "concat-linear --injection-source prelude (Huginn's adapter)")
+        if self.state_init_scale < 0:
+            raise ValueError(f"--state-init-scale {self.state_init_scale} must be >= 0 (0: the "
+                             f"zero state)")
+        if self.state_init_scale != 1.0 and self.state_init != "noise":
+            raise ValueError("--state-init-scale scales the initial noise; it needs --state-init "
+                             "noise")
+        if self.share_final_norm and not self.num_coda_layers:
+            raise ValueError("--share-final-norm makes the step norm the coda's final norm too; "
+                             "it needs --num-coda-layers >= 1")
         if self.loop_readout_chunk_tokens < 1:
             raise ValueError(f"--loop-readout-chunk-tokens {self.loop_readout_chunk_tokens} must "
                              f"be >= 1")
@@ -626,7 +686,8 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         gated_linear_unit=model.swiglu,
         activation_func=_activation(model.swiglu),
         add_bias_linear=not model.disable_bias_linear,
-        add_qkv_bias=model.add_qkv_bias,
+        add_qkv_bias=model.add_qkv_bias or model.qk_bias,
+        rotary_interleaved=model.rotary_interleaved,
         qk_layernorm=model.qk_layernorm,
         init_method_std=model.init_method_std,
         hidden_dropout=model.hidden_dropout,

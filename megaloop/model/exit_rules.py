@@ -6,6 +6,8 @@
   megaloop/model/objective.py), so CDF_t = 1 - exp(log-survival after step t);
 - ``kl:<eps>`` (Huginn): stop at the first step t >= 2 where KL(p_t || p_{t-1}) between the
   next-token distributions of successive steps is below eps;
+- ``huginn-kl:<eps>``: Huginn's own KL criterion, the other direction, KL(p_{t-1} || p_t), from
+  step 1 on, p_0 being the uniform distribution over the vocabulary table;
 - ``fixed:<n>``: always n steps (the same as running ``--num-loops n``).
 
 A rule decides elementwise on the tokens it is shown: the rows of one decoded token, or every
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 @dataclass
 class ExitRule:
     kind: str
-    """``q``, ``kl`` or ``fixed``."""
+    """``q``, ``kl``, ``huginn-kl`` or ``fixed``."""
     value: float
 
     @property
@@ -43,7 +45,7 @@ class ExitRule:
     def reads_log_probs(self) -> bool:
         """Whether ``stops`` needs the step's next-token log-probabilities (and the last
         step's)."""
-        return self.kind == "kl"
+        return self.kind in ("kl", "huginn-kl")
 
     def stops(self, t: int, shape, device, log_survival: Optional[torch.Tensor],
               log_probs: Optional[torch.Tensor], previous: Optional[torch.Tensor]):
@@ -59,13 +61,17 @@ class ExitRule:
             # reaches 0 (q:1 is "never before T").
             bound = math.log1p(-self.value) if self.value < 1 else -math.inf
             return log_survival.float() <= bound
+        if self.kind == "huginn-kl":
+            if previous is None:  # p_0: uniform over the table's rows
+                previous = torch.full_like(log_probs, -math.log(log_probs.size(-1)))
+            return successive_kl(previous, log_probs) < self.value
         if previous is None:
             return torch.zeros(shape, dtype=torch.bool, device=device)
         return successive_kl(log_probs, previous) < self.value
 
 
 def parse_exit(text: Optional[str]) -> Optional[ExitRule]:
-    """``q:0.5`` | ``kl:1e-3`` | ``fixed:2`` | None."""
+    """``q:0.5`` | ``kl:1e-3`` | ``huginn-kl:1e-3`` | ``fixed:2`` | None."""
     if not text or text == "none":
         return None
     kind, _, value = text.partition(":")
@@ -73,10 +79,10 @@ def parse_exit(text: Optional[str]) -> Optional[ExitRule]:
         rule = ExitRule(kind, float(value))
     except ValueError:
         rule = None
-    if rule is None or kind not in ("q", "kl", "fixed") or rule.value < 0 or (
+    if rule is None or kind not in ("q", "kl", "huginn-kl", "fixed") or rule.value < 0 or (
             kind == "q" and not 0 < rule.value <= 1) or (kind == "fixed" and rule.value < 1):
-        raise ValueError(f"--exit {text!r}: write q:<q in (0, 1]>, kl:<eps >= 0> or "
-                         f"fixed:<steps >= 1>")
+        raise ValueError(f"--exit {text!r}: write q:<q in (0, 1]>, kl:<eps >= 0>, "
+                         f"huginn-kl:<eps >= 0> or fixed:<steps >= 1>")
     return rule
 
 

@@ -30,7 +30,9 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megaloop.model.config import LoopConfig, ModelConfig, with_layers
 from megaloop.model.conditioning import build_timestep_conditioning, conditioned_spec
 from megaloop.model.loop_step import StepHolder
+from megaloop.model.initial_state import build_initial_state
 from megaloop.model.injection import build_history_injection, build_injection
+from megaloop.model.qk_bias import hold_value_bias_at_zero
 from megaloop.model import layer_forward, recurrence
 from megaloop.model.carry import SIDE, Slot, merge_slots
 from megaloop.model.lora import StepwiseLoRA
@@ -139,8 +141,9 @@ class LoopedGPTModel(LanguageModule):
             if pre_process and loop.num_prelude_layers else None
         self.core = block(num_core, False, split=True, spec=core_spec)
         self.step_norm = build_norm(config, use_te, loop.step_norm) if post_process else None
-        # The coda's final norm is the readout norm before gate and head.
-        self.coda = block(loop.num_coda_layers, True) \
+        # The coda's final norm is the readout norm before gate and head (--share-final-norm:
+        # the step norm again, applied by ``readout``).
+        self.coda = block(loop.num_coda_layers, not loop.share_final_norm) \
             if post_process and loop.num_coda_layers else None
         self.exit_gate = ExitGate(config) if post_process and loop.gated else None
         self.output_layer = tensor_parallel.ColumnParallelLinear(
@@ -149,13 +152,16 @@ class LoopedGPTModel(LanguageModule):
             skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights
         ) if post_process else None
         self.setup_embeddings_and_output_layer()
-        if self.coda is not None and loop.step_norm != "rms":
+        if self.coda is not None and loop.step_norm != "rms" and not loop.share_final_norm:
             # The coda's final norm is the readout norm before gate and head: --step-norm too.
             self.coda.final_layernorm = build_norm(config, use_te, loop.step_norm)
         # Every stage builds every variant (so every stage lays the carry out alike); the
         # injections' parameters live on the first stage, where they run.
         self.injection = build_injection(config, loop, first=pre_process)
         self.history_injection = build_history_injection(config, loop, first=pre_process)
+        # Huginn's random initial state (after the injection, which keeps the prelude output).
+        self.initial_state = build_initial_state(config, loop, model_cfg.embedding_scale,
+                                                 first=pre_process)
         self.timestep = build_timestep_conditioning(config, loop, clock, last=post_process)
         # SpiralFormer per-step resolutions and the Anchor / MeSH topologies (None: plain loop).
         # Under PP a step is down-scaled where it starts and up-scaled where it ends.
@@ -164,8 +170,8 @@ class LoopedGPTModel(LanguageModule):
         # input injection feed the core, the spiral down-scales, timestep features and LoRA
         # adapters are selected around the core pass, the spiral up-scales and loop gating mixes
         # after it. A plain list: the modules are registered above under their own names.
-        self.variants = [v for v in (self.history_injection, self.injection, self.spiral,
-                                     self.timestep, self.lora) if v is not None]
+        self.variants = [v for v in (self.history_injection, self.injection, self.initial_state,
+                                     self.spiral, self.timestep, self.lora) if v is not None]
         for name, build in VARIANTS.items():
             variant = build(config, loop, pre_process, post_process)
             if variant is not None:
@@ -174,6 +180,8 @@ class LoopedGPTModel(LanguageModule):
                                      f"attribute of that name; register it under another")
                 setattr(self, name, variant)
                 self.variants.append(variant)
+        if model_cfg.qk_bias and not hold_value_bias_at_zero(self):
+            raise ValueError("--qk-bias: the model has no attention QKV bias to hold")
 
     def carry_slots(self, num_loops: int) -> tuple:
         """What the carry holds when ``num_loops`` loops run: the variants' slots and the exit
@@ -210,6 +218,8 @@ class LoopedGPTModel(LanguageModule):
         if self.coda is not None:
             r = layer_forward.call(self.coda, y, attention_mask, rotary_pos_emb,
                                    inference_context)
+            if self.loop.share_final_norm:
+                r = self.step_norm(r)
         gate_logit = self.exit_gate(r) if gate else None
         return self.lm_head(r, labels), gate_logit
 

@@ -185,6 +185,8 @@ def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:
         ctx.rotary_pos_emb = layer_forward.PositionRope(ctx.rotary_pos_emb, position_ids,
                                                         mscale(model.config))
     embedded = h = model.embedding(input_ids=input_ids, position_ids=position_ids)
+    if model.model_cfg.embedding_scale != 1.0:  # (Huginn: sqrt(d))
+        embedded = h = h * model.model_cfg.embedding_scale
     if model.prelude is not None:
         with ctx.cache("prelude") as cache:
             h = layer_forward.call(model.prelude, h, ctx.attention_mask, ctx.rotary_pos_emb,

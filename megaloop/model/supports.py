@@ -118,12 +118,18 @@ EXPORT_MODEL = {
     "--swiglu": ("swiglu", (True,)),
     "--disable-bias-linear": ("disable_bias_linear", (True,)),
     "--rotary-percent": ("rotary_percent", (1.0,)),
+    # Huginn's pieces: a Huginn-style model exports under Huginn's names (--names huginn).
+    "--qk-bias": ("qk_bias", (False,)),
+    "--rotary-interleaved": ("rotary_interleaved", (False,)),
+    "--embedding-scale": ("embedding_scale", (1.0,)),
 }
 EXPORT_LOOP = {
     "--step-norm": ("step_norm", ("rms",)),
     "--input-injection": ("input_injection", ("none", "scalar-mix")),
     "--history-injection": ("history_injection", ("none",)),
     "--timestep-conditioning": ("timestep_conditioning", ("none",)),
+    "--state-init": ("state_init", ("prelude",)),
+    "--share-final-norm": ("share_final_norm", (False,)),
 }
 
 

@@ -39,6 +39,10 @@ def draw_depth(mean: float, sigma: float, seed: int, iteration: int, max_depth: 
     return min(r, max_depth) if max_depth > 0 else r
 
 
-def no_grad_steps(truncated: int, depth: int) -> int:
-    """How many leading steps run without gradient: n, but never all of them."""
+def no_grad_steps(truncated: int, depth: int, last: int = 0) -> int:
+    """How many leading steps run without gradient: ``truncated``, but never all of them; or,
+    with ``last`` (--backprop-last-steps), all but the last ``last`` (none when depth <= last:
+    Huginn's sampler then trains every step)."""
+    if last:
+        return max(0, depth - last)
     return max(0, min(truncated, depth - 1))

@@ -371,7 +371,8 @@ class Trainer:
         tr = self.cfg.training
         T = num_loops or self.cfg.loop.num_loops
         # Every micro-batch of one call runs the same T (and truncation) on every rank.
-        truncated = 0 if forward_only else no_grad_steps(self.cfg.loop.truncated_backprop_steps, T)
+        truncated = 0 if forward_only else no_grad_steps(
+            self.cfg.loop.truncated_backprop_steps, T, self.cfg.loop.backprop_last_steps)
         if self.pipeline is not None:
             return self.pipeline.run(data_iterator, self.num_microbatches, tr.seq_length,
                                      tr.micro_batch_size, forward_only, num_loops=T,
