@@ -155,13 +155,14 @@ def sandwich(w, p, cfg, x, table, bug=None):
     return rms_norm(x + (F.silu(a) * b) @ w[p + "mlp.proj.weight"].T, n[4], eps)
 
 
-@torch.no_grad()
-def per_step_log_probs(weights: dict, cfg: dict, ids: torch.Tensor, steps: int | None = None,
-                       s0: torch.Tensor | None = None, bug: str | None = None) -> torch.Tensor:
-    """log-softmax of every step's logits, [T, b, s, vocab_size], from the initial state ``s0``
-    [b, s, n_embd] (zeros if None: Huginn's ``init_scale=0``). ``bug`` seeds one mistake:
-    ``scale`` (no embedding scale), ``halves`` (rotate-half RoPE), ``coda_norm`` (no ln_f after
-    the coda)."""
+def forward(weights: dict, cfg: dict, ids: torch.Tensor, steps: int | None = None,
+            s0: torch.Tensor | None = None, bug: str | None = None,
+            no_grad_steps: int = 0) -> torch.Tensor:
+    """log-softmax of every step's logits, [T, b, s, vocab_size], with autograd, from the initial
+    state ``s0`` [b, s, n_embd] (zeros if None: Huginn's ``init_scale=0``). ``no_grad_steps``:
+    Huginn's truncated backpropagation, the first n steps run without gradient. ``bug`` seeds one
+    mistake: ``scale`` (no embedding scale), ``halves`` (rotate-half RoPE), ``coda_norm`` (no
+    ln_f after the coda)."""
     w, eps = weights, cfg["norm_eps"]
     d = cfg["n_embd"]
     table = rope_table(d // cfg["n_heads"], ids.shape[1], cfg["rope_base"])[0, :, 0]
@@ -170,17 +171,25 @@ def per_step_log_probs(weights: dict, cfg: dict, ids: torch.Tensor, steps: int |
         x = sandwich(w, f"transformer.prelude.{i}.", cfg, x, table, bug)
     s = torch.zeros_like(x) if s0 is None else s0
     out = []
-    for _ in range(steps or cfg["mean_recurrence"]):
-        s = torch.cat([s, x], -1) @ w["transformer.adapter.weight"].T
-        for i in range(cfg["n_layers_in_recurrent_block"]):
-            s = sandwich(w, f"transformer.core_block.{i}.", cfg, s, table, bug)
-        r = rms_norm(s, w["transformer.ln_f.weight"], eps)
-        for i in range(cfg["n_layers_in_coda"]):
-            r = sandwich(w, f"transformer.coda.{i}.", cfg, r, table, bug)
-        if bug != "coda_norm":
-            r = rms_norm(r, w["transformer.ln_f.weight"], eps)
-        out.append(F.log_softmax(r @ w["transformer.wte.weight"].T, -1))
+    for step in range(steps or cfg["mean_recurrence"]):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and step >= no_grad_steps):
+            s = torch.cat([s, x], -1) @ w["transformer.adapter.weight"].T
+            for i in range(cfg["n_layers_in_recurrent_block"]):
+                s = sandwich(w, f"transformer.core_block.{i}.", cfg, s, table, bug)
+            r = rms_norm(s, w["transformer.ln_f.weight"], eps)
+            for i in range(cfg["n_layers_in_coda"]):
+                r = sandwich(w, f"transformer.coda.{i}.", cfg, r, table, bug)
+            if bug != "coda_norm":
+                r = rms_norm(r, w["transformer.ln_f.weight"], eps)
+            out.append(F.log_softmax(r @ w["transformer.wte.weight"].T, -1))
     return torch.stack(out)
+
+
+@torch.no_grad()
+def per_step_log_probs(weights: dict, cfg: dict, ids: torch.Tensor, steps: int | None = None,
+                       s0: torch.Tensor | None = None, bug: str | None = None) -> torch.Tensor:
+    """``forward`` without autograd: [T, b, s, vocab_size]."""
+    return forward(weights, cfg, ids, steps, s0, bug)
 
 
 @torch.no_grad()
