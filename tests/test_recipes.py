@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 
 RECIPES = Path(__file__).resolve().parent.parent / "examples" / "recipes"
-# The recipes that take (DATA_PREFIX, TOKENIZER_MODEL); the Ouro and Nanbeige ones take a
+# The recipes that take (DATA_PREFIX, TOKENIZER_MODEL); the Ouro, Nanbeige and Huginn ones take a
 # Hugging Face folder first (test_hf_recipe_flags_parse_and_validate; tests/test_ouro_recipes.py
-# runs them).
+# and its siblings run them).
 SCRIPTS = sorted(p for p in RECIPES.glob("*.sh")
-                 if not p.name.startswith(("_", "make_", "ouro_", "nanbeige")))
+                 if not p.name.startswith(("_", "make_", "ouro_", "nanbeige", "huginn_")))
 # recipe -> (entry point, the model's loop steps, whether it has an exit gate)
 HF_RECIPES = {"ouro_1.4b_sft": ("pretrain", 4, True), "ouro_1.4b_rltt": ("rl", 4, True),
               "nanbeige4.2_3b_sft": ("pretrain", 2, False),
-              "nanbeige4.2_3b_rltt": ("rl", 2, False)}
+              "nanbeige4.2_3b_rltt": ("rl", 2, False),
+              "huginn_0125_sft": ("pretrain", 32, False), "huginn_0125_rltt": ("rl", 32, False)}
 
 
 def recipe_args(script: Path, size: str, data: str, tokenizer: str, **env) -> list[str]:
@@ -86,9 +87,9 @@ def test_recipe_flags_parse_and_validate(script, size, world, tmp_path):
 @pytest.mark.parametrize("nodes,world", [("1", 8), ("4", 32)])
 @pytest.mark.parametrize("name", sorted(HF_RECIPES))
 def test_hf_recipe_flags_parse_and_validate(name, nodes, world, tmp_path):
-    """Both layouts of the Ouro and Nanbeige recipes at full size give flags the entry point
-    parses and validates at that world size, with the paper's RL settings and the layout's TP
-    size."""
+    """Both layouts of the Ouro, Nanbeige and Huginn recipes at full size give flags the entry
+    point parses and validates at that world size, with the paper's RL settings and the layout's
+    TP size (and Huginn's training recurrence, read from its config.json)."""
     kind, loops, gated = HF_RECIPES[name]
     from megaloop.rl.config import parse_args as parse_rl
     from megaloop.training.run_config import parse_args
@@ -98,6 +99,9 @@ def test_hf_recipe_flags_parse_and_validate(name, nodes, world, tmp_path):
     (imported / "latest_checkpointed_iteration.txt").write_text("0")
     problems = tmp_path / "gsm8k.jsonl"
     problems.write_text("")
+    (tmp_path / "hf_folder").mkdir()  # the Huginn recipe reads its sampler's keys here
+    (tmp_path / "hf_folder" / "config.json").write_text(
+        '{"mean_recurrence": 32, "mean_backprop_depth": 8}')
     data = str(tmp_path / "corpus_text_document")
     env = {**os.environ, "SIZE": "full", "NODES": nodes, "PRINT_ARGS": "1",
            "IMPORTED": str(imported)}
@@ -132,6 +136,10 @@ def test_hf_recipe_flags_parse_and_validate(name, nodes, world, tmp_path):
         writer.add_documents(numpy.ones(6, numpy.uint8), numpy.array([2, 4]))
         writer.finalize(mask + ".idx")
         assert cfg.data.data_format == "sft" and cfg.checkpoint.finetune
+        if name.startswith("huginn"):
+            assert (cfg.loop.random_depth_mean, cfg.loop.random_depth_sigma,
+                    cfg.loop.backprop_last_steps) == (32.0, 0.5, 8)
+            cfg.loop.num_loops, cfg.loop.exit_loss = 32, "last"  # (taken from Huginn's import)
         # What --use-checkpoint-args takes from an imported Ouro-1.4B (65536 positions) before
         # validation; this test's checkpoint folder is empty.
         cfg.model.max_position_embeddings = 65536

@@ -1,5 +1,5 @@
 # Sourced by the recipes that start from a public looped model's Hugging Face folder (Ouro,
-# Nanbeige) once they have filled ARGS. Needs HF_DIR (the folder), IMPORTED (where its converted
+# Nanbeige, Huginn) once they have filled ARGS. Needs HF_DIR (the folder), IMPORTED (where its converted
 # checkpoint goes), TP, NPROC, SIZE, PY, ROOT, ENTRY (pretrain_looplm.py or train_rl.py) and
 # RDZV_ID. PRINT_ARGS=1 prints the entry point's flags one per line instead of running. Step 1
 # converts the folder once (tools/convert_checkpoint.py import-hf; every config.json key honoured

@@ -1,6 +1,6 @@
-# Sourced by the recipes that start from a public looped model's folder (Ouro, Nanbeige): the
-# layouts and schedules they share. `hf_layout sft` or `hf_layout rl` sets NPROC, TP and ARGS
-# from SIZE and NODES: the size- and layout-dependent flags, then those both families take
+# Sourced by the recipes that start from a public looped model's folder (Ouro, Nanbeige,
+# Huginn): the layouts and schedules they share. `hf_layout sft` or `hf_layout rl` sets NPROC,
+# TP and ARGS from SIZE and NODES: the size- and layout-dependent flags, then those all take
 # (the converted checkpoint IMPORTED with its flags and tokenizer, SAVE_DIR, no dropout; sft:
 # DATA in DATA_FORMAT; rl: OBJECTIVE on ENV's PROBLEMS); the recipe then appends its own.
 #   SIZE=cpu: 2 ranks at TP 2, two steps at toy sizes.
