@@ -64,3 +64,14 @@ def test_qk_bias_trains_q_and_k_and_holds_v_at_zero():
         assert not before.view(-1, 3, 8)[:, 2].any() and not rows[:, 2].any()
         assert (rows[:, :2] != before.view(-1, 3, 8)[:, :2]).all(dim=-1).any()
         assert all(d >= 1 for d in depths)
+
+
+def test_cuda_graphs_refuse_a_state_drawn_per_forward():
+    """A replayed decode graph would repeat one draw of Huginn's initial state: refused by flag
+    (the other refusals: tests/test_cuda_graphs.py)."""
+    from megaloop.inference.cuda_graphs import check_cuda_graphs
+
+    check_cuda_graphs(True, None, "", "full", 1, True)  # the rest graphs
+    with pytest.raises(ValueError, match="--cuda-graphs with a model whose loop starts from "
+                                         "noise drawn afresh per forward"):
+        check_cuda_graphs(True, None, "", "full", 1, True, random_state=True)

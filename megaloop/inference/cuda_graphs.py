@@ -31,11 +31,15 @@ import torch
 
 
 def check_cuda_graphs(on: bool, exit_rule, speculate, kv_policy: str, tp_size: int,
-                      layer_forward: bool) -> None:
-    """ValueError naming --cuda-graphs where the decode forwards cannot be static."""
+                      layer_forward: bool, random_state: bool = False) -> None:
+    """ValueError naming --cuda-graphs where the decode forwards cannot be static.
+    ``random_state``: the model starts its loop from noise drawn per forward (--state-init
+    noise), which a replayed graph would repeat."""
     if not on:
         return
-    reasons = [(exit_rule is not None, "--exit (rows leave the loop at data-dependent steps)"),
+    reasons = [(random_state, "a model whose loop starts from noise drawn afresh per forward "
+                              "(--state-init noise; a replay would repeat one draw)"),
+               (exit_rule is not None, "--exit (rows leave the loop at data-dependent steps)"),
                (bool(speculate), "--speculate (drafts and verify vary per round)"),
                (kv_policy != "full", f"--kv-policy {kv_policy} (only full keeps one cache "
                                      f"per step)"),

@@ -199,7 +199,8 @@ class InferenceEngine:
         self.forward_impl = "megaloop" if why is None else f"megatron-core ({why})"
         self.kv = PagedKV(self.allocator, kv_policy, current_device(), self.layer_forward)
         check_cuda_graphs(config.cuda_graphs, exit_rule, self.speculate, kv_policy,
-                          model.config.tensor_model_parallel_size, self.layer_forward)
+                          model.config.tensor_model_parallel_size, self.layer_forward,
+                          random_state=model.loop.state_init == "noise")
         self.graphs = DecodeGraphs() if config.cuda_graphs else None
         self._lock = threading.Lock()  # add / cancel may come from other threads than step()
         self._queue: list[Request] = []
