@@ -5,6 +5,8 @@
 #
 #   bash examples/recipes/<recipe>.sh DATA_PREFIX TOKENIZER_MODEL [extra flags...]
 # Environment: SIZE=full (default) or cpu; NPROC ranks on this node (default: 8 full, 1 cpu);
+# NODES (default 1): more than 1 launches this node as one of NODES joined at MASTER_ADDR
+# (MASTER_PORT, default 29500; run the same command on every node);
 # TOKENIZER_TYPE (default HuggingFaceTokenizer full, SentencePieceTokenizer cpu); PYTHON;
 # SAVE_DIR, the --save folder (default runs/<recipe>_<SIZE> in the repository: where the next
 # stage, e.g. looplm_1.4b_midtrain.sh, looks for it). A recipe that sets DATA_IS_BLEND=1 takes
@@ -45,7 +47,14 @@ if [[ ${PRINT_ARGS:-0} == command ]]; then
     printf '\n'
     exit 0
 fi
-PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 cd "$ROOT"
+if [[ ${NODES:-1} != 1 ]]; then
+    # One launch per node; torchrun's c10d rendezvous at MASTER_ADDR joins the NODES x NPROC ranks.
+    exec $PY -m torch.distributed.run --nproc_per_node "$NPROC" --nnodes "$NODES" \
+        --rdzv-backend c10d --rdzv-id "${RDZV_ID:-$(basename "$0" .sh)}" \
+        --rdzv-endpoint "${MASTER_ADDR:?set MASTER_ADDR to the first node}:${MASTER_PORT:-29500}" \
+        pretrain_looplm.py "${ARGS[@]}"
+fi
+PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 exec $PY -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "$PORT" \
     pretrain_looplm.py "${ARGS[@]}"

@@ -19,6 +19,18 @@ Where "the branch's update" is taken depends on the norm scheme: the sub-layer o
 included) for pre / magic / post / sandwich (post and sandwich then normalize ``u + g B``), and
 the output norm's result for ouro (a scalar gate before ouro's output norm would cancel).
 
+A fourth form, `loopformer` ("LoopFormer: Elastic-Depth Looped Transformers for Latent Reasoning
+via Shortcut Modulation", arXiv 2602.11451), conditions on the step size as well as the time: the
+pass reads ``c = E_t(t) + E_dt(dt)``, each E a 256-d (``--timestep-frequency-dim``) sinusoidal
+embedding (cosines, then sines, of the value times ``10000^(-i / 128)``) through Linear-SiLU-Linear
+to the hidden size; both embedders are model-level, shared by every core layer. Per core layer
+and branch, ``g = W_g silu(c) + b_g`` and ``s = W_s silu(c) + b_s`` (vectors over the hidden
+size): the branch reads ``(1 + s) * N(u)`` and its update is scaled by g (adaLN without a shift;
+the published model's norms have no learnable scale: ``--norm-scheme magic``). W and b start at 0
+(the published initialisation: every branch starts switched off, not the unconditioned model).
+A route of T equal steps has ``t = l / T``, ``dt = 1 / T``: a shorter route with a larger step is
+run by asking for fewer loops (`rescaled`).
+
 Inference at another loop count (``--timestep-inference``): `rescaled` uses the T being run
 (t = l / T_run), `prefix` keeps the training T (t = l / T_train; more loops than trained go past
 t = 1).
@@ -52,7 +64,12 @@ from megaloop.model.recurrence import LoopVariant
 from megaloop.model.specs import NormedBiasDropoutAdd
 
 NUM_FEATURES = 8
-FORMS = ("loop-gating", "branch-gating", "adaln")
+FORMS = ("loop-gating", "branch-gating", "adaln", "loopformer")
+SPEC_FORMS = ("branch-gating", "adaln", "loopformer")
+"""The forms built into the core's layer spec (``conditioned_spec``)."""
+NORM_FORMS = ("adaln", "loopformer")
+"""The forms that scale the input norms' output (the norms must be separate modules:
+``layer_spec``'s ``unfuse_input_norms``)."""
 
 
 def timestep_features(l: int, T: int) -> list:
@@ -73,6 +90,29 @@ def _features(clock: StepHolder, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(clock.value, dtype=like.dtype, device=like.device)
 
 
+def _add_modulation(module, name: str, form: str, config) -> None:
+    """Register one gate or scale on ``module`` as ``name``: W [8] (branch gating), W [d, 8]
+    (AdaLN), or W [d, d] and ``name``_bias [d] (LoopFormer), all zeros."""
+    d = config.hidden_size
+    if form == "loopformer":
+        setattr(module, name, _zeros((d, d), config))
+        setattr(module, name + "_bias", _zeros((d,), config))
+    else:
+        setattr(module, name, _zeros((NUM_FEATURES,) if form == "branch-gating"
+                                     else (d, NUM_FEATURES), config))
+
+
+def _modulation(module, name: str, clock: StepHolder, like: torch.Tensor) -> torch.Tensor:
+    """The value of ``module``'s gate or scale ``name`` for the pass in flight: W psi, or for
+    LoopFormer W silu(c) + b with c the step's embedding (computed here, inside the layer, so
+    that activation recomputation recomputes it from the parameters)."""
+    weight = getattr(module, name).to(like.dtype)
+    if getattr(clock, "embedder", None) is None:
+        return weight @ _features(clock, like)
+    c = clock.embedder(*clock.value, like)
+    return F.linear(F.silu(c), weight, getattr(module, name + "_bias").to(like.dtype))
+
+
 class GatedBiasDropoutAdd(MegatronModule):
     """The bias-dropout-add slot of a `pre` / `magic` layer with a branch gate: the sub-layer's
     (output, bias) are scaled by g = 1 + W psi before megatron-core's own bias-dropout-add.
@@ -81,11 +121,12 @@ class GatedBiasDropoutAdd(MegatronModule):
     def __init__(self, config, inner, form: str, clock: StepHolder):
         super().__init__(config=config)
         self.inner, self.clock = build_module(inner), clock  # megatron-core's bda function
-        shape = (NUM_FEATURES,) if form == "branch-gating" else (config.hidden_size, NUM_FEATURES)
-        self.timestep_gate = _zeros(shape, config)
+        _add_modulation(self, "timestep_gate", form, config)
+        # Recurrence Effective's gates are 1 + W psi; LoopFormer's is W silu(c) + b itself.
+        self.offset = 0.0 if form == "loopformer" else 1.0
 
     def gate(self, like: torch.Tensor) -> torch.Tensor:
-        return 1.0 + self.timestep_gate.to(like.dtype) @ _features(self.clock, like)
+        return self.offset + _modulation(self, "timestep_gate", self.clock, like)
 
     def forward(self, training: bool, fused: bool):
         bda = self.inner(training, fused)
@@ -107,15 +148,15 @@ class GatedNormedBiasDropoutAdd(NormedBiasDropoutAdd):
     def __init__(self, config, norm, where: str, form: str, clock: StepHolder):
         super().__init__(config, norm, where)
         self.clock = clock
-        shape = (NUM_FEATURES,) if form == "branch-gating" else (config.hidden_size, NUM_FEATURES)
-        self.timestep_gate = _zeros(shape, config)
+        _add_modulation(self, "timestep_gate", form, config)
+        self.offset = 0.0 if form == "loopformer" else 1.0
 
     def forward(self, training: bool, fused: bool):  # noqa: ARG002 - fused has no meaning here
         def gated(x_with_bias, residual, prob):
             x, bias = x_with_bias
             if bias is not None:
                 x = x + bias
-            g = 1.0 + self.timestep_gate.to(x.dtype) @ _features(self.clock, x)
+            g = self.offset + _modulation(self, "timestep_gate", self.clock, x)
             if self.where == "branch":
                 return residual + F.dropout(g * self.norm(x), p=prob, training=training)
             return self.norm(residual + F.dropout(g * x, p=prob, training=training))
@@ -124,9 +165,11 @@ class GatedNormedBiasDropoutAdd(NormedBiasDropoutAdd):
 
 
 class ScaledNorm(MegatronModule):
-    """AdaLN's input norm slot: ``(1 + s) N(u)`` with s = ``timestep_scale`` psi ([d, 8])."""
+    """AdaLN's input norm slot: ``(1 + s) N(u)`` with s = ``timestep_scale`` psi ([d, 8]), or
+    for LoopFormer s = ``timestep_scale`` silu(c) + ``timestep_scale_bias`` ([d, d], [d])."""
 
-    def __init__(self, config, hidden_size: int, eps: float, inner, clock: StepHolder):
+    def __init__(self, config, hidden_size: int, eps: float, inner, clock: StepHolder,
+                 form: str = "adaln"):
         super().__init__(config=config)
         norm = build_module(inner, config=config, hidden_size=hidden_size, eps=eps)
         # The norm's parameters are registered here, under the names they have in a plain layer
@@ -137,11 +180,11 @@ class ScaledNorm(MegatronModule):
             self.register_parameter(name, param)
         self._norm = (norm,)
         self.clock = clock
-        self.timestep_scale = _zeros((hidden_size, NUM_FEATURES), config)
+        _add_modulation(self, "timestep_scale", form, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._norm[0](x)
-        return out * (1.0 + self.timestep_scale.to(out.dtype) @ _features(self.clock, out))
+        return out * (1.0 + _modulation(self, "timestep_scale", self.clock, out))
 
 
 def conditioned_spec(spec: ModuleSpec, form: str, clock: StepHolder, config) -> ModuleSpec:
@@ -158,11 +201,53 @@ def conditioned_spec(spec: ModuleSpec, form: str, clock: StepHolder, config) -> 
                           params={"config": config, "inner": bda, "form": form, "clock": clock})
 
     changes = {"self_attn_bda": gated_bda(sub.self_attn_bda), "mlp_bda": gated_bda(sub.mlp_bda)}
-    if form == "adaln":
+    if form in NORM_FORMS:
         for slot in ("input_layernorm", "pre_mlp_layernorm"):
-            changes[slot] = ModuleSpec(module=ScaledNorm,
-                                       params={"inner": getattr(sub, slot), "clock": clock})
+            changes[slot] = ModuleSpec(module=ScaledNorm, params={
+                "inner": getattr(sub, slot), "clock": clock, "form": form})
     return with_submodules(spec, **changes)
+
+
+def sinusoidal_embedding(value: float, dim: int, device=None) -> torch.Tensor:
+    """[dim] float32: ``cos(value w_i)`` for i < dim / 2, then ``sin(value w_i)``, with
+    ``w_i = 10000^(-i / (dim / 2))`` (LoopFormer's frequency embedding of t and of dt)."""
+    half = dim // 2
+    rates = torch.exp(torch.arange(half, dtype=torch.float32, device=device)
+                      * (-math.log(10000.0) / half))
+    angles = torch.tensor(value, dtype=torch.float32, device=device) * rates
+    return torch.cat([torch.cos(angles), torch.sin(angles)])
+
+
+class StepEmbedder(MegatronModule):
+    """LoopFormer's c = E_t(t) + E_dt(dt): per input a sinusoidal embedding of ``frequency_dim``
+    through Linear-SiLU-Linear (with biases) to the hidden size. Replicated over TP ranks
+    (weights drawn from the CPU generator, seeded alike on every rank; biases 0)."""
+
+    def __init__(self, config, frequency_dim: int):
+        super().__init__(config=config)
+        self.frequency_dim = frequency_dim
+        d = config.hidden_size
+        for name, fan_in in (("time_in", frequency_dim), ("time_out", d), ("size_in", frequency_dim),
+                             ("size_out", d)):
+            linear = torch.nn.Linear(fan_in, d, dtype=config.params_dtype)
+            with torch.no_grad():
+                weight = torch.empty(d, fan_in, dtype=torch.float32)
+                config.init_method(weight)
+                linear.weight.copy_(weight)
+                linear.bias.zero_()
+            for p in linear.parameters():
+                p.sequence_parallel = config.sequence_parallel
+            setattr(self, name, linear)
+
+    def forward(self, t: float, dt: float, like: torch.Tensor) -> torch.Tensor:
+        """c [d] for time t and step size dt, in ``like``'s dtype and device."""
+        def embed(value, first, second):
+            x = sinusoidal_embedding(value, self.frequency_dim, like.device).to(like.dtype)
+            return F.linear(F.silu(F.linear(x, first.weight.to(like.dtype),
+                                            first.bias.to(like.dtype))),
+                            second.weight.to(like.dtype), second.bias.to(like.dtype))
+
+        return embed(t, self.time_in, self.time_out) + embed(dt, self.size_in, self.size_out)
 
 
 class TimestepConditioning(MegatronModule, LoopVariant):
@@ -170,21 +255,28 @@ class TimestepConditioning(MegatronModule, LoopVariant):
     core's layer spec by ``conditioned_spec``), loop gating's q, and the loop-variant hooks."""
 
     def __init__(self, config, form: str, clock: StepHolder, train_loops: int, inference: str,
-                 last: bool = True):
+                 last: bool = True, frequency_dim: int = 256):
         super().__init__(config=config)
         if form not in FORMS:
             raise ValueError(f"unknown --timestep-conditioning {form!r}; choose one of none, "
                              f"{', '.join(FORMS)}")
         self.form, self.train_loops, self.inference = form, train_loops, inference
         self.clock = clock
-        self.clock.value = timestep_features(0, train_loops)
+        # LoopFormer: the step's embedder, shared by every core layer; the layers' modules reach
+        # it through the clock (it is registered here, once, as ``timestep.embedder``).
+        self.embedder = StepEmbedder(config, frequency_dim) if form == "loopformer" else None
+        self.clock.embedder = self.embedder
+        self.clock.value = self.features(1, train_loops)
         # Loop gating is used where a step ends: only the last pipeline stage owns it.
         self.loop_gate = _zeros((NUM_FEATURES,), config) \
             if form == "loop-gating" and last else None
 
-    def features(self, step: int, num_loops: int) -> list:
-        """psi of loop step ``step`` (1-based) when ``num_loops`` loops are run."""
+    def features(self, step: int, num_loops: int):
+        """psi of loop step ``step`` (1-based) when ``num_loops`` loops are run; LoopFormer:
+        (t, dt) = ((step - 1) / T, 1 / T)."""
         T = num_loops if self.inference == "rescaled" else self.train_loops
+        if self.form == "loopformer":
+            return ((step - 1) / T, 1.0 / T)
         return timestep_features(step - 1, T)
 
     def carry_slots(self, num_loops):
@@ -223,4 +315,5 @@ def build_timestep_conditioning(config, loop, clock: StepHolder, last: bool = Tr
     if loop.timestep_conditioning == "none":
         return None
     return TimestepConditioning(config, loop.timestep_conditioning, clock, loop.num_loops,
-                                loop.timestep_inference, last)
+                                loop.timestep_inference, last,
+                                loop.timestep_frequency_dim)

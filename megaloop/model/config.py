@@ -217,6 +217,10 @@ class ModelConfig:
     num_layers_at_end_in_bf16: int = 1
     """Layers at the end kept in BF16 by --first-last-layers-bf16."""
 
+    squared_relu: bool = False
+    """Squared-ReLU MLP, relu(x)^2 (megatron-core's ``squared_relu``; Megatron-LM's flag), instead
+    of the default GELU; not with --swiglu (Parcae's MLP, whose 1/2 factor folds into fc2)."""
+
     def __post_init__(self):
         # Megatron-LM's --group-query-attention without --num-query-groups means one group.
         if self.group_query_attention and self.num_query_groups is None:
@@ -270,6 +274,9 @@ class ModelConfig:
         if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
             raise ValueError("--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 must "
                              "be >= 0")
+        if self.squared_relu and self.swiglu:
+            raise ValueError("--squared-relu and --swiglu are two MLP activations; pass one of "
+                             "them (Megatron-LM refuses both too)")
 
 
 @dataclass
@@ -315,12 +322,14 @@ class LoopConfig:
     (learnable, of --normalization), `frms` (the same without a scale) or `identity` (none)."""
 
     input_injection: Literal["none", "scalar-mix", "scalar", "channel-wise",
-                             "residual-channel-wise", "dense", "concat-linear"] = "none"
+                             "residual-channel-wise", "dense", "concat-linear", "parcae"] = "none"
     """What enters a core pass: `none` (the previous state h, as Ouro); `scalar-mix` (Closing the
     Loop Eq. 1, passes after the first: w src + (1 - w) h, w = sigmoid(a)); before every pass,
     Recurrence Effective's initial-state forms `scalar` (h + alpha src), `channel-wise` (a*h +
     b*src), `residual-channel-wise` ((1 + da)*h + b*src), `dense` (W_h h + W_0 src), all starting as
-    the identity on h, or Huginn's `concat-linear` (W [h; src], random W)."""
+    the identity on h, Huginn's `concat-linear` (W [h; src], random W), or Parcae's `parcae`
+    (exp(-dt A) * h + dt * (B src), dt = softplus(dt_bias), A = exp(A_log) per channel, B dense,
+    starting at decay sqrt(1/5) and B = I)."""
 
     injection_source: Literal["embedding", "prelude"] = "embedding"
     """The injected src: the token embedding, or the prelude output (the same without a prelude)."""
@@ -337,11 +346,14 @@ class LoopConfig:
     """w, the number of past states history-state injection reads (Recurrence Effective's best:
     2)."""
 
-    timestep_conditioning: Literal["none", "loop-gating", "branch-gating", "adaln"] = "none"
+    timestep_conditioning: Literal["none", "loop-gating", "branch-gating", "adaln",
+                                   "loopformer"] = "none"
     """Recurrence Effective timestep conditioning on psi(l/T, 1/T): `loop-gating` (h + g (F(h) - h),
     g = 1 + q.psi), `branch-gating` (each core layer's attention / MLP update scaled by 1 + q_k.psi)
     or `adaln` (per layer and branch, [g - 1; s] = W_k psi: input norm scaled by 1 + s, update by
-    g). All parameters start at 0 (the unconditioned model)."""
+    g); all their parameters start at 0 (the unconditioned model). `loopformer` (LoopFormer):
+    c = MLP_t(sin(l/T)) + MLP_dt(sin(1/T)), and per layer and branch g = W_g silu(c) + b_g,
+    s = W_s silu(c) + b_s (input norm scaled by 1 + s, update by g; W, b start at 0)."""
 
     timestep_inference: Literal["rescaled", "prefix"] = "rescaled"
     """Timestep features when running another loop count than trained: `rescaled` (t = l / T with
@@ -433,6 +445,23 @@ class LoopConfig:
     """`--loop-readout chunked`: tokens (sequence x micro-batch, per rank) whose fp32 logits
     [tokens, V/tp] exist at once."""
 
+    timestep_frequency_dim: int = 256
+    """`--timestep-conditioning loopformer`: size of the sinusoidal embedding of the step's time t
+    and of its size dt before each one's Linear-SiLU-Linear (LoopFormer: 256); even."""
+
+    injection_source_norm: bool = False
+    """Normalize the injected src once, before the loop, with a learnable norm of --normalization
+    (Parcae's prelude norm: the prelude output is RMS-normed once, then injected at every
+    step); needs --input-injection."""
+
+    readout_projection: bool = False
+    """A learned [d, d] linear between each step's state and its readout (coda, gate, head): the
+    readout reads C h_t while h_t itself continues the loop (Parcae's C, drawn orthogonal with
+    gain --init-method-std x sqrt(d)); after --step-norm, so it needs --step-norm-placement
+    readout and no --share-final-norm. The coda's final norm then stays the learnable norm of
+    --normalization whatever --step-norm says (Parcae: no norm between passes, ln_f after the
+    coda)."""
+
     def num_core_layers(self, num_layers: int) -> int:
         return num_layers - self.num_prelude_layers - self.num_coda_layers
 
@@ -522,6 +551,23 @@ class LoopConfig:
         if self.loop_readout_chunk_tokens < 1:
             raise ValueError(f"--loop-readout-chunk-tokens {self.loop_readout_chunk_tokens} must "
                              f"be >= 1")
+        if self.timestep_frequency_dim < 2 or self.timestep_frequency_dim % 2:
+            raise ValueError(f"--timestep-frequency-dim {self.timestep_frequency_dim} must be an "
+                             f"even number >= 2 (cosines and sines in halves; LoopFormer: 256)")
+        if self.timestep_frequency_dim != 256 and self.timestep_conditioning != "loopformer":
+            raise ValueError(f"--timestep-frequency-dim {self.timestep_frequency_dim} sizes "
+                             f"LoopFormer's step embedding; it needs --timestep-conditioning "
+                             f"loopformer, not {self.timestep_conditioning}")
+        if self.injection_source_norm and self.input_injection == "none":
+            raise ValueError("--injection-source-norm normalizes the injected source: it needs "
+                             "an --input-injection (Parcae: --input-injection parcae)")
+        if self.readout_projection and self.step_norm_placement != "readout":
+            raise ValueError("--readout-projection projects the state the readout reads; with "
+                             "--step-norm-placement recurrent the projected state would continue "
+                             "the loop: add --step-norm-placement readout")
+        if self.readout_projection and self.share_final_norm:
+            raise ValueError("--readout-projection sits after the step norm, which "
+                             "--share-final-norm applies again after the coda: drop one of them")
         from megaloop.model.spiral_schedule import validate_loop
 
         validate_loop(self)
@@ -684,7 +730,7 @@ def transformer_config(model: ModelConfig, num_layers: int, *, tp_size: int = 1,
         layernorm_zero_centered_gamma=model.apply_layernorm_1p,
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=model.swiglu,
-        activation_func=_activation(model.swiglu),
+        activation_func=_activation(model.swiglu, model.squared_relu),
         add_bias_linear=not model.disable_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.qk_bias,
         rotary_interleaved=model.rotary_interleaved,
@@ -724,9 +770,13 @@ def _context_parallel_size() -> int:
     return parallel_state.get_context_parallel_world_size()
 
 
-def _activation(swiglu: bool):
+def _activation(swiglu: bool, squared_relu: bool = False):
     import torch.nn.functional as F
 
+    if squared_relu:
+        from megatron.core.activations import squared_relu as relu2
+
+        return relu2
     return F.silu if swiglu else F.gelu
 
 

@@ -22,7 +22,16 @@ core pass.
 - `dense` (What Makes Recurrence Effective): ``W_h h + W_0 src``, one [d, 2d] matrix initialised to
   [I 0];
 - `concat-linear` (Huginn, Geiping et al. 2025): ``W [h; src]``, the same [d, 2d] matrix with a
-  random normal initialisation (std --init-method-std), so *not* the identity at start.
+  random normal initialisation (std --init-method-std), so *not* the identity at start;
+- `parcae` ("Parcae", arXiv 2604.12946; its code calls it the diagonal injection, named here after
+  the paper since `channel-wise` is already a diagonal form): ``exp(-dt A) * h + dt * (B src)``
+  with ``dt = softplus(dt_bias)`` and ``A = exp(A_log)`` vectors over the hidden size and B a
+  dense [d, d] matrix: a discretised linear system whose decay exp(-dt A) is in (0, 1) for any
+  parameters. Starts at A_log = 0, decay sqrt(1/5) on every channel, B = I.
+
+``--injection-source-norm`` normalizes the source once in ``begin`` (a learnable norm of
+--normalization owned by the injection module): Parcae injects the prelude output after one
+RMSNorm.
 
 The What Makes Recurrence Effective forms are initialised to the identity on h, so a model with them
 starts equal to the plain model. The source and history-state injection's window of completed
@@ -71,7 +80,10 @@ class _Injection(MegatronModule, LoopVariant):
 
     def begin(self, carry, ctx, embedded):
         if self.carry_slots(ctx.num_loops):
-            carry.source = carry.h if self.source_of == "prelude" else embedded
+            source = carry.h if self.source_of == "prelude" else embedded
+            # --injection-source-norm: a submodule ``source_norm`` (build_injection) applied once
+            norm = getattr(self, "source_norm", None)
+            carry.source = source if norm is None else norm(source)
 
     def before_core(self, z, carry, t, ctx):
         if t > 1 or self.every_step:
@@ -165,6 +177,37 @@ class ConcatLinear(_Injection):
         return F.linear(torch.cat([h, source], dim=-1), self.weight.to(h.dtype))
 
 
+class ParcaeInjection(_Injection):
+    """Parcae's state injection: ``exp(-dt A) * h + dt * (B src)``, ``dt = softplus(dt_bias)``,
+    ``A = exp(A_log)`` per channel, B [d, d]; all three replicated over TP ranks. The decay and dt
+    are computed in fp32 from the parameters. Initialised as Parcae's code does: A_log = 0
+    (A = 1), dt_bias = softplus^-1(-log(sqrt(1/5))) (decay sqrt(1/5) ~ 0.447, dt ~ 0.805), B = I."""
+
+    every_step = True  # Parcae injects before every core pass, the first included
+    INITIAL_DECAY = math.sqrt(1.0 / 5.0)
+
+    def __init__(self, config, first: bool = True):
+        super().__init__(config=config)
+        if not first:
+            return
+        d, dtype = config.hidden_size, config.params_dtype
+        dt = -math.log(self.INITIAL_DECAY)
+        dt_bias = dt + math.log(-math.expm1(-dt))  # softplus(dt_bias) = dt
+        self.A_log = _replicated(torch.nn.Parameter(torch.zeros(d, dtype=dtype)), config)
+        self.dt_bias = _replicated(torch.nn.Parameter(torch.full((d,), dt_bias, dtype=dtype)),
+                                   config)
+        self.B = _replicated(torch.nn.Parameter(torch.eye(d, dtype=dtype)), config)
+
+    def rates(self):
+        """(decay, dt): exp(-softplus(dt_bias) exp(A_log)) and softplus(dt_bias), fp32 [d]."""
+        dt = F.softplus(self.dt_bias.float())
+        return torch.exp(-dt * torch.exp(self.A_log.float())), dt
+
+    def forward(self, h: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        decay, dt = self.rates()
+        return decay.to(h.dtype) * h + dt.to(h.dtype) * F.linear(source, self.B.to(h.dtype))
+
+
 INJECTIONS = {
     "scalar-mix": lambda config, loop, seed, first: ScalarMix(
         config, loop.injection_init_weight, first),
@@ -178,6 +221,7 @@ INJECTIONS = {
         config, identity_init=True, seed=seed, first=first),
     "concat-linear": lambda config, loop, seed, first: ConcatLinear(
         config, identity_init=False, seed=seed, first=first),
+    "parcae": lambda config, loop, seed, first: ParcaeInjection(config, first),
 }
 
 
@@ -192,6 +236,11 @@ def build_injection(config, loop, seed: int = 0, first: bool = True
                          f"none, {', '.join(INJECTIONS)}")
     module = INJECTIONS[loop.input_injection](config, loop, seed, first)
     module.source_of = loop.injection_source
+    if getattr(loop, "injection_source_norm", False) and first:
+        from megaloop.model.specs import build_norm
+
+        # (megatron-core's local norm of --normalization on either backend: one small norm)
+        module.source_norm = build_norm(config, False, "rms")
     return module
 
 

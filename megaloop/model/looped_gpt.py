@@ -28,7 +28,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megaloop.model.config import LoopConfig, ModelConfig, with_layers
-from megaloop.model.conditioning import build_timestep_conditioning, conditioned_spec
+from megaloop.model.conditioning import (NORM_FORMS, SPEC_FORMS, build_timestep_conditioning,
+                                         conditioned_spec)
 from megaloop.model.loop_step import StepHolder
 from megaloop.model.initial_state import build_initial_state
 from megaloop.model.injection import build_history_injection, build_injection
@@ -37,6 +38,7 @@ from megaloop.model import layer_forward, recurrence
 from megaloop.model.carry import SIDE, Slot, merge_slots
 from megaloop.model.lora import StepwiseLoRA
 from megaloop.model.readout import chunked_language_model_loss
+from megaloop.model.readout_projection import with_readout_projection
 from megaloop.model.sharded_init import shard_only_initialization
 from megaloop.model.loss import LoopOutput  # noqa: F401  (the forward's return type)
 from megaloop.model.objective import ExitObjective
@@ -95,7 +97,7 @@ class LoopedGPTModel(LanguageModule):
 
         num_core = loop.num_core_layers(model_cfg.num_layers)
         spec = layer_spec(config, model_cfg.norm_scheme, use_te,
-                          unfuse_input_norms=loop.timestep_conditioning == "adaln")
+                          unfuse_input_norms=loop.timestep_conditioning in NORM_FORMS)
         # Stepwise LoRA adapters are built with the core's linears (its spec names adapted
         # linear classes); prelude and coda keep the plain spec. A is drawn from a private
         # generator, so the base weights equal those of a model without LoRA built from the
@@ -104,13 +106,13 @@ class LoopedGPTModel(LanguageModule):
             loop.num_loops, loop.lora_rank, loop.lora_alpha or loop.lora_rank,
             seed=torch.initial_seed() + 1) if loop.lora_rank else None
         core_spec = layer_spec(config, model_cfg.norm_scheme, use_te,
-                               unfuse_input_norms=loop.timestep_conditioning == "adaln",
+                               unfuse_input_norms=loop.timestep_conditioning in NORM_FORMS,
                                lora=self.lora.setup) if self.lora else spec
 
-        # Branch gating / AdaLN: gated bias-dropout-adds (and scaled input norms) in the core's
-        # spec, reading the step in flight from one clock (megaloop.model.conditioning).
+        # Branch gating / AdaLN / LoopFormer: gated bias-dropout-adds (and scaled input norms) in
+        # the core's spec, reading the step in flight from one clock (megaloop.model.conditioning).
         clock = StepHolder()
-        if loop.timestep_conditioning in ("branch-gating", "adaln"):
+        if loop.timestep_conditioning in SPEC_FORMS:
             core_spec = conditioned_spec(core_spec, loop.timestep_conditioning, clock, config)
 
         def block(n: int, final_norm: bool, split: bool = False, spec=spec) -> TransformerBlock:
@@ -141,6 +143,9 @@ class LoopedGPTModel(LanguageModule):
             if pre_process and loop.num_prelude_layers else None
         self.core = block(num_core, False, split=True, spec=core_spec)
         self.step_norm = build_norm(config, use_te, loop.step_norm) if post_process else None
+        # --readout-projection: the readout reads C step_norm(h) (Parcae's C; the loop goes on
+        # from h under --step-norm-placement readout), megaloop/model/readout_projection.py.
+        self.step_norm = with_readout_projection(self.step_norm, config, loop)
         # The coda's final norm is the readout norm before gate and head (--share-final-norm:
         # the step norm again, applied by ``readout``).
         self.coda = block(loop.num_coda_layers, not loop.share_final_norm) \
@@ -152,8 +157,10 @@ class LoopedGPTModel(LanguageModule):
             skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights
         ) if post_process else None
         self.setup_embeddings_and_output_layer()
-        if self.coda is not None and loop.step_norm != "rms" and not loop.share_final_norm:
-            # The coda's final norm is the readout norm before gate and head: --step-norm too.
+        if self.coda is not None and loop.step_norm != "rms" and not loop.share_final_norm \
+                and not loop.readout_projection:
+            # The coda's final norm is the readout norm before gate and head: --step-norm too
+            # (not under --readout-projection: Parcae's coda ends in its own norm, ln_f).
             self.coda.final_layernorm = build_norm(config, use_te, loop.step_norm)
         # Every stage builds every variant (so every stage lays the carry out alike); the
         # injections' parameters live on the first stage, where they run.

@@ -115,6 +115,7 @@ def spiral(loop, r: Request) -> Optional[str]:
 EXPORT_MODEL = {
     "--position-embedding-type": ("position_embedding_type", ("rope",)),
     "--normalization": ("normalization", ("RMSNorm",)),
+    "--squared-relu": ("squared_relu", (False,)),
     "--swiglu": ("swiglu", (True,)),
     "--disable-bias-linear": ("disable_bias_linear", (True,)),
     "--rotary-percent": ("rotary_percent", (1.0,)),
@@ -130,6 +131,9 @@ EXPORT_LOOP = {
     "--timestep-conditioning": ("timestep_conditioning", ("none",)),
     "--state-init": ("state_init", ("prelude",)),
     "--share-final-norm": ("share_final_norm", (False,)),
+    # Parcae's pieces ("Parcae", arXiv 2604.12946): not in the modeling file.
+    "--injection-source-norm": ("injection_source_norm", (False,)),
+    "--readout-projection": ("readout_projection", (False,)),
 }
 
 
@@ -148,8 +152,8 @@ def export(loop, r: Request) -> Optional[str]:
     for flag, (name, supported) in EXPORT_LOOP.items():
         value = getattr(loop, name)
         if value not in supported:
-            return (f"export-hf supports {flag} {' or '.join(supported)} only; this checkpoint "
-                    f"has {flag} {value}")
+            return (f"export-hf supports {flag} {' or '.join(map(str, supported))} only; this "
+                    f"checkpoint has {flag} {value}")
     return None
 
 

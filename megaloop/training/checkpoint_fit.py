@@ -21,11 +21,12 @@ ARCHITECTURE = {
               "normalization", "apply_layernorm_1p", "swiglu", "disable_bias_linear",
               "qk_layernorm",
               "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by",
-              "norm_scheme", "qk_bias", "rotary_interleaved", "embedding_scale"),
+              "norm_scheme", "qk_bias", "rotary_interleaved", "embedding_scale", "squared_relu"),
     "loop": ("num_prelude_layers", "num_coda_layers", "step_norm_placement", "step_norm",
              "input_injection", "injection_source", "history_injection", "history_window",
              "timestep_conditioning", "loop_topology", "mesh_slots", "lora_rank",
-             "resolution_down", "resolution_up", "state_init", "share_final_norm"),
+             "resolution_down", "resolution_up", "state_init", "share_final_norm",
+             "timestep_frequency_dim", "injection_source_norm", "readout_projection"),
 }
 
 

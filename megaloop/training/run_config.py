@@ -162,6 +162,12 @@ class RunConfig:
 
     def _check_pipeline(self, world_size: int | None) -> None:
         pp, T = self.parallel.pipeline_model_parallel_size, self.loop.num_loops
+        if pp > 1 and self.loop.timestep_conditioning == "loopformer":
+            raise ValueError(f"--timestep-conditioning loopformer with "
+                             f"--pipeline-model-parallel-size {pp}: its step embedder is shared "
+                             f"by every core layer, so every stage would hold a copy whose "
+                             f"gradients are not summed over stages; use "
+                             f"--pipeline-model-parallel-size 1 (TP and DP are supported)")
         readouts = self.parallel.first_stage_readout_steps()
         if readouts:
             from megaloop.parallel.balance import first_readout_blocker
