@@ -18,7 +18,6 @@ config.json.
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -27,24 +26,15 @@ import torch
 from distributed import run_distributed
 from huginn_reference import (forward, greedy, huginn_config, make_huginn_folder,
                               per_step_log_probs, random_weights)
+from test_nanbeige import _convert, first_step_argv
 from test_ouro_training import _first_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONVERT = os.path.join(ROOT, "tools", "convert_checkpoint.py")
 # fp32 on both sides; the sums run in other orders (fused QKV, megatron-core's attention and
 # norms), each rounding ~1e-7 relative, through 1 + 2 x 3 + 1 layers and a 128-token softmax:
 # agreement to ~2e-6 is what fp32 gives here, 1e-5 leaves a margin while any seeded bug below
 # moves the log-probabilities by more than 0.1.
 TOL = 1e-5
 IDS = torch.tensor([[5, 9, 17, 4, 30, 12, 7, 21], [3, 3, 60, 101, 44, 8, 2, 90]])
-
-
-def _convert(*args):
-    quiet = ["--no-progress"] if args[0] == "import-hf" else []
-    out = subprocess.run([sys.executable, CONVERT, *args, *quiet], capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 @pytest.fixture(scope="module")
@@ -217,14 +207,7 @@ def test_first_training_loss_equals_the_reference(imported, tp, pp):
     """The trainer from the checkpoint (its flags taken with --use-checkpoint-args, the fixed
     mean recurrence: no --random-depth-mean) and --state-init-scale 0."""
     ckpt, _, weights, cfg, _ = imported
-    argv = ["--use-checkpoint-args", "--load", ckpt, "--finetune",
-            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-            os.path.join(ckpt, "tokenizer"), "--mock-data", "--seq-length", "16",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
-            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--num-workers", "0", "--eval-iters", "0", "--state-init-scale", "0",
-            "--distributed-backend", "auto", "--transformer-impl", "auto",
-            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    argv = first_step_argv(ckpt, tp, pp, "--state-init-scale", "0")
     results = run_distributed(_first_step, tp * pp, argv, timeout=240)
     stats = results[0][0]
     batches = next(seen for _, seen in results if seen and "labels" in seen[0])

@@ -4,7 +4,6 @@ exactly zero (Huginn's attention has no value bias), through megaloop's trainer 
 distributed optimizer, together with the other Huginn flags and its sampled recurrence."""
 
 import pytest
-import torch
 
 from distributed import run_distributed
 from test_training import BASE

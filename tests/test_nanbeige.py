@@ -90,6 +90,20 @@ def test_greedy_generation_is_the_references(imported):
         assert [int(t) for t in out.stdout.strip().split(",")] == want, (load, out.stdout)
 
 
+def first_step_argv(ckpt, tp, pp, *extra):
+    """pretrain_looplm.py flags of one training step from an imported checkpoint (its flags
+    taken with --use-checkpoint-args) on 2 x 2 mock sequences of 16 tokens at (TP, PP)."""
+    return ["--use-checkpoint-args", "--load", ckpt, "--finetune",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+            os.path.join(ckpt, "tokenizer"), "--mock-data", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
+            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--num-workers", "0", "--eval-iters", "0",
+            "--distributed-backend", "auto", "--transformer-impl", "auto",
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            *extra]
+
+
 def _reference_loss(weights, cfg, batches):
     """Mean cross-entropy of the reference's logits after the last pass over the tokens of
     ``batches`` (megaloop's objective for a model without an exit gate)."""
@@ -106,15 +120,7 @@ def _reference_loss(weights, cfg, batches):
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_first_training_loss_equals_the_reference(imported, tp, pp):
     ckpt, _, weights, cfg = imported
-    argv = ["--use-checkpoint-args", "--load", ckpt, "--finetune",
-            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-            os.path.join(ckpt, "tokenizer"), "--mock-data", "--seq-length", "16",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1",
-            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--num-workers", "0", "--eval-iters", "0",
-            "--distributed-backend", "auto", "--transformer-impl", "auto",
-            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
-    results = run_distributed(_first_step, tp * pp, argv, timeout=240)
+    results = run_distributed(_first_step, tp * pp, first_step_argv(ckpt, tp, pp), timeout=240)
     stats = results[0][0]
     batches = next(seen for _, seen in results if seen and "labels" in seen[0])
     assert len(batches) == 2

@@ -217,6 +217,15 @@ def rope_table(head_dim: int, length: int, base: float) -> torch.Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1)[None, :, None]
 
 
+def _layer_prefixes(model: ModelConfig, loop: LoopConfig):
+    """(megaloop's, Huginn's) name prefix of every layer: prelude, core, coda."""
+    layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
+              "core": loop.num_core_layers(model.num_layers)}
+    for block, theirs_block in BLOCKS.items():
+        for i in range(layers[block]):
+            yield f"{block}.layers.{i}.", f"{theirs_block}.{i}."
+
+
 def _heads(model: ModelConfig) -> Heads:
     return Heads(model.num_attention_heads, model.num_query_groups, model.kv_channels)
 
@@ -246,19 +255,15 @@ def from_huginn(get, names: set, model: ModelConfig, loop: LoopConfig) -> dict:
         if table.shape != want.shape or not torch.allclose(table, want, atol=1e-4):
             raise ValueError(f"freqs_cis is not the interleaved RoPE table of head_dim {d} and "
                              f"rope_base {model.rotary_base}; config.json and the weights differ")
-    layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
-              "core": loop.num_core_layers(model.num_layers)}
-    for block, theirs_block in BLOCKS.items():
-        for i in range(layers[block]):
-            ours, theirs = f"{block}.layers.{i}.", f"{theirs_block}.{i}."
-            for o, t in SIMPLE.items():
-                out[ours + o] = tracked(theirs + t)
-            q, k, v = tracked(theirs + "attn.Wqkv.weight").split([q_rows, kv_rows, kv_rows])
-            out[ours + "self_attention.linear_qkv.weight"] = heads.fuse_qkv(q, k, v)
-            if model.qk_bias:
-                qb, kb = tracked(theirs + "attn.qk_bias").float()  # [2, 1, H, d] -> 2 x [1, H, d]
-                parts = [qb.reshape(-1, 1), kb.reshape(-1, 1), torch.zeros(kv_rows, 1)]
-                out[ours + "self_attention.linear_qkv.bias"] = heads.fuse_qkv(*parts)[:, 0]
+    for ours, theirs in _layer_prefixes(model, loop):
+        for o, t in SIMPLE.items():
+            out[ours + o] = tracked(theirs + t)
+        q, k, v = tracked(theirs + "attn.Wqkv.weight").split([q_rows, kv_rows, kv_rows])
+        out[ours + "self_attention.linear_qkv.weight"] = heads.fuse_qkv(q, k, v)
+        if model.qk_bias:
+            qb, kb = tracked(theirs + "attn.qk_bias").float()  # [2, 1, H, d] -> 2 x [1, H, d]
+            parts = [qb.reshape(-1, 1), kb.reshape(-1, 1), torch.zeros(kv_rows, 1)]
+            out[ours + "self_attention.linear_qkv.bias"] = heads.fuse_qkv(*parts)[:, 0]
     unused = sorted(set(names) - read)
     if unused:
         raise ValueError(f"the safetensors files hold tensors config.json does not describe: "
@@ -275,27 +280,23 @@ def to_huginn(state: dict, model: ModelConfig, loop: LoopConfig) -> dict:
            "transformer.adapter.weight": state["injection.weight"],
            "freqs_cis": rope_table(d, model.max_position_embeddings, model.rotary_base)}
     used = {"embedding.word_embeddings.weight", "step_norm.weight", "injection.weight"}
-    layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
-              "core": loop.num_core_layers(model.num_layers)}
-    for block, theirs_block in BLOCKS.items():
-        for i in range(layers[block]):
-            ours, theirs = f"{block}.layers.{i}.", f"{theirs_block}.{i}."
-            for o, t in SIMPLE.items():
-                out[theirs + t] = state[ours + o]
-                used.add(ours + o)
-            q, k, v = heads.split_qkv(state[ours + "self_attention.linear_qkv.weight"])
-            out[theirs + "attn.Wqkv.weight"] = torch.cat([q, k, v])
-            used.add(ours + "self_attention.linear_qkv.weight")
-            bias = ours + "self_attention.linear_qkv.bias"
-            if bias in state:
-                used.add(bias)
-                qb, kb, vb = (p[:, 0] for p in heads.split_qkv(state[bias][:, None]))
-                if vb.abs().max() > 0:
-                    raise ValueError(f"{bias}: the value bias is not zero; Huginn's attention has "
-                                     f"a bias on q and k only (train with --qk-bias)")
-                shape = (1, heads.num_heads, d)
-                out[theirs + "attn.qk_bias"] = torch.stack([qb.reshape(shape),
-                                                            kb.reshape(shape)])
+    for ours, theirs in _layer_prefixes(model, loop):
+        for o, t in SIMPLE.items():
+            out[theirs + t] = state[ours + o]
+            used.add(ours + o)
+        q, k, v = heads.split_qkv(state[ours + "self_attention.linear_qkv.weight"])
+        out[theirs + "attn.Wqkv.weight"] = torch.cat([q, k, v])
+        used.add(ours + "self_attention.linear_qkv.weight")
+        bias = ours + "self_attention.linear_qkv.bias"
+        if bias in state:
+            used.add(bias)
+            qb, kb, vb = (p[:, 0] for p in heads.split_qkv(state[bias][:, None]))
+            if vb.abs().max() > 0:
+                raise ValueError(f"{bias}: the value bias is not zero; Huginn's attention has "
+                                 f"a bias on q and k only (train with --qk-bias)")
+            shape = (1, heads.num_heads, d)
+            out[theirs + "attn.qk_bias"] = torch.stack([qb.reshape(shape),
+                                                        kb.reshape(shape)])
     unknown = sorted(set(state) - used)
     if unknown:
         raise ValueError(f"no Huginn name for {unknown[:5]}: Huginn's code has no such tensor")
