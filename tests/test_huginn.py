@@ -26,7 +26,7 @@ import torch
 from distributed import run_distributed
 from huginn_reference import (forward, greedy, huginn_config, make_huginn_folder,
                               per_step_log_probs, random_weights)
-from test_nanbeige import _convert, first_step_argv
+from test_nanbeige import _convert, check_lm_eval, first_step_argv
 from test_ouro_training import _first_step
 
 # fp32 on both sides; the sums run in other orders (fused QKV, megatron-core's attention and
@@ -426,31 +426,13 @@ def test_the_folder_and_the_checkpoint_serve(imported, tmp_path):
                        tmp_path / str(i))
 
 
-def _lm_eval_scores(rank, world, sources, pair):
-    from lm_eval.api.instance import Instance
-
-    from megaloop.eval.lm_eval_adapter import MegaloopLM
-
-    request = [Instance("loglikelihood", {}, pair, 0)]
-    scores = []
-    for source in sources:
-        lm = MegaloopLM(load=source, exit="none")
-        lm.model.initial_state.std = 0.0
-        scores.append(lm.loglikelihood(request, disable_tqdm=True)[0])
-    return scores
+def _zero_state(model):
+    model.initial_state.std = 0.0
 
 
 def test_lm_eval_scores_the_folder_and_the_checkpoint_as_the_reference(imported):
-    """lm-eval's megaloop model at full depth from the zero state: a continuation's
-    log-likelihood is the reference's sum, and greedy-ness agrees."""
+    """lm-eval's megaloop model at full depth (exit=none) from the zero state scores the Huginn
+    folder and its import as the reference does."""
     ckpt, folder, weights, cfg, _ = imported
-    context, continuation = [5, 9, 17, 4], [30, 12, 7]
-    pair = (" ".join(f"w{i}" for i in context), " " + " ".join(f"w{i}" for i in continuation))
-    ids = torch.tensor([context + continuation])
-    logp = per_step_log_probs(weights, cfg, ids[:, :-1])[-1, 0]
-    want = sum(logp[len(context) - 1 + j, t].item() for j, t in enumerate(continuation))
-    greedy_ = all(logp[len(context) - 1 + j].argmax().item() == t
-                  for j, t in enumerate(continuation))
-    for score, is_greedy in run_distributed(_lm_eval_scores, 1, (folder, ckpt), pair)[0]:
-        assert abs(score - want) < len(continuation) * TOL, (score, want)
-        assert is_greedy == greedy_
+    check_lm_eval((folder, ckpt), lambda ids: per_step_log_probs(weights, cfg, ids)[-1, 0],
+                  exit="none", prepare=_zero_state)

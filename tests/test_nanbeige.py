@@ -234,27 +234,39 @@ def test_the_folder_and_the_checkpoint_serve(imported, tmp_path):
                        tmp_path / str(i))
 
 
-def _lm_eval_scores(rank, world, sources, pair):
+def _lm_eval_scores(rank, world, sources, pair, exit=None, prepare=None):
     from lm_eval.api.instance import Instance
 
     from megaloop.eval.lm_eval_adapter import MegaloopLM
 
     request = [Instance("loglikelihood", {}, pair, 0)]
-    return [MegaloopLM(load=s).loglikelihood(request, disable_tqdm=True)[0] for s in sources]
+    scores = []
+    for source in sources:
+        lm = MegaloopLM(load=source, exit=exit)
+        if prepare is not None:
+            prepare(lm.model)
+        scores.append(lm.loglikelihood(request, disable_tqdm=True)[0])
+    return scores
 
 
-def test_lm_eval_scores_the_folder_and_the_checkpoint_as_the_reference(imported):
-    """lm-eval's megaloop model, --model_args load=FOLDER and load=CKPT: the log-likelihood of a
-    continuation is the reference's sum of its tokens' log-probabilities, and greedy-ness
-    (whether each continuation token is the argmax) agrees."""
-    ckpt, folder, weights, cfg = imported
+def check_lm_eval(sources, log_probs_of, exit=None, prepare=None):
+    """lm-eval's megaloop model, --model_args load=SOURCE (and exit=``exit``; ``prepare(model)``
+    after loading): the log-likelihood of a continuation is the reference's sum of its tokens'
+    log-probabilities (``log_probs_of(ids)``: [s, V] of one sequence), and greedy-ness (whether
+    each continuation token is the argmax) agrees."""
     context, continuation = [5, 9, 17, 4], [30, 12, 7]
     pair = (" ".join(f"w{i}" for i in context), " " + " ".join(f"w{i}" for i in continuation))
-    ids = torch.tensor([context + continuation])
-    logp = log_probs(weights, cfg, ids[:, :-1])[0]
+    logp = log_probs_of(torch.tensor([context + continuation])[:, :-1])
     want = sum(logp[len(context) - 1 + j, t].item() for j, t in enumerate(continuation))
     greedy_ = all(logp[len(context) - 1 + j].argmax().item() == t
                   for j, t in enumerate(continuation))
-    for score, is_greedy in run_distributed(_lm_eval_scores, 1, (folder, ckpt), pair)[0]:
+    scores = run_distributed(_lm_eval_scores, 1, sources, pair, exit, prepare)[0]
+    for score, is_greedy in scores:
         assert abs(score - want) < len(continuation) * TOL, (score, want)
         assert is_greedy == greedy_
+
+
+def test_lm_eval_scores_the_folder_and_the_checkpoint_as_the_reference(imported):
+    """lm-eval scores the Nanbeige folder and its import as the reference does."""
+    ckpt, folder, weights, cfg = imported
+    check_lm_eval((folder, ckpt), lambda ids: log_probs(weights, cfg, ids)[0])
