@@ -132,7 +132,7 @@ def _draws(rank, world, sequence_parallel):
     Config.sequence_parallel = sequence_parallel
     state = RandomInitialState(Config, 1.0, math.sqrt(32))
     like = torch.empty(2048, 4, 32)
-    return state.draw(like), state.draw(like)
+    return state.noise(like), state.noise(like)
 
 
 def test_the_state_has_huginn_s_distribution():
@@ -168,7 +168,7 @@ def _tp_draws(rank, world, sequence_parallel):
         hidden_size = 32
 
     Config.sequence_parallel = sequence_parallel
-    return RandomInitialState(Config, 1.0, 1.0).draw(torch.empty(16, 2, 32))
+    return RandomInitialState(Config, 1.0, 1.0).noise(torch.empty(16, 2, 32))
 
 
 def _greedy(rank, world, source, prompt, n):

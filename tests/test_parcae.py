@@ -203,7 +203,7 @@ def _megaloop_per_step(rank, world, weights, x0):
             p.copy_(state.pop(name))
     assert not state, sorted(state)
     # the noise the loop starts from: the same x0 as the reference's ([s, b, d] here)
-    model.initial_state.draw = lambda like: x0.transpose(0, 1).to(like)
+    model.initial_state.noise = lambda like: x0.transpose(0, 1).to(like)
     model.eval()
     pos = torch.arange(IDS.size(1))[None].expand_as(IDS)
     steps = []

@@ -57,7 +57,7 @@ class RandomInitialState(torch.nn.Module, LoopVariant):
         text = f"{self.base}:{self.calls}:{ranks}".encode()
         return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
 
-    def draw(self, like: torch.Tensor) -> torch.Tensor:
+    def noise(self, like: torch.Tensor) -> torch.Tensor:
         """Noise of ``like``'s shape, dtype and device (the next draw of this module)."""
         if self.std == 0:  # (Huginn's init_scale 0)
             return torch.zeros_like(like)
@@ -69,7 +69,7 @@ class RandomInitialState(torch.nn.Module, LoopVariant):
         return (noise * self.scale).to(like.dtype)
 
     def begin(self, carry, ctx, embedded):
-        carry.h = self.draw(carry.h)
+        carry.h = self.noise(carry.h)
 
 
 def build_initial_state(config, loop, scale: float, first: bool = True):
