@@ -18,6 +18,7 @@ config.json.
 import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -25,8 +26,8 @@ import torch
 
 from distributed import run_distributed
 from huginn_reference import (forward, greedy, huginn_config, make_huginn_folder,
-                              per_step_log_probs, random_weights)
-from test_nanbeige import _convert, check_lm_eval, first_step_argv
+                              per_step_log_probs, random_weights, rope_table)
+from test_nanbeige import CONVERT, _convert, check_lm_eval, first_step_argv
 from test_ouro_training import _first_step
 
 # fp32 on both sides; the sums run in other orders (fused QKV, megatron-core's attention and
@@ -436,3 +437,23 @@ def test_lm_eval_scores_the_folder_and_the_checkpoint_as_the_reference(imported)
     ckpt, folder, weights, cfg, _ = imported
     check_lm_eval((folder, ckpt), lambda ids: per_step_log_probs(weights, cfg, ids)[-1, 0],
                   exit="none", prepare=_zero_state)
+
+
+def test_a_bfloat16_folder_imports_and_a_wrong_rope_table_is_refused(tmp_path):
+    """The released folder is bfloat16 (its RoPE table too): it imports; a table of another
+    base (config.json and the weights from different models) is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    folder = str(tmp_path / "bf16")
+    make_huginn_folder(folder, seed=7, dtype=torch.bfloat16)
+    _convert("import-hf", "--hf-dir", folder, "--save", str(tmp_path / "ckpt"))
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    cfg = huginn_config()
+    tensors["freqs_cis"] = rope_table(8, cfg["block_size"], 500000).to(torch.bfloat16)
+    save_file(tensors, path, metadata={"format": "pt"})
+    out = subprocess.run([sys.executable, CONVERT, "import-hf", "--hf-dir", folder, "--save",
+                          str(tmp_path / "ckpt2"), "--no-progress"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "freqs_cis is not the interleaved RoPE table" in out.stderr, \
+        out.stderr

@@ -252,7 +252,11 @@ def from_huginn(get, names: set, model: ModelConfig, loop: LoopConfig) -> dict:
     if "freqs_cis" in names:
         table = tracked("freqs_cis").float()
         want = rope_table(d, table.shape[1], model.rotary_base)
-        if table.shape != want.shape or not torch.allclose(table, want, atol=1e-4):
+        # The released folder stores its weights, the table too, in bfloat16 (read here as
+        # float32): its rounding of values up to 1 is below 2^-8, while a table of another base
+        # or head size differs by O(1) at most positions.
+        atol = 1e-2
+        if table.shape != want.shape or not torch.allclose(table, want, atol=atol):
             raise ValueError(f"freqs_cis is not the interleaved RoPE table of head_dim {d} and "
                              f"rope_base {model.rotary_base}; config.json and the weights differ")
     for ours, theirs in _layer_prefixes(model, loop):
