@@ -107,6 +107,8 @@ INERT = {
     "output_attentions": "what transformers returns, not what it computes",
     "output_hidden_states": "what transformers returns, not what it computes",
     "return_dict": "what transformers returns, not what it computes",
+    "_attn_implementation_autoset": "which attention kernel transformers picked, not what it "
+                                    "computes",
 }
 REQUIRED = ("vocab_size", "n_embd", "n_heads", "intermediate_size", "n_layers_in_prelude",
             "n_layers_in_recurrent_block", "n_layers_in_coda", "mean_recurrence")
