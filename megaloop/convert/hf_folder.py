@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from megaloop.convert import hf_huginn
+
 INT, NUMBER, BOOL, LIST, OBJECT, STRING = (
     "an integer", "a number", "true or false", "a list", "an object", "a string")
 
@@ -304,9 +306,7 @@ def check_folder(hf_dir: str, cfg: dict | None = None) -> SafetensorsFolder:
     in GiB) otherwise. Only the files' headers are read."""
     path = os.path.join(hf_dir, "config.json")
     cfg = read_hf_config(hf_dir) if cfg is None else cfg
-    if cfg.get("architectures") == ["RavenForCausalLM"]:
-        from megaloop.convert import hf_huginn
-
+    if hf_huginn.is_huginn(cfg):  # Huginn's own tensor names and size keys
         reader = hf_huginn.check_shapes(hf_dir, cfg, SafetensorsFolder(hf_dir))
         return _check_memory(hf_dir, reader)
     missing = [k for k in SIZE_KEYS if k not in cfg]

@@ -86,8 +86,9 @@ class ModelConfig:
     instead of the two halves (Llama's)."""
 
     embedding_scale: float = 1.0
-    """The token embedding is multiplied by this before the prelude (Huginn: sqrt(hidden size));
-    the tied head reads the unscaled table."""
+    """The embedding's output (the token embedding, plus the learned position embedding if any)
+    is multiplied by this before the prelude (Huginn: sqrt(hidden size)); the tied head reads
+    the unscaled table."""
 
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization used by every norm of the model (Megatron-LM's default LayerNorm; Llama,

@@ -236,7 +236,7 @@ def build_injection(config, loop, seed: int = 0, first: bool = True
                          f"none, {', '.join(INJECTIONS)}")
     module = INJECTIONS[loop.input_injection](config, loop, seed, first)
     module.source_of = loop.injection_source
-    if getattr(loop, "injection_source_norm", False) and first:
+    if loop.injection_source_norm and first:
         from megaloop.model.specs import build_norm
 
         # (megatron-core's local norm of --normalization on either backend: one small norm)

@@ -47,6 +47,6 @@ class ReadoutProjection(MegatronModule):
 def with_readout_projection(norm, config, loop):
     """The step norm, wrapped in a ReadoutProjection under --readout-projection (the last
     pipeline stage's; None stays None)."""
-    if norm is None or not getattr(loop, "readout_projection", False):
+    if norm is None or not loop.readout_projection:
         return norm
     return ReadoutProjection(config, norm, seed=torch.initial_seed() + 2)
