@@ -22,10 +22,10 @@
 # Not exact (docs/training.md#parcae): Parcae draws each sequence's depth max(1, Poisson(8)) and
 # backpropagates through the last min(depth, 4) passes; megaloop draws one depth per optimizer
 # step, 1 + Poisson(7) (the same mean 8, --random-depth-sigma 0), and backpropagates through its
-# last 4 passes (--backprop-last-steps 4). Parcae's value embeddings (a token-indexed table added
-# to the values of every other layer) are not built. Megatron-core's QK-norm has a learned scale
-# (1 at start) and is applied before RoPE (equal at start: RMS over a head commutes with the
-# rotation). The MLP is relu(x)^2 where Parcae's code halves it (the 1/2 folds into fc2). Init:
+# last 4 passes (--backprop-last-steps 4). Exact: Parcae's value embeddings (a token-indexed
+# table added to the values of every other layer, --value-embeddings) and its parameter-free
+# QK-norm (--qk-layernorm-scale-free: applied before RoPE, the same over a whole head). The MLP
+# is relu(x)^2 where Parcae's code halves it (the 1/2 folds into fc2). Init:
 # megatron-core's normal init of std sqrt(2 / (5 d)) and scaled output layers, where Parcae
 # zero-initialises the attention and MLP output projections and draws the others orthogonal.
 # Optimizer: Muon (momentum 0.95, 5 Newton-Schulz steps) for the hidden matrices + Adam
@@ -39,6 +39,7 @@ SIZE=${SIZE:-full}
 PARCAE=${PARCAE:-small}
 PARCAE_ARCH=(--norm-scheme pre --normalization RMSNorm --norm-epsilon 1e-5 --squared-relu
              --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --qk-layernorm
+             --qk-layernorm-scale-free --value-embeddings
              --position-embedding-type rope --rotary-base 50000 --rotary-interleaved
              --num-loops 8 --exit-loss last --step-norm identity --step-norm-placement readout
              --readout-projection --input-injection parcae --injection-source prelude

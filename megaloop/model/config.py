@@ -110,6 +110,17 @@ class ModelConfig:
     qk_layernorm: bool = False
     """Normalize queries and keys per head before attention (Qwen3)."""
 
+    qk_layernorm_scale_free: bool = False
+    """With --qk-layernorm: q/k RMS norms without a learned scale whose epsilon is the machine
+    epsilon of the input's dtype (torch's default), Parcae's QK-norm. Parcae normalizes after
+    RoPE, megatron-core before it; over a whole head the two are the same (a rotation keeps the
+    RMS), hence --rotary-percent 1."""
+
+    value_embeddings: bool = False
+    """Every other layer (ending at the last, counting prelude, core and coda once) adds a
+    token-indexed table to attention's values, gated per head by 2 sigmoid(G x[:32]): Parcae's
+    value embeddings (megaloop/model/value_embedding.py). Not with --sequence-parallel."""
+
     untie_embeddings_and_output_weights: bool = False
     """Give the LM head its own weight instead of sharing the input embedding's."""
 
@@ -275,6 +286,15 @@ class ModelConfig:
         if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
             raise ValueError("--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 must "
                              "be >= 0")
+        if self.qk_layernorm_scale_free and not self.qk_layernorm:
+            raise ValueError("--qk-layernorm-scale-free is a form of the q/k norms; pass "
+                             "--qk-layernorm too")
+        if self.qk_layernorm_scale_free and (self.rotary_percent != 1.0
+                                             or self.normalization != "RMSNorm"):
+            raise ValueError(f"--qk-layernorm-scale-free is an RMS norm over whole heads that "
+                             f"commutes with RoPE: it needs --normalization RMSNorm (not "
+                             f"{self.normalization}) and --rotary-percent 1.0 (not "
+                             f"{self.rotary_percent})")
         if self.squared_relu and self.swiglu:
             raise ValueError("--squared-relu and --swiglu are two MLP activations; pass one of "
                              "them (Megatron-LM refuses both too)")

@@ -171,8 +171,16 @@ def call(block, hidden_states, attention_mask, rotary_pos_emb, inference_context
         return block_forward(block, hidden_states, attention_mask, rotary_pos_emb,
                              inference_context)
     if inference_context is None:
-        return block(hidden_states=hidden_states, attention_mask=attention_mask,
-                     rotary_pos_emb=rotary_pos_emb)
+        out = block(hidden_states=hidden_states, attention_mask=attention_mask,
+                    rotary_pos_emb=rotary_pos_emb)
+        tokens = getattr(block, "value_tokens", None)  # set on blocks with value embeddings
+        if tokens is not None and torch.is_grad_enabled():
+            # A recomputed block re-reads the token ids in the backward pass, when later
+            # micro-batches may have replaced them: put this forward's back first.
+            from megaloop.model.loop_step import ReselectStep
+
+            out = ReselectStep.apply(out, tokens, tokens.value)
+        return out
     return block(hidden_states=hidden_states, attention_mask=attention_mask,
                  rotary_pos_emb=rotary_pos_emb, inference_context=inference_context)
 

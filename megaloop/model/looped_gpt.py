@@ -44,6 +44,8 @@ from megaloop.model.loss import LoopOutput  # noqa: F401  (the forward's return 
 from megaloop.model.objective import ExitObjective
 from megaloop.model.specs import build_norm, layer_spec
 from megaloop.model.spiral import build_spiral
+from megaloop.model.value_embedding import ValueTokens
+from megaloop.model.value_embedding import block_spec as value_block_spec
 
 # Loop variants beyond the built-in ones, by name: ``build(config, loop, first, last)`` returns
 # the variant (a megaloop.model.recurrence.LoopVariant, usually a MegatronModule) or None when
@@ -96,8 +98,11 @@ class LoopedGPTModel(LanguageModule):
         self.input_tensor = None
 
         num_core = loop.num_core_layers(model_cfg.num_layers)
-        spec = layer_spec(config, model_cfg.norm_scheme, use_te,
-                          unfuse_input_norms=loop.timestep_conditioning in NORM_FORMS)
+        # (value embeddings read the normed attention input: TE's fused input norm is unfused)
+        unfuse = loop.timestep_conditioning in NORM_FORMS or model_cfg.value_embeddings
+        qk_scale_free = model_cfg.qk_layernorm_scale_free
+        spec = layer_spec(config, model_cfg.norm_scheme, use_te, unfuse_input_norms=unfuse,
+                          qk_scale_free=qk_scale_free)
         # Stepwise LoRA adapters are built with the core's linears (its spec names adapted
         # linear classes); prelude and coda keep the plain spec. A is drawn from a private
         # generator, so the base weights equal those of a model without LoRA built from the
@@ -105,9 +110,9 @@ class LoopedGPTModel(LanguageModule):
         self.lora = StepwiseLoRA(
             loop.num_loops, loop.lora_rank, loop.lora_alpha or loop.lora_rank,
             seed=torch.initial_seed() + 1) if loop.lora_rank else None
-        core_spec = layer_spec(config, model_cfg.norm_scheme, use_te,
-                               unfuse_input_norms=loop.timestep_conditioning in NORM_FORMS,
-                               lora=self.lora.setup) if self.lora else spec
+        core_spec = layer_spec(config, model_cfg.norm_scheme, use_te, unfuse_input_norms=unfuse,
+                               lora=self.lora.setup, qk_scale_free=qk_scale_free) \
+            if self.lora else spec
 
         # Branch gating / AdaLN / LoopFormer: gated bias-dropout-adds (and scaled input norms) in
         # the core's spec, reading the step in flight from one clock (megaloop.model.conditioning).
@@ -115,15 +120,30 @@ class LoopedGPTModel(LanguageModule):
         if loop.timestep_conditioning in SPEC_FORMS:
             core_spec = conditioned_spec(core_spec, loop.timestep_conditioning, clock, config)
 
-        def block(n: int, final_norm: bool, split: bool = False, spec=spec) -> TransformerBlock:
+        # --value-embeddings: the token ids of the forward in flight, for every other layer
+        # (megaloop/model/value_embedding.py); layers are numbered prelude, core, coda.
+        self.value_tokens = ValueTokens(seed=torch.initial_seed() + 2) \
+            if model_cfg.value_embeddings else None
+        first_layer = {"prelude": 0, "core": loop.num_prelude_layers,
+                       "coda": loop.num_prelude_layers + num_core}
+        total_layers = first_layer["coda"] + loop.num_coda_layers
+
+        def block(n: int, final_norm: bool, split: bool = False, spec=spec,
+                  part: str = "") -> TransformerBlock:
             # pre_process=True: we always hand the block its input explicitly. Only the core is
             # split over pipeline stages (megatron-core splits a block by its config's pipeline
             # size); prelude and coda live whole on the first and the last stage.
             cfg = with_layers(config, n) if split else dataclasses.replace(
                 config, num_layers=n, pipeline_model_parallel_size=1,
                 num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None)
-            return TransformerBlock(config=cfg, spec=spec, post_layer_norm=final_norm,
-                                    pre_process=True, post_process=True)
+            if self.value_tokens is not None:
+                spec = value_block_spec(cfg, spec, first_layer[part], total_layers,
+                                        self.value_tokens, vocab_size)
+            built = TransformerBlock(config=cfg, spec=spec, post_layer_norm=final_norm,
+                                     pre_process=True, post_process=True)
+            if self.value_tokens is not None:
+                built.value_tokens = self.value_tokens  # (layer_forward.call: recomputation)
+            return built
 
         # A pipeline stage builds only its part (GPTModel's pre_process / post_process): embedding,
         # prelude and injection on the first stage; step norm, coda, gate and head on the last.
@@ -139,16 +159,16 @@ class LoopedGPTModel(LanguageModule):
                 rope_scaling=model_cfg.use_rope_scaling,
                 rope_scaling_factor=model_cfg.rope_scaling_factor,
                 use_cpu_initialization=config.use_cpu_initialization)
-        self.prelude = block(loop.num_prelude_layers, False) \
+        self.prelude = block(loop.num_prelude_layers, False, part="prelude") \
             if pre_process and loop.num_prelude_layers else None
-        self.core = block(num_core, False, split=True, spec=core_spec)
+        self.core = block(num_core, False, split=True, spec=core_spec, part="core")
         self.step_norm = build_norm(config, use_te, loop.step_norm) if post_process else None
         # --readout-projection: the readout reads C step_norm(h) (Parcae's C; the loop goes on
         # from h under --step-norm-placement readout), megaloop/model/readout_projection.py.
         self.step_norm = with_readout_projection(self.step_norm, config, loop)
         # The coda's final norm is the readout norm before gate and head (--share-final-norm:
         # the step norm again, applied by ``readout``).
-        self.coda = block(loop.num_coda_layers, not loop.share_final_norm) \
+        self.coda = block(loop.num_coda_layers, not loop.share_final_norm, part="coda") \
             if post_process and loop.num_coda_layers else None
         self.exit_gate = ExitGate(config) if post_process and loop.gated else None
         self.output_layer = tensor_parallel.ColumnParallelLinear(

@@ -157,6 +157,8 @@ def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
     reason = model.loop.supports(depth=T)
     if reason:
         raise ValueError(reason)
+    if model.value_tokens is not None:  # --value-embeddings: this forward's ids, every stage
+        model.value_tokens.value = input_ids
     mode = model.loop.exit_loss if T > 1 else "expected"
     rope = None
     if model.position_embedding_type == "rope":

@@ -77,6 +77,20 @@ class ScaleFreeNorm(torch.nn.Module):
         return F.layer_norm(x, self.shape, eps=self.eps)
 
 
+class MachineEpsilonNorm(torch.nn.Module):
+    """RMSNorm without a learnable parameter whose epsilon is the machine epsilon of the input's
+    dtype (``F.rms_norm``'s default): Parcae's QK-norm (--qk-layernorm-scale-free). The build
+    signature of megatron-core norms; the ``eps`` it is built with (--norm-epsilon) is not
+    this norm's."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):  # noqa: ARG002 - see above
+        super().__init__()
+        self.shape = (hidden_size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.shape)
+
+
 class NormedBiasDropoutAdd(MegatronModule):
     """Bias-dropout-add with a norm: ``residual + drop(N(x + b))`` (``where="branch"``, ouro) or
     ``N(residual + drop(x + b))`` (``where="sum"``, post / sandwich).
@@ -131,12 +145,13 @@ def _with_input_norms(spec: ModuleSpec, norm, use_te: bool) -> ModuleSpec:
 
 
 def layer_spec(config, norm_scheme: str, use_te: bool, unfuse_input_norms: bool = False,
-               lora: Optional[LoRASetup] = None) -> ModuleSpec:
+               lora: Optional[LoRASetup] = None, qk_scale_free: bool = False) -> ModuleSpec:
     """Spec of one transformer layer for a norm scheme on a backend.
 
     ``unfuse_input_norms``: keep the input norms as separate modules on TE too (timestep AdaLN
     modulates their output); a no-op on the local backend, whose norms are separate anyway.
     ``lora``: the linears carry stepwise LoRA adapters sharing this setup (the core's spec).
+    ``qk_scale_free``: the q/k norms are ``MachineEpsilonNorm`` (--qk-layernorm-scale-free).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -153,6 +168,11 @@ def layer_spec(config, norm_scheme: str, use_te: bool, unfuse_input_norms: bool 
         attention = submodules_of(spec).self_attention
         spec = with_submodules(spec, self_attention=with_submodules(
             attention, core_attention=SDPADotProductAttention))
+    if qk_scale_free:
+        # Parcae's QK-norm in megatron-core's q/k norm slots (a plain module on either backend)
+        attention = submodules_of(spec).self_attention
+        spec = with_submodules(spec, self_attention=with_submodules(
+            attention, q_layernorm=MachineEpsilonNorm, k_layernorm=MachineEpsilonNorm))
     norm = norm_spec(use_te)
     if norm_scheme == "post":
         spec = _with_input_norms(spec, IdentityOp, use_te)

@@ -123,6 +123,9 @@ EXPORT_MODEL = {
     "--qk-bias": ("qk_bias", (False,)),
     "--rotary-interleaved": ("rotary_interleaved", (False,)),
     "--embedding-scale": ("embedding_scale", (1.0,)),
+    # Parcae's pieces: a Parcae-style model exports under Parcae's names (--names parcae).
+    "--value-embeddings": ("value_embeddings", (False,)),
+    "--qk-layernorm-scale-free": ("qk_layernorm_scale_free", (False,)),
 }
 EXPORT_LOOP = {
     "--step-norm": ("step_norm", ("rms",)),

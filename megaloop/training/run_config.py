@@ -153,6 +153,10 @@ class RunConfig:
             raise ValueError("--log-grad-norm-per-step cannot be used with "
                              "--recompute-granularity full (the recomputed forward bypasses the "
                              "per-step weight views); drop one of the two")
+        if self.model.value_embeddings and par.sequence_parallel:
+            raise ValueError("--value-embeddings with --sequence-parallel: the value gate reads "
+                             "every token's attention input, which sequence parallelism splits "
+                             "over the TP ranks; drop --sequence-parallel (TP without SP works)")
         self._check_context_parallel()
         self._check_gpu_paths()
         self._check_kernels()
