@@ -11,9 +11,9 @@
 # un-normalized state). A shorter route of larger steps is the same model run with fewer loops:
 # `--num-loops 4` at evaluation / generation gives t = l/4, dt = 1/4.
 #
-# NOT the published objective: LoopFormer trains on CE(8 steps of 1/8) + 0.1 CE(a random shorter
-# route) + 0.1 MSE(stop-grad(final normed state of the full route), the short route's); megaloop
-# trains the full route's CE only (--exit-loss last). See docs/training.md, "LoopFormer".
+# The published objective (--loopformer-objective): CE(8 steps of 1/8) + 0.1 CE(a random shorter
+# route of unequal steps, drawn per micro-batch as LoopFormer's sampler) + 0.1 MSE(stop-grad(final
+# normed state of the full route), the short route's). See docs/training.md, "LoopFormer".
 #
 # Schedule (LoopFormer's training script): AdamW (0.9, 0.95), weight decay 0.2, LR 6e-4 warmed up
 # over 2000 steps, cosine to 6e-5 at 50000 steps, clip 1.0, bf16, 480 sequences of 1024 tokens
@@ -27,7 +27,7 @@
 set -euo pipefail
 source "$(dirname "$0")/_sizes.sh"
 SIZE=${SIZE:-full}
-RECIPE=(--num-layers 3 --num-loops 8 --timestep-conditioning loopformer
+RECIPE=(--num-layers 3 --num-loops 8 --timestep-conditioning loopformer --loopformer-objective
         --timestep-frequency-dim 256 --timestep-inference rescaled
         --norm-scheme magic --normalization RMSNorm --norm-epsilon 1.1920929e-07
         --step-norm rms --step-norm-placement readout --exit-loss last

@@ -83,12 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder to write (new or empty); --out is accepted too")
     exp.add_argument("--vocab-size", type=int, default=None,
                      help="trim the padded embedding table to the tokenizer's real vocabulary")
-    exp.add_argument("--names", choices=["auto", "ouro", "nanbeige", "huginn", "megaloop"],
+    exp.add_argument("--names",
+                     choices=["auto", "ouro", "nanbeige", "huginn", "parcae", "megaloop"],
                      default="auto",
                      help="auto: Ouro's model type and names for Ouro-style models, Huginn's for "
-                          "Huginn-style ones, Nanbeige's for a checkpoint imported from a "
-                          "Nanbeige folder; nanbeige / huginn: that family's config.json and "
-                          "names (its code from the Hub)")
+                          "Huginn-style ones, Parcae's for Parcae-style ones, Nanbeige's for a "
+                          "checkpoint imported from a Nanbeige folder; nanbeige / huginn: that "
+                          "family's config.json and names (its code from the Hub); parcae: "
+                          "Parcae's config.json and model.pt (parcae_lm.from_pretrained)")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                      help="dtype of the written weights")
     exp.add_argument("--tokenizer-model", default=None,
@@ -218,6 +220,10 @@ def _export(args) -> int:
         destroy()
     # (Nanbeige's key, Huginn's)
     loops = cfg.get("total_ut_steps", cfg.get("num_loops", cfg.get("mean_recurrence")))
+    if "architectures" not in cfg:  # Parcae's (its own loader, not transformers')
+        print(f"> wrote {args.out} ({cfg['_class_name']}, {loops} loops, vocab "
+              f"{cfg['vocab_size']}); load with parcae_lm.from_pretrained")
+        return 0
     print(f"> wrote {args.out} ({cfg['architectures'][0]}, {loops} loops, vocab "
           f"{cfg['vocab_size']}); load with AutoModelForCausalLM.from_pretrained(..., "
           f"trust_remote_code=True)")

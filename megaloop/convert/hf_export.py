@@ -12,7 +12,11 @@ folder, while its architecture is still Nanbeige's) writes Nanbeige4.2's config.
 auto_map names Nanbeige's own code (``hf_nanbeige``), and no modeling files. A Huginn-style
 model (``hf_huginn.huginn_style``: what Huginn-0125's code computes) is written under Huginn's
 config keys and tensor names (``--names huginn``, the default for such a model), whose auto_map
-names Huginn's code on the Hub, and no modeling files.
+names Huginn's code on the Hub, and no modeling files. A Parcae-style model
+(``hf_parcae.parcae_style``) is written as Parcae's save_pretrained writes one (``--names
+parcae``, the default for such a model): its config.json (every field of its configuration) and
+the state dict ``model.pt``, with the tokenizer's files but no token ids in config.json (Parcae's
+loader passes every key to its configuration class).
 
 The folder holds: config.json (with the tokenizer's eos = EOD, bos and pad ids),
 generation_config.json (the same ids, so ``generate()`` stops at the end of a document),
@@ -34,7 +38,7 @@ import shutil
 
 import torch
 
-from megaloop.convert import hf_huginn, hf_nanbeige
+from megaloop.convert import hf_huginn, hf_nanbeige, hf_parcae
 from megaloop.convert.hf_families import LLAMA3_FIXED, decoder_keys
 # The looped config.json's form is hf_looped's (the reader's): what the modeling file implements
 # (check_exportable, re-exported here, where the tools and tests have always imported it) and the
@@ -98,29 +102,39 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
                     vocab_size: int | None = None, names: str = "auto",
                     dtype: torch.dtype = torch.float32,
                     tokenizer: TokenizerConfig | None = None,
-                    generation: dict | None = None) -> dict:
+                    generation: dict | None = None, parcae_keys: dict | None = None) -> dict:
     """Write the folder from a TP=1 megaloop state dict; returns the config written.
     ``tokenizer``: the run's; its files and EOD/BOS/pad ids go into the folder
     (``hf_tokenizer``). ``generation``: the run config's section of that name (the default
     exit rule import-hf read from an Ouro folder), written back as Ouro's early_exit_threshold /
-    early_exit_step. Files are written 0644 and the folders created 0755 whatever the umask:
-    an export is often written by one account and served or uploaded by another."""
+    early_exit_step. ``parcae_keys``: what import-hf recorded of a Parcae folder's config.json
+    (``hf_parcae.kept_keys``), written back under ``--names parcae``. Files are written 0644
+    and the folders created 0755 whatever the umask: an export is often written by one account
+    and served or uploaded by another."""
     from safetensors.torch import save_file
 
     from megaloop.convert.hf_tokenizer import special_token_ids, write_tokenizer_files
     from megaloop.data.tokenizers import build_tokenizer
 
-    huginn = names == "huginn" or (names == "auto" and
-                                   hf_huginn.huginn_style(model, loop) is None)
+    parcae = names == "parcae" or (names == "auto" and
+                                   hf_parcae.parcae_style(model, loop) is None)
+    if parcae:
+        gaps = hf_parcae.parcae_style(model, loop)
+        if gaps:
+            raise ValueError(f"--names parcae needs a model Parcae's code computes; this one has "
+                             f"{gaps}; use --names auto")
+    huginn = not parcae and (names == "huginn" or (names == "auto" and
+                                                   hf_huginn.huginn_style(model, loop) is None))
     if huginn:
         gaps = hf_huginn.huginn_style(model, loop)
         if gaps:
             raise ValueError(f"--names huginn needs a model Huginn's code computes; this one has "
                              f"{gaps}; use --names auto")
-    else:
+    elif not parcae:
         check_exportable(model, loop)
     # Huginn's config.json has no exit rule (its generate() takes the criterion as an argument).
-    exit_keys = {} if huginn else threshold_keys(generation)  # refused before any file is written
+    # (Parcae's neither: it runs every step.)
+    exit_keys = {} if huginn or parcae else threshold_keys(generation)  # refused before writing
     nanbeige = names == "nanbeige"
     if nanbeige:
         gaps = hf_nanbeige.nanbeige_style(model, loop)
@@ -144,7 +158,8 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
     if vocab_size is not None:
         if not 0 < vocab_size <= rows:
             raise ValueError(f"--vocab-size {vocab_size} must be in 1..{rows} (the table's rows)")
-        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        for key in [*("embedding.word_embeddings.weight", "output_layer.weight"),
+                    *(k for k in state if k.endswith(".value_embedding"))]:  # (vocab rows too)
             if key in state:
                 state[key] = state[key][:vocab_size]
         rows = vocab_size
@@ -154,7 +169,8 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
     heads = Heads(model.num_attention_heads, model.num_query_groups or model.num_attention_heads,
                   model.kv_channels or model.hidden_size // model.num_attention_heads)
     tied = not model.untie_embeddings_and_output_weights
-    exported = hf_huginn.to_huginn(state, model, loop) if huginn else to_hf(state, heads, tied)
+    exported = hf_parcae.to_parcae(state, model, loop) if parcae else \
+        hf_huginn.to_huginn(state, model, loop) if huginn else to_hf(state, heads, tied)
     tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in exported.items()}
     created = []  # the folders makedirs creates (out_dir and missing parents)
     folder = os.path.abspath(out_dir)
@@ -163,16 +179,21 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
         folder = os.path.dirname(folder)
     os.makedirs(out_dir, exist_ok=True)
     # A Nanbeige folder names Nanbeige's own code (auto_map), as the released one does.
-    modeling = () if nanbeige or huginn else MODELING_FILES
-    if huginn:  # (and Huginn's, as its released folder does)
+    modeling = () if nanbeige or huginn or parcae else MODELING_FILES
+    weights = "model.pt" if parcae else "model.safetensors"  # (Parcae's loader reads model.pt)
+    if parcae:
+        cfg = hf_parcae.parcae_config(model, loop, rows, parcae_keys)
+    elif huginn:  # (and Huginn's, as its released folder does)
         cfg = hf_huginn.huginn_config(model, loop, rows)
     elif nanbeige:
         cfg = hf_nanbeige.nanbeige_config(model, loop, rows)
     else:
         cfg = hf_config(model, loop, rows, ouro)
     cfg.update(exit_keys)
-    written = ["model.safetensors", "config.json", *modeling]
-    if tok is not None:
+    written = [weights, "config.json", *modeling]
+    if tok is not None and parcae:
+        written += write_tokenizer_files(tokenizer, tok, out_dir, model.max_position_embeddings)
+    elif tok is not None:
         # The tokenizer first: its conversion is the step that can fail (a missing protobuf),
         # and it should fail before the weights are written, not leave a folder without it.
         written += write_tokenizer_files(tokenizer, tok, out_dir, model.max_position_embeddings)
@@ -180,7 +201,10 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
         with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
             json.dump(special_token_ids(tok), f, indent=2)
         written.append("generation_config.json")
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    if parcae:
+        torch.save(tensors, os.path.join(out_dir, weights))
+    else:
+        save_file(tensors, os.path.join(out_dir, weights), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     for name in modeling:
@@ -223,8 +247,13 @@ def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
     run = read_run_config(load_dir, iteration)
     saved_model = config_from_dict(ModelConfig, run["model"])
     saved_loop = config_from_dict(LoopConfig, run.get("loop", {}))
-    if names == "huginn" or (names == "auto" and
-                             hf_huginn.huginn_style(saved_model, saved_loop) is None):
+    if names == "parcae" or (names == "auto" and
+                             hf_parcae.parcae_style(saved_model, saved_loop) is None):
+        if names == "parcae" and hf_parcae.parcae_style(saved_model, saved_loop):
+            raise ValueError(f"--names parcae needs a model Parcae's code computes; this one has "
+                             f"{hf_parcae.parcae_style(saved_model, saved_loop)}")
+    elif names == "huginn" or (names == "auto" and
+                               hf_huginn.huginn_style(saved_model, saved_loop) is None):
         if names == "huginn" and hf_huginn.huginn_style(saved_model, saved_loop):
             raise ValueError(f"--names huginn needs a model Huginn's code computes; this one has "
                              f"{hf_huginn.huginn_style(saved_model, saved_loop)}")
@@ -243,4 +272,5 @@ def export_hf(load_dir: str, out_dir: str, *, vocab_size: int | None = None,
         names = "nanbeige"  # an imported Nanbeige goes back to its family's layout
     return write_hf_folder(out_dir, model_cfg, loop, model.state_dict(), vocab_size=vocab_size,
                            names=names, dtype=dtype, tokenizer=tokenizer,
-                           generation=run.get("generation"))
+                           generation=run.get("generation"),
+                           parcae_keys=run.get("source", {}).get("parcae_keys"))

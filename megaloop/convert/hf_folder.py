@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from megaloop.convert import hf_huginn
+from megaloop.convert import hf_huginn, hf_loopformer, hf_parcae
 
 INT, NUMBER, BOOL, LIST, OBJECT, STRING = (
     "an integer", "a number", "true or false", "a list", "an object", "a string")
@@ -81,6 +81,14 @@ KEY_TYPES = {
     "rope_base": (NUMBER, 1, False),
     "qk_bias": (BOOL, None, False),
     "tie_embeddings": (BOOL, None, False),
+    # Parcae's (hf_parcae; its other size keys are Huginn's)
+    "padded_vocab_size": (INT, 1, True),
+    "padding_multiple": (INT, 1, False),
+    "prelude_norm": (BOOL, None, False),
+    "recurrent_embedding_dimension": (INT, 1, False),
+    "recurrent_intermediation_embedding_dimension": (INT, 1, False),
+    "recurrent_num_attention_heads": (INT, 1, True),
+    "mup_model_scaling_factor": (INT, 1, False),
     # Nanbeige's (hf_nanbeige)
     "num_loops": (INT, 1, False),
     "skip_loop_final_norm": (BOOL, None, False),
@@ -162,6 +170,11 @@ def read_hf_config(hf_dir: str) -> dict:
     (``check_key_types``)."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
+        # A folder holding LoopFormer's train.py checkpoint instead: its architecture, in the
+        # keys of a LoopFormer config.json (hf_loopformer)
+        found = hf_loopformer.checkpoint_config(hf_dir)
+        if found is not None:
+            return found
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json; pass the folder that "
                                 f"save_pretrained wrote (config.json + *.safetensors)")
     try:
@@ -308,6 +321,12 @@ def check_folder(hf_dir: str, cfg: dict | None = None) -> SafetensorsFolder:
     cfg = read_hf_config(hf_dir) if cfg is None else cfg
     if hf_huginn.is_huginn(cfg):  # Huginn's own tensor names and size keys
         reader = hf_huginn.check_shapes(hf_dir, cfg, SafetensorsFolder(hf_dir))
+        return _check_memory(hf_dir, reader)
+    if hf_parcae.is_parcae(cfg):  # Parcae's names and keys, and its torch state dict
+        reader = hf_parcae.check_shapes(hf_dir, cfg, hf_parcae.open_weights(hf_dir))
+        return _check_memory(hf_dir, reader)
+    if hf_loopformer.is_loopformer(cfg):  # its names (prefixes stripped) or its checkpoint
+        reader = hf_loopformer.check_shapes(hf_dir, cfg, hf_loopformer.open_weights(hf_dir))
         return _check_memory(hf_dir, reader)
     missing = [k for k in SIZE_KEYS if k not in cfg]
     if missing:

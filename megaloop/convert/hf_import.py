@@ -23,7 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 import torch
 
 from megaloop.arguments import flag_name
-from megaloop.convert import hf_huginn
+from megaloop.convert import hf_huginn, hf_loopformer, hf_parcae
 from megaloop.convert.hf_families import SUPPORTED, check_fields, model_config_from_hf
 from megaloop.convert.hf_folder import SafetensorsFolder, check_folder, read_hf_config
 from megaloop.convert.hf_looped import (EXPORT_ARCHITECTURES, default_exit, is_looped_config,
@@ -274,7 +274,7 @@ def import_looped(hf_dir: str, cfg: dict, reader: SafetensorsFolder, save_dir: s
     from megaloop.parallel.config import ParallelConfig
 
     model_cfg, loop = looped_configs(cfg)
-    vocab = plan_vocab(hf_dir, cfg["vocab_size"], tp_size)
+    vocab = plan_vocab(hf_dir, table_rows(cfg), tp_size)
     model_cfg.make_vocab_size_divisible_by = vocab.divisible_by
     generation = default_exit(cfg)
     model = build_model(model_cfg, loop, vocab.tokenizer_vocab, tp_size=1)
@@ -290,7 +290,10 @@ def import_looped(hf_dir: str, cfg: dict, reader: SafetensorsFolder, save_dir: s
            "parallel": asdict(ParallelConfig(tensor_model_parallel_size=tp_size)),
            "generation": generation,
            "source": {"hf_folder": os.path.abspath(hf_dir),
-                      "architecture": cfg["architectures"][0]}}
+                      "architecture": (cfg.get("architectures") or
+                                       [cfg.get("_class_name") or cfg.get("model_type")])[0]}}
+    if hf_parcae.is_parcae(cfg):  # what export-hf writes back into Parcae's config.json
+        run["source"]["parcae_keys"] = hf_parcae.kept_keys(cfg)
     save_weights(save_dir, 0, model, run_config=run)
     if generation["exit"]:
         print(f"> default exit rule {generation['exit']} (from {generation['source']}): "
@@ -301,14 +304,25 @@ def import_looped(hf_dir: str, cfg: dict, reader: SafetensorsFolder, save_dir: s
 def looped_tensors(cfg: dict, reader: SafetensorsFolder, model_cfg: ModelConfig,
                    loop: LoopConfig) -> dict:
     """A looped folder's tensors under megaloop's names at TP = 1: Huginn's names through
-    ``hf_huginn``, every other looped layout through ``layout.from_hf``."""
+    ``hf_huginn``, Parcae's through ``hf_parcae``, every other looped layout through
+    ``layout.from_hf``."""
     if hf_huginn.is_huginn(cfg):
         return hf_huginn.from_huginn(reader.get, reader.names(), model_cfg, loop)
+    if hf_parcae.is_parcae(cfg):
+        return hf_parcae.from_parcae(reader.get, reader.names(), model_cfg, loop)
+    if hf_loopformer.is_loopformer(cfg):
+        return hf_loopformer.from_loopformer(reader.get, reader.names(), model_cfg, loop)
     heads = Heads(model_cfg.num_attention_heads, model_cfg.num_query_groups,
                   model_cfg.kv_channels)
     layers = {"prelude": loop.num_prelude_layers, "coda": loop.num_coda_layers,
               "core": loop.num_core_layers(model_cfg.num_layers)}
     return from_hf(reader.get, reader.names(), heads, layers)
+
+
+def table_rows(cfg: dict) -> int:
+    """The embedding table's rows of a looped config.json: vocab_size, or Parcae's
+    padded_vocab_size (its tables are padded; its vocab_size is the tokenizer's)."""
+    return hf_parcae.table_rows(cfg) if hf_parcae.is_parcae(cfg) else cfg["vocab_size"]
 
 
 # --- A looped folder (export-hf's, or Ouro's) -> a model, for generation --------------------------
@@ -418,7 +432,7 @@ def load_exported(folder: str, tp_size: int = 1, tokenizer: TokenizerConfig | No
     if transformer_impl is not None:
         model_cfg.transformer_impl = transformer_impl
     reader = check_folder(folder, cfg)  # sizes against the tensors and memory, before building
-    rows = cfg["vocab_size"]
+    rows = table_rows(cfg)
     tok_cfg = exported_tokenizer(folder, rows, tokenizer)
     model = build_inference_model(model_cfg, loop, rows, tp_size=tp_size, precision=precision)
     load_sharded(model, looped_tensors(cfg, reader, model_cfg, loop))

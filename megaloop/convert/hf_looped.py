@@ -16,7 +16,9 @@ read at; they become the model's default exit rule (``default_exit``): the run c
 
 Nanbeige4.2 (``NanbeigeForCausalLM``) is read through ``hf_nanbeige``, which checks its keys and
 turns them into this form (``export_form``). Huginn (``RavenForCausalLM``) has keys and tensor
-names of its own: ``looped_configs`` and ``default_exit`` hand it to ``hf_huginn``.
+names of its own: ``looped_configs`` and ``default_exit`` hand it to ``hf_huginn``; Parcae's
+folders (``_class_name: ParcaeConfig``) likewise to ``hf_parcae``; LoopFormer's
+(``model_type: loopformer``, or a folder holding its train.py checkpoint) to ``hf_loopformer``.
 
 This module is the form both directions share: ``hf_export`` writes it and imports from here
 what the modeling file implements (``check_exportable``) and the exit rule's keys
@@ -25,7 +27,7 @@ what the modeling file implements (``check_exportable``) and the exit rule's key
 
 from __future__ import annotations
 
-from megaloop.convert import hf_huginn, hf_nanbeige
+from megaloop.convert import hf_huginn, hf_loopformer, hf_nanbeige, hf_parcae
 from megaloop.convert.hf_families import FALSE, SLIDING_LAYERS, check_roles, rope_settings
 from megaloop.model.config import LoopConfig, ModelConfig
 
@@ -121,10 +123,11 @@ def check_exportable(model: ModelConfig, loop: LoopConfig | None = None) -> None
 
 def is_looped_config(cfg: dict) -> bool:
     """Whether config.json describes a looped model this module reads (Huginn's through
-    ``hf_huginn``)."""
+    ``hf_huginn``, Parcae's through ``hf_parcae``)."""
     arch = (cfg.get("architectures") or ["?"])[0]
     return arch in LOOPED_ARCHITECTURES or cfg.get("model_type") in ("ouro", "megaloop") or \
-        hf_nanbeige.is_nanbeige(cfg) or hf_huginn.is_huginn(cfg)
+        hf_nanbeige.is_nanbeige(cfg) or hf_huginn.is_huginn(cfg) or hf_parcae.is_parcae(cfg) or \
+        hf_loopformer.is_loopformer(cfg)
 
 
 def export_form(cfg: dict) -> dict:
@@ -156,9 +159,13 @@ def looped_configs(cfg: dict) -> tuple[ModelConfig, LoopConfig]:
     ``check_fields``); for an export, exactly what wrote it (``hf_export.hf_config`` of the
     result writes the same keys and values). The table is built with exactly ``vocab_size``
     rows (--make-vocab-size-divisible-by 1); import-hf chooses the divisor a training run
-    pads to. A Huginn config.json: ``hf_huginn.configs``."""
+    pads to. A Huginn config.json: ``hf_huginn.configs``; a Parcae one: ``hf_parcae.configs``."""
     if hf_huginn.is_huginn(cfg):
         return hf_huginn.configs(cfg)
+    if hf_parcae.is_parcae(cfg):
+        return hf_parcae.configs(cfg)
+    if hf_loopformer.is_loopformer(cfg):
+        return hf_loopformer.configs(cfg)
     cfg = export_form(cfg)
     check_fields(cfg)
     c = {**EXPORT_DEFAULTS, **cfg}
@@ -212,6 +219,10 @@ def default_exit(cfg: dict) -> dict:
 
     if hf_huginn.is_huginn(cfg):
         return hf_huginn.default_exit(cfg)
+    if hf_parcae.is_parcae(cfg):
+        return hf_parcae.default_exit(cfg)
+    if hf_loopformer.is_loopformer(cfg):
+        return hf_loopformer.default_exit(cfg)
     cfg = export_form(cfg)
     loops = cfg.get("total_ut_steps", EXPORT_DEFAULTS["total_ut_steps"])
     step, threshold = cfg.get("early_exit_step"), cfg.get("early_exit_threshold")

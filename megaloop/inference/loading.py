@@ -31,12 +31,19 @@ CHECKPOINT_TRACKER = TRACKER  # (the name tools and tests know)
 
 def is_hf_folder(path: str) -> bool:
     """A folder written by ``tools/convert_checkpoint.py export-hf`` (or any Hugging Face folder):
-    config.json and *.safetensors, and no megaloop checkpoint tracker."""
+    config.json and *.safetensors (or the torch state dict of a Parcae folder, model.pt or
+    pytorch_model.bin), or no config.json and LoopFormer's train.py checkpoint (``*.pt`` /
+    ``*.pth``: megaloop.convert.hf_loopformer), and no megaloop checkpoint tracker."""
     import glob
 
-    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-            and bool(glob.glob(os.path.join(path, "*.safetensors")))
-            and not os.path.isfile(os.path.join(path, CHECKPOINT_TRACKER)))
+    from megaloop.convert.hf_parcae import weights_file
+
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, CHECKPOINT_TRACKER)):
+        return False
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return any(glob.glob(os.path.join(glob.escape(path), ext)) for ext in ("*.pt", "*.pth"))
+    return (bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+            or weights_file(path) is not None)
 
 
 # The layer backend tools/generate.py and tools/serve.py build unless told otherwise. The server

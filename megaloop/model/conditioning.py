@@ -271,9 +271,16 @@ class TimestepConditioning(MegatronModule, LoopVariant):
         self.loop_gate = _zeros((NUM_FEATURES,), config) \
             if form == "loop-gating" and last else None
 
-    def features(self, step: int, num_loops: int):
+    def features(self, step: int, num_loops: int, route: Optional[tuple] = None):
         """psi of loop step ``step`` (1-based) when ``num_loops`` loops are run; LoopFormer:
-        (t, dt) = ((step - 1) / T, 1 / T)."""
+        (t, dt) = ((step - 1) / T, 1 / T), or on a route of step sizes dt_1..dt_T (LoopFormer's
+        shorter routes), t = dt_1 + ... + dt_{step-1} and dt = dt_step."""
+        if route is not None:
+            if self.form != "loopformer" or len(route) != num_loops:
+                raise ValueError(f"a route of {len(route)} step sizes is LoopFormer's, for as "
+                                 f"many loops (here --timestep-conditioning {self.form}, "
+                                 f"{num_loops} loops)")
+            return (float(sum(route[:step - 1])), float(route[step - 1]))
         T = num_loops if self.inference == "rescaled" else self.train_loops
         if self.form == "loopformer":
             return ((step - 1) / T, 1.0 / T)
@@ -291,7 +298,7 @@ class TimestepConditioning(MegatronModule, LoopVariant):
     def around_core(self, run, z, attention_mask, rotary_pos_emb, t, ctx):
         """Condition this core pass on step t of T; mark its output so that activation
         recomputation re-selects step t before it re-runs the core."""
-        psi = self.features(t, ctx.num_loops)
+        psi = self.features(t, ctx.num_loops, ctx.route)
         self.clock.value = psi
         out = run(z, attention_mask, rotary_pos_emb)
         if self.form == "loop-gating" or not torch.is_grad_enabled() or not out.requires_grad:

@@ -470,6 +470,12 @@ class LoopConfig:
     """`--timestep-conditioning loopformer`: size of the sinusoidal embedding of the step's time t
     and of its size dt before each one's Linear-SiLU-Linear (LoopFormer: 256); even."""
 
+    loopformer_objective: bool = False
+    """Train as LoopFormer does: every micro-batch also runs a random shorter route of unequal
+    steps, loss = CE(full) + 0.1 CE(short) + 0.1 MSE(stop-gradient of the full route's final
+    normed state, the short route's) (megaloop/model/shortcut_objective.py). Needs
+    --timestep-conditioning loopformer, --exit-loss last, no coda and no random depth."""
+
     injection_source_norm: bool = False
     """Normalize the injected src once, before the loop, with a learnable norm of --normalization
     (Parcae's prelude norm: the prelude output is RMS-normed once, then injected at every
@@ -579,6 +585,19 @@ class LoopConfig:
             raise ValueError(f"--timestep-frequency-dim {self.timestep_frequency_dim} sizes "
                              f"LoopFormer's step embedding; it needs --timestep-conditioning "
                              f"loopformer, not {self.timestep_conditioning}")
+        if self.loopformer_objective:
+            needs = [(self.timestep_conditioning == "loopformer",
+                      f"--timestep-conditioning loopformer (not {self.timestep_conditioning})"),
+                     (self.exit_loss == "last", f"--exit-loss last (not {self.exit_loss})"),
+                     (self.num_loops >= 2, f"--num-loops >= 2 (not {self.num_loops})"),
+                     (self.num_coda_layers == 0 and self.step_norm_placement == "readout",
+                      "no coda and --step-norm-placement readout (the state it compares is the "
+                      "head's input)"),
+                     (self.random_depth_mean <= 0, "no --random-depth-mean (the full route is "
+                                                   "--num-loops steps)")]
+            missing = [what for ok, what in needs if not ok]
+            if missing:
+                raise ValueError(f"--loopformer-objective needs {'; '.join(missing)}")
         if self.injection_source_norm and self.input_injection == "none":
             raise ValueError("--injection-source-norm normalizes the injected source: it needs "
                              "an --input-injection (Parcae: --input-injection parcae)")

@@ -34,7 +34,7 @@ from megaloop.model.loop_step import StepHolder
 from megaloop.model.initial_state import build_initial_state
 from megaloop.model.injection import build_history_injection, build_injection
 from megaloop.model.qk_bias import hold_value_bias_at_zero
-from megaloop.model import layer_forward, recurrence
+from megaloop.model import layer_forward, recurrence, shortcut_objective
 from megaloop.model.carry import SIDE, Slot, merge_slots
 from megaloop.model.lora import StepwiseLoRA
 from megaloop.model.readout import chunked_language_model_loss
@@ -270,12 +270,19 @@ class LoopedGPTModel(LanguageModule):
         return logits
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None,
-                num_loops: Optional[int] = None, no_grad_steps: int = 0, kv_cache=None):
+                num_loops: Optional[int] = None, no_grad_steps: int = 0, kv_cache=None,
+                short_route: Optional[tuple] = None):
         """With labels: a LoopOutput. Without: the last step's logits [b, s, v/tp].
         ``no_grad_steps``: truncated backpropagation, the first n steps (core and readout) run
         without gradient; their losses still enter the objective's value, as constants.
         ``kv_cache``: a megaloop.inference.kv_cache.LoopKVCache holding the positions before
-        ``input_ids`` (cached decoding; the caller advances it)."""
+        ``input_ids`` (cached decoding; the caller advances it). ``short_route``: training
+        under --loopformer-objective, the shorter route of this micro-batch (its step sizes;
+        megaloop/model/shortcut_objective.py)."""
+        if short_route is not None:
+            return shortcut_objective.forward(self, input_ids, position_ids, attention_mask,
+                                              labels, num_loops or self.loop.num_loops,
+                                              no_grad_steps, short_route)
         ctx = recurrence.context(self, input_ids, attention_mask, labels, num_loops, kv_cache)
         carry = recurrence.begin(self, input_ids, position_ids, ctx)
         return recurrence.fold(self, carry, ctx, no_grad_steps=no_grad_steps)

@@ -73,6 +73,9 @@ class StepContext:
     no_grad_steps: int = 0
     """Pipeline stages: truncated backpropagation's count, so that a step's loss read out one
     step later keeps the gradient mode of its own step."""
+    route: Optional[tuple] = None
+    """LoopFormer: the step sizes dt_1..dt_T of this forward's route (summing to 1); None: T
+    equal steps (megaloop/model/conditioning.py)."""
     kv: Optional[object] = None
     """Cached decoding: a megaloop.inference.kv_cache.LoopKVCache, whose dict for each (block,
     step) is swapped into megatron-core's inference context around the block's call (a variant
@@ -149,10 +152,11 @@ class LoopVariant:
 
 
 def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
-            num_loops: Optional[int] = None, kv=None, read_every_step: bool = False
-            ) -> StepContext:
+            num_loops: Optional[int] = None, kv=None, read_every_step: bool = False,
+            route: Optional[tuple] = None) -> StepContext:
     """The step context of one forward; refuses a loop count the model cannot run
-    (``LoopConfig.supports``). ``kv``: a KV cache holding the positions before ``input_ids``."""
+    (``LoopConfig.supports``). ``kv``: a KV cache holding the positions before ``input_ids``.
+    ``route``: LoopFormer's step sizes (``StepContext.route``)."""
     T = num_loops or model.loop.num_loops
     reason = model.loop.supports(depth=T)
     if reason:
@@ -174,7 +178,7 @@ def context(model, input_ids: torch.Tensor, attention_mask=None, labels=None,
         else:
             rope = model.rotary_pos_emb(length + (kv.offset if kv is not None else 0))
     return StepContext(T, mode, input_ids.size(1), attention_mask, rope, labels,
-                       read_every_step=read_every_step, kv=kv)
+                       read_every_step=read_every_step, kv=kv, route=route)
 
 
 def begin(model, input_ids, position_ids, ctx: StepContext) -> Carry:

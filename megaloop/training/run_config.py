@@ -153,6 +153,10 @@ class RunConfig:
             raise ValueError("--log-grad-norm-per-step cannot be used with "
                              "--recompute-granularity full (the recomputed forward bypasses the "
                              "per-step weight views); drop one of the two")
+        if loop.loopformer_objective and par.sequence_parallel:
+            raise ValueError("--loopformer-objective with --sequence-parallel: the two routes' "
+                             "states are compared per token, which sequence parallelism splits "
+                             "over the TP ranks; drop --sequence-parallel (TP without SP works)")
         if self.model.value_embeddings and par.sequence_parallel:
             raise ValueError("--value-embeddings with --sequence-parallel: the value gate reads "
                              "every token's attention input, which sequence parallelism splits "

@@ -42,6 +42,7 @@ from megaloop.data.tokenizers import build_tokenizer
 from megaloop.device import current_device
 from megaloop.model.looped_gpt import build_model
 from megaloop.model.loss import loss_func, reduce_stats
+from megaloop.model.shortcut_objective import draw_route, route_generator
 from megaloop.training import checkpointing
 from megaloop.training.random_depth import draw_depth, no_grad_steps
 from megaloop.training.exit_conditions import ExitConditions, RunError, write_exit_status
@@ -62,10 +63,13 @@ INHERITED_SECTIONS = ("generation", "source")
 
 
 # --- one micro-batch ---------------------------------------------------------------------------
-def forward_step(data_iterator, model, num_loops: int, no_grad_steps: int = 0):
+def forward_step(data_iterator, model, num_loops: int, no_grad_steps: int = 0, routes=None):
+    """``routes``: --loopformer-objective's shorter route for each micro-batch, in order."""
     batch = next(data_iterator)
+    extra = {} if routes is None else {"short_route": next(routes)}
     out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                labels=batch["labels"], num_loops=num_loops, no_grad_steps=no_grad_steps)
+                labels=batch["labels"], num_loops=num_loops, no_grad_steps=no_grad_steps,
+                **extra)
     return out, partial(loss_func, batch["loss_mask"], num_loops)
 
 
@@ -377,8 +381,14 @@ class Trainer:
             return self.pipeline.run(data_iterator, self.num_microbatches, tr.seq_length,
                                      tr.micro_batch_size, forward_only, num_loops=T,
                                      no_grad_steps=truncated)
+        routes = None
+        if self.cfg.loop.loopformer_objective and not forward_only:
+            # This step's shorter routes: from (seed, iteration, micro-batch), as after a resume.
+            routes = iter([draw_route(T, route_generator(tr.seed, self.iteration + 1, m))
+                           for m in range(self.num_microbatches)])
         return self.forward_backward(
-            forward_step_func=partial(forward_step, num_loops=T, no_grad_steps=truncated),
+            forward_step_func=partial(forward_step, num_loops=T, no_grad_steps=truncated,
+                                      routes=routes),
             data_iterator=data_iterator, model=[self.model],
             num_microbatches=self.num_microbatches, seq_length=tr.seq_length,
             micro_batch_size=tr.micro_batch_size, forward_only=forward_only)
