@@ -27,8 +27,8 @@ import torch
 from distributed import run_distributed
 from huginn_reference import (forward, greedy, huginn_config, make_huginn_folder,
                               per_step_log_probs, random_weights, rope_table)
-from test_nanbeige import CONVERT, _convert, check_lm_eval, first_step_argv
-from test_ouro_training import _first_step
+from test_nanbeige import (CONVERT, _convert, check_first_loss, check_lm_eval,
+                          cross_entropy)
 
 # fp32 on both sides; the sums run in other orders (fused QKV, megatron-core's attention and
 # norms), each rounding ~1e-7 relative, through 1 + 2 x 3 + 1 layers and a 128-token softmax:
@@ -190,32 +190,14 @@ def test_greedy_generation_is_the_references(imported):
         assert run_distributed(_greedy, 1, source, prompt, 6)[0] == want, source
 
 
-def _reference_loss(weights, cfg, batches):
-    """Mean cross-entropy after the last step over the tokens of ``batches`` (megaloop's
-    objective for a model without an exit gate), from the zero state."""
-    total, tokens = 0.0, 0.0
-    for batch in batches:
-        logp = per_step_log_probs(weights, cfg, batch["tokens"])[-1]
-        ce = -logp.gather(-1, batch["labels"].unsqueeze(-1))[..., 0]
-        mask = batch["loss_mask"].float()
-        total += (ce * mask).sum().item()
-        tokens += mask.sum().item()
-    return total / tokens
-
-
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_first_training_loss_equals_the_reference(imported, tp, pp):
     """The trainer from the checkpoint (its flags taken with --use-checkpoint-args, the fixed
-    mean recurrence: no --random-depth-mean) and --state-init-scale 0."""
+    mean recurrence: no --random-depth-mean) and --state-init-scale 0: the reference's mean
+    cross-entropy after the last step from the zero state (32 tokens, each within TOL)."""
     ckpt, _, weights, cfg, _ = imported
-    argv = first_step_argv(ckpt, tp, pp, "--state-init-scale", "0")
-    results = run_distributed(_first_step, tp * pp, argv, timeout=240)
-    stats = results[0][0]
-    batches = next(seen for _, seen in results if seen and "labels" in seen[0])
-    loss = _reference_loss(weights, cfg, batches)
-    # a mean over 32 tokens of fp32 log-probabilities, each within TOL of the reference's
-    assert abs(stats["loss"] - loss) <= 2 * TOL, (stats["loss"], loss)
-    assert all(r[0]["loss"] == stats["loss"] for r in results)
+    per_token = cross_entropy(lambda ids: per_step_log_probs(weights, cfg, ids)[-1])
+    check_first_loss(ckpt, tp, pp, per_token, "--state-init-scale", "0", tol=2 * TOL)
 
 
 def _adapter_grad(rank, world, source, ids, no_grad_steps):

@@ -218,36 +218,24 @@ def test_a_pickle_naming_code_is_refused_not_run(tmp_path):
     assert not marker.exists()
 
 
-def _reference_loss(w, batches, seed):
-    """LoopFormer's objective (the import trains with --loopformer-objective) averaged over the
-    tokens of ``batches``, micro-batch m of the first step on the shorter route the trainer
-    draws for it (from the run's seed, iteration 1 and m)."""
-    from megaloop.model.shortcut_objective import draw_route, route_generator
-
-    total, tokens = 0.0, 0.0
-    for m, batch in enumerate(batches):
-        short = draw_route(len(FULL), route_generator(seed, 1, m))
-        per_token = ref.objective(w, CFG, batch["tokens"], batch["labels"], FULL, short)
-        mask = batch["loss_mask"].float()
-        total += (per_token * mask).sum().item()
-        tokens += mask.sum().item()
-    return total / tokens
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_first_training_loss_equals_the_reference(folders, imported, tp):
-    from test_nanbeige import first_step_argv
-    from test_ouro_training import _first_step
+    """The trainer's first step (with --loopformer-objective, the flag import-hf prints for a
+    LoopFormer; --use-checkpoint-args takes the architecture): LoopFormer's objective per token,
+    micro-batch m on the shorter route the trainer draws for it (the run's seed, iteration 1,
+    m), averaged over the step's tokens."""
+    from test_nanbeige import check_first_loss, first_step_argv
 
+    from megaloop.model.shortcut_objective import draw_route, route_generator
     from megaloop.training.run_config import parse_args
 
-    # (the flag import-hf prints for a LoopFormer; --use-checkpoint-args takes the architecture)
-    argv = first_step_argv(imported[0], tp, 1, "--loopformer-objective")
-    results = run_distributed(_first_step, tp, argv, timeout=240)
-    stats = results[0][0]
-    batches = next(seen for _, seen in results if seen and "labels" in seen[0])
-    loss = _reference_loss(folders[2], batches, parse_args(argv).training.seed)
-    assert abs(stats["loss"] - loss) <= TOL, (stats["loss"], loss)
+    seed = parse_args(first_step_argv(imported[0], tp, 1)).training.seed
+
+    def per_token(m, batch):
+        short = draw_route(len(FULL), route_generator(seed, 1, m))
+        return ref.objective(folders[2], CFG, batch["tokens"], batch["labels"], FULL, short)
+
+    check_first_loss(imported[0], tp, 1, per_token, "--loopformer-objective", tol=TOL)
 
 
 def test_a_pipeline_split_is_refused(imported):

@@ -104,30 +104,41 @@ def first_step_argv(ckpt, tp, pp, *extra):
             *extra]
 
 
-def _reference_loss(weights, cfg, batches):
-    """Mean cross-entropy of the reference's logits after the last pass over the tokens of
-    ``batches`` (megaloop's objective for a model without an exit gate)."""
+def cross_entropy(log_probs_of):
+    """per_token(m, batch) for ``check_first_loss``: the cross-entropy of ``log_probs_of(ids)``
+    ([b, s, V] after the last pass) at the batch's labels."""
+    def per_token(m, batch):
+        logp = log_probs_of(batch["tokens"])
+        return -logp.gather(-1, batch["labels"].unsqueeze(-1))[..., 0]
+    return per_token
+
+
+def check_first_loss(ckpt, tp, pp, per_token, *extra, tol):
+    """The trainer's first step from an imported checkpoint (``first_step_argv`` and ``extra``
+    flags) at (TP, PP): its loss is the mean of the reference's ``per_token(m, batch)`` ([b, s]
+    of micro-batch m) over the tokens the step saw, within ``tol``, the same on every rank."""
+    argv = first_step_argv(ckpt, tp, pp, *extra)
+    results = run_distributed(_first_step, tp * pp, argv, timeout=240)
+    stats = results[0][0]
+    batches = next(seen for _, seen in results if seen and "labels" in seen[0])
     total, tokens = 0.0, 0.0
-    for batch in batches:
-        logp = log_probs(weights, cfg, batch["tokens"])
-        ce = -logp.gather(-1, batch["labels"].unsqueeze(-1))[..., 0]
+    for m, batch in enumerate(batches):
         mask = batch["loss_mask"].float()
-        total += (ce * mask).sum().item()
+        total += (per_token(m, batch) * mask).sum().item()
         tokens += mask.sum().item()
-    return total / tokens
+    assert abs(stats["loss"] - total / tokens) <= tol, (stats["loss"], total / tokens)
+    assert all(r[0]["loss"] == stats["loss"] for r in results)
+    return batches
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_first_training_loss_equals_the_reference(imported, tp, pp):
+    """The reference's mean cross-entropy after the last pass (megaloop's objective for a model
+    without an exit gate): a mean over 32 tokens of fp32 log-probabilities, each within TOL."""
     ckpt, _, weights, cfg = imported
-    results = run_distributed(_first_step, tp * pp, first_step_argv(ckpt, tp, pp), timeout=240)
-    stats = results[0][0]
-    batches = next(seen for _, seen in results if seen and "labels" in seen[0])
+    per_token = cross_entropy(lambda ids: log_probs(weights, cfg, ids))
+    batches = check_first_loss(ckpt, tp, pp, per_token, tol=2 * TOL)
     assert len(batches) == 2
-    loss = _reference_loss(weights, cfg, batches)
-    # a mean over 32 tokens of fp32 log-probabilities, each within TOL of the reference's
-    assert abs(stats["loss"] - loss) <= 2 * TOL, (stats["loss"], loss)
-    assert all(r[0]["loss"] == stats["loss"] for r in results)
 
 
 def test_export_gives_the_folder_back(imported, tmp_path):

@@ -24,6 +24,7 @@ import os
 import torch
 
 from megaloop.convert import hf_huginn, hf_loopformer, hf_parcae
+from megaloop.convert.tensor_readers import checked_float
 
 INT, NUMBER, BOOL, LIST, OBJECT, STRING = (
     "an integer", "a number", "true or false", "a list", "an object", "a string")
@@ -225,13 +226,7 @@ class SafetensorsFolder:
         if name not in self.where:
             raise KeyError(f"tensor {name!r} is missing from the safetensors files")
         handle, path = self.where[name]
-        tensor = handle.get_tensor(name).float()
-        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
-        if bad:
-            raise ValueError(f"{path}: tensor {name} holds {bad} NaN or infinite value(s) of "
-                             f"{tensor.numel()}: these weights are broken (a corrupt copy, or "
-                             f"saved after training diverged); use a good copy of the model")
-        return tensor
+        return checked_float(handle.get_tensor(name), name, path)
 
 
 def _check_index(hf_dir: str) -> None:

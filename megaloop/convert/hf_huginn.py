@@ -42,6 +42,7 @@ import torch
 
 from megaloop.convert.hf_families import check_roles
 from megaloop.convert.layout import Heads
+from megaloop.convert.tensor_readers import check_named_shapes
 from megaloop.model.config import LoopConfig, ModelConfig
 
 ARCHITECTURE, MODEL_TYPE = "RavenForCausalLM", "huginn_raven"
@@ -387,22 +388,9 @@ def check_shapes(hf_dir: str, cfg: dict, reader):
                                                       "head_dim, n_embd"),
             "transformer.core_block.0.mlp.fc.weight": (
                 (2 * cfg["intermediate_size"], d), "2 intermediate_size x n_embd")}
-    names = reader.names()
-    for tensor, (shape, keys) in want.items():
-        if tensor not in names:
-            raise ValueError(f"{hf_dir}: tensor {tensor} is missing from the safetensors files; "
-                             f"copy the folder again")
-        if tuple(reader.shape(tensor)) != shape:
-            raise ValueError(f"{path}: {keys} = {list(shape)} does not match the tensor {tensor}, "
-                             f"whose shape is {list(reader.shape(tensor))}; config.json and the "
-                             f"weights come from different models (copy the folder again)")
-    for block, key in (("transformer.prelude", "n_layers_in_prelude"),
-                       ("transformer.core_block", "n_layers_in_recurrent_block"),
-                       ("transformer.coda", "n_layers_in_coda")):
-        found = {int(n.split(".")[2]) for n in names
-                 if n.startswith(block + ".") and n.split(".")[2].isdigit()}
-        if found != set(range(cfg[key])):
-            raise ValueError(f"{path}: {key} {cfg[key]} does not match the safetensors files, "
-                             f"which hold {len(found)} {block}.* layers; config.json and the "
-                             f"weights come from different models (copy the folder again)")
+    blocks = {("transformer.prelude", "n_layers_in_prelude"): cfg["n_layers_in_prelude"],
+              ("transformer.core_block", "n_layers_in_recurrent_block"):
+                  cfg["n_layers_in_recurrent_block"],
+              ("transformer.coda", "n_layers_in_coda"): cfg["n_layers_in_coda"]}
+    check_named_shapes(hf_dir, path, reader, want, blocks, files="the safetensors files")
     return reader

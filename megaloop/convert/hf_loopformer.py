@@ -51,6 +51,7 @@ import torch
 
 from megaloop.convert.hf_families import check_roles
 from megaloop.convert.layout import Heads
+from megaloop.convert.tensor_readers import StateDictTensors, check_named_shapes
 from megaloop.model.config import LoopConfig, ModelConfig
 
 MODEL_TYPE = "loopformer"
@@ -184,10 +185,9 @@ def _named_tensors(state: dict, where: str) -> dict:
     return out
 
 
-class CheckpointWeights:
-    """A train.py checkpoint read as ``hf_folder.SafetensorsFolder`` reads its files: names(),
-    shape(name), get(name) in float32 (NaN or inf refused, naming the tensor); ``config``, the
-    config dict of its architecture (variant A above)."""
+class CheckpointWeights(StateDictTensors):
+    """A train.py checkpoint's tensors (a ``tensor_readers`` reader) and ``config``, the config
+    dict of its architecture (variant A above)."""
 
     def __init__(self, path: str):
         obj = _safe_load(path)
@@ -211,25 +211,8 @@ class CheckpointWeights:
                                          f"itself")
                     if value is not None:  # (train.py's vocab_size None before it is set)
                         fields[key] = value
-        self.path = path
-        self.state = _fill_tied(_named_tensors(state, path))
+        super().__init__(_fill_tied(_named_tensors(state, path)), path)
         self.config = {**DEFAULTS, **fields}
-
-    def names(self) -> set:
-        return set(self.state)
-
-    def shape(self, name: str) -> tuple:
-        return tuple(self.state[name].shape)
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.state:
-            raise KeyError(f"tensor {name!r} is missing from {self.path}")
-        tensor = self.state[name].float()
-        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
-        if bad:
-            raise ValueError(f"{self.path}: tensor {name} holds {bad} NaN or infinite value(s) "
-                             f"of {tensor.numel()}: these weights are broken; use a good copy")
-        return tensor
 
 
 def _fill_tied(state: dict) -> dict:
@@ -416,14 +399,7 @@ def check_shapes(folder: str, cfg: dict, reader):
     names = reader.names()
     where = os.path.join(folder, "config.json") if os.path.isfile(
         os.path.join(folder, "config.json")) else folder
-    for tensor, (shape, keys) in want.items():
-        if tensor not in names:
-            raise ValueError(f"{folder}: tensor {tensor} is missing from the weights; copy the "
-                             f"model again")
-        if tuple(reader.shape(tensor)) != shape:
-            raise ValueError(f"{where}: {keys} = {list(shape)} does not match the tensor "
-                             f"{tensor}, whose shape is {list(reader.shape(tensor))}; the "
-                             f"config and the weights come from different models")
+    check_named_shapes(folder, where, reader, want)
     extra = sorted(n for n in names if n.startswith("transformer.h.blocks.") and n not in want)
     if extra:
         raise ValueError(f"{where}: n_layer {c['n_layer']} does not match the weights, which "

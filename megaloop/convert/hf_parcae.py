@@ -51,6 +51,7 @@ import torch
 
 from megaloop.convert.hf_families import check_roles
 from megaloop.convert.layout import Heads
+from megaloop.convert.tensor_readers import StateDictTensors, check_named_shapes
 from megaloop.model.config import LoopConfig, ModelConfig
 
 CLASS_NAME, MODEL_CLASS = "ParcaeConfig", "Parcae"
@@ -545,37 +546,17 @@ def weights_file(hf_dir: str) -> str | None:
     return None
 
 
-class TorchStateFolder:
-    """A Parcae folder's torch state dict, read as ``hf_folder.SafetensorsFolder`` reads its
-    files: names(), shape(name), get(name) in float32 (NaN or inf refused, naming the tensor)."""
-
-    def __init__(self, path: str):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:  # (pickle, zip and mmap errors alike)
-            raise ValueError(f"{path} is not a readable torch state dict ({type(exc).__name__}: "
-                             f"{exc}); copy or download it again") from None
-        if not isinstance(state, dict) or \
-                not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
-            raise ValueError(f"{path} does not hold a state dict of named tensors")
-        self.path, self.state = path, state
-
-    def names(self) -> set:
-        return set(self.state)
-
-    def shape(self, name: str) -> tuple:
-        return tuple(self.state[name].shape)
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.state:
-            raise KeyError(f"tensor {name!r} is missing from {self.path}")
-        tensor = self.state[name].float()
-        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
-        if bad:
-            raise ValueError(f"{self.path}: tensor {name} holds {bad} NaN or infinite value(s) "
-                             f"of {tensor.numel()}: these weights are broken (a corrupt copy, or "
-                             f"saved after training diverged); use a good copy of the model")
-        return tensor
+def load_state_dict(path: str) -> StateDictTensors:
+    """A Parcae folder's torch state dict (memory-mapped), read like the safetensors files."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # (pickle, zip and mmap errors alike)
+        raise ValueError(f"{path} is not a readable torch state dict ({type(exc).__name__}: "
+                         f"{exc}); copy or download it again") from None
+    if not isinstance(state, dict) or \
+            not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise ValueError(f"{path} does not hold a state dict of named tensors")
+    return StateDictTensors(state, path)
 
 
 def open_weights(hf_dir: str):
@@ -589,7 +570,7 @@ def open_weights(hf_dir: str):
     if path is None:
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no weights (Parcae's loader reads "
                                 f"{' or '.join(WEIGHT_FILES)}; *.safetensors are read too)")
-    return TorchStateFolder(path)
+    return load_state_dict(path)
 
 
 def check_shapes(hf_dir: str, cfg: dict, reader):
@@ -607,22 +588,9 @@ def check_shapes(hf_dir: str, cfg: dict, reader):
                 (groups * head_dim, d), "num_key_value_heads x head size, n_embd"),
             "transformer.core_block.0.mlp.fc.weight": (
                 (c["intermediate_size"], d), "intermediate_size x n_embd")}
-    names = reader.names()
-    for tensor, (shape, keys) in want.items():
-        if tensor not in names:
-            raise ValueError(f"{hf_dir}: tensor {tensor} is missing from the weights; copy the "
-                             f"folder again")
-        if tuple(reader.shape(tensor)) != shape:
-            raise ValueError(f"{path}: {keys} = {list(shape)} does not match the tensor {tensor}, "
-                             f"whose shape is {list(reader.shape(tensor))}; config.json and the "
-                             f"weights come from different models (copy the folder again)")
-    for block, key in (("transformer.prelude", "n_layers_in_prelude"),
-                       ("transformer.core_block", "n_layers_in_recurrent_block"),
-                       ("transformer.coda", "n_layers_in_coda")):
-        found = {int(n.split(".")[2]) for n in names
-                 if n.startswith(block + ".") and n.split(".")[2].isdigit()}
-        if found != set(range(c[key])):
-            raise ValueError(f"{path}: {key} {c[key]} does not match the weights, which hold "
-                             f"{len(found)} {block}.* layers; config.json and the weights come "
-                             f"from different models (copy the folder again)")
+    blocks = {("transformer.prelude", "n_layers_in_prelude"): c["n_layers_in_prelude"],
+              ("transformer.core_block", "n_layers_in_recurrent_block"):
+                  c["n_layers_in_recurrent_block"],
+              ("transformer.coda", "n_layers_in_coda"): c["n_layers_in_coda"]}
+    check_named_shapes(hf_dir, path, reader, want, blocks)
     return reader
