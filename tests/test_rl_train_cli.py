@@ -131,7 +131,8 @@ def test_bad_flags_are_refused_before_any_process_group(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--data-path", "--global-batch-size", "--seq-length",
-                                  "--eval-iters", "--random-depth-mean"])
+                                  "--eval-iters", "--random-depth-mean",
+                                  "--loopformer-objective"])
 def test_pretraining_only_flags_are_not_flags_of_train_rl(flag):
     from megaloop.rl.config import build_parser
 

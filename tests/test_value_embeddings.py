@@ -141,6 +141,8 @@ def test_a_checkpoint_loads_at_another_layout(tmp_path):
 
 
 @pytest.mark.parametrize("kw,flag", [
+    ({"value_embeddings": True, "hidden_size": 16, "num_attention_heads": 2},
+     "--value-embeddings"),
     ({"qk_layernorm_scale_free": True}, "--qk-layernorm"),
     ({"qk_layernorm": True, "qk_layernorm_scale_free": True, "rotary_percent": 0.5},
      "--rotary-percent"),

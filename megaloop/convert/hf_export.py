@@ -191,12 +191,11 @@ def write_hf_folder(out_dir: str, model: ModelConfig, loop: LoopConfig, state: d
         cfg = hf_config(model, loop, rows, ouro)
     cfg.update(exit_keys)
     written = [weights, "config.json", *modeling]
-    if tok is not None and parcae:
-        written += write_tokenizer_files(tokenizer, tok, out_dir, model.max_position_embeddings)
-    elif tok is not None:
+    if tok is not None:
         # The tokenizer first: its conversion is the step that can fail (a missing protobuf),
         # and it should fail before the weights are written, not leave a folder without it.
         written += write_tokenizer_files(tokenizer, tok, out_dir, model.max_position_embeddings)
+    if tok is not None and not parcae:  # (Parcae's loader takes no token ids in config.json)
         cfg.update(special_token_ids(tok))  # generate() stops at EOD
         with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
             json.dump(special_token_ids(tok), f, indent=2)

@@ -295,6 +295,9 @@ class ModelConfig:
                              f"commutes with RoPE: it needs --normalization RMSNorm (not "
                              f"{self.normalization}) and --rotary-percent 1.0 (not "
                              f"{self.rotary_percent})")
+        if self.value_embeddings and self.hidden_size < 32:
+            raise ValueError(f"--value-embeddings: the value gate reads 32 channels of the "
+                             f"attention input; --hidden-size {self.hidden_size} is smaller")
         if self.squared_relu and self.swiglu:
             raise ValueError("--squared-relu and --swiglu are two MLP activations; pass one of "
                              "them (Megatron-LM refuses both too)")

@@ -75,9 +75,6 @@ class _ValueEmbeddingLinear:
         groups = config.num_query_groups or heads
         self.head_dim = config.kv_channels or config.hidden_size // heads
         self.groups, self.per_group = groups // tp, heads // groups
-        if input_size < GATE_CHANNELS:
-            raise ValueError(f"--value-embeddings: the gate reads {GATE_CHANNELS} channels of "
-                             f"the attention input; --hidden-size {input_size} is smaller")
         # Drawn whole and sliced, so any TP degree holds the same numbers: the table as an
         # embedding (normal, --init-method-std), the gate zero (every gate starts at 1).
         full = torch.randn(vocab_size, groups * self.head_dim,

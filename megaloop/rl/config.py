@@ -26,7 +26,7 @@ NOT_IN_RL = {
     "training": ("global_batch_size", "seq_length", "train_samples", "rampup_batch_size",
                  "eval_interval", "eval_iters"),
     "loop": ("random_depth_mean", "random_depth_sigma", "random_depth_max",
-             "truncated_backprop_steps"),
+             "truncated_backprop_steps", "loopformer_objective"),
     "logging": ("log_grad_norm_per_step", "log_loop_geometry", "loss_spike_threshold",
                 "loss_spike_window", "p0_collapse_threshold", "p0_collapse_iters"),
 }
